@@ -1,0 +1,246 @@
+"""``Tokenizer``: a checkpoint's tokenizer over the ``tokenizers`` library, with its EOS ids and
+chat template, and special-token safety for user text."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from ._chat import ChatTemplate, Message
+from ._data import data_path
+from ._errors import ChatTemplateError, InvalidTextError, InvalidTokenIdError, TokenizationError
+from ._specials import SpecialTokens
+from ._stream import ByteTable, check_id
+
+_TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _load_backend(model_dir: Path) -> tokenizers.Tokenizer:
+    plain, packed = model_dir / "tokenizer.json", model_dir / "tokenizer.json.gz"
+    if plain.is_file():
+        return tokenizers.Tokenizer.from_file(str(plain))
+    if packed.is_file():
+        return tokenizers.Tokenizer.from_str(gzip.decompress(packed.read_bytes()).decode("utf-8"))
+    raise FileNotFoundError(f"{model_dir} has neither tokenizer.json nor tokenizer.json.gz")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special-token entry of tokenizer_config.json: a string, or a dict with ``content``."""
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+def _as_ids(value: Any) -> list[int]:
+    """``eos_token_id`` of a config: absent, one int, or a list of ints."""
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _template_source(model_dir: Path, config: Mapping[str, Any]) -> str | None:
+    """``chat_template.jinja`` if present, else ``chat_template`` of tokenizer_config.json (a
+    string, or a list of ``{"name", "template"}`` of which the ``default`` one is used)."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
+        source = named.get("default")
+    return source if isinstance(source, str) else None
+
+
+def _check_text(text: object, where: str = "text") -> None:
+    """Name what is wrong with a value ``tokenizers`` refused to encode."""
+    if not isinstance(text, str):
+        raise InvalidTextError(f"{where} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        raise InvalidTextError(
+            f"{where} holds a lone surrogate U+{bad:04X} at index {exc.start}; it is not valid Unicode"
+        ) from None
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer.
+
+    Build it with ``Tokenizer.from_dir(model_dir)`` or ``Tokenizer.qwen3()``. Instances are
+    read-only after construction and safe to share between threads.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` (its ``encode_special_tokens`` is switched on, so
+            special-token strings in text are encoded as text).
+        eos_token_ids: ids that end generation.
+        chat_template: Jinja source of the chat template, or None.
+        template_variables: names the template sees besides the messages (``eos_token``...).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None = None,
+        template_variables: Mapping[str, Any] | None = None,
+    ) -> None:
+        backend.encode_special_tokens = True
+        self._backend = backend
+        added = backend.get_added_tokens_decoder()
+        self._added = {i: (t.content, t.special) for i, t in added.items()}
+        self._specials = SpecialTokens({c: i for i, (c, s) in self._added.items() if s})
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template: ChatTemplate | None = (
+            None if chat_template is None else ChatTemplate(chat_template, template_variables)
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
+        """Load from a checkpoint directory: ``tokenizer.json`` (or ``tokenizer.json.gz``), and when
+        present ``tokenizer_config.json``, ``generation_config.json``, ``config.json`` and
+        ``chat_template.jinja``.
+
+        ``eos_token_ids`` is the union of ``eos_token_id`` in config.json and
+        generation_config.json and of tokenizer_config.json's ``eos_token`` (Qwen3: {151643, 151645}).
+
+        Raises:
+            FileNotFoundError: no tokenizer.json(.gz) in ``model_dir``.
+            ChatTemplateError: the chat template does not compile.
+        """
+        root = Path(model_dir)
+        backend = _load_backend(root)
+        config = _read_json(root / "tokenizer_config.json")
+        variables = {k: _token_text(config.get(k)) for k in _TEMPLATE_VARIABLES}
+        eos = {
+            *_as_ids(_read_json(root / "config.json").get("eos_token_id")),
+            *_as_ids(_read_json(root / "generation_config.json").get("eos_token_id")),
+        }
+        eos_text = variables["eos_token"]
+        if eos_text is not None and backend.token_to_id(eos_text) is not None:
+            eos.add(backend.token_to_id(eos_text))
+        return cls(backend, eos, _template_source(root, config), variables)
+
+    @staticmethod
+    @functools.cache
+    def qwen3() -> Tokenizer:
+        """The Qwen3 tokenizer shipped in ``tokenization/data`` (shared by every Qwen3 size).
+        Loaded once per process (about 0.5 s) and then returned from cache."""
+        return Tokenizer.from_dir(data_path("tokenizer.json.gz").parent)
+
+    def encode(self, text: str, *, parse_special: bool = False) -> list[int]:
+        """Ids of ``text`` (no BOS/EOS added).
+
+        Special-token strings in ``text`` (``<|im_end|>``...) are encoded as ordinary text unless
+        ``parse_special=True``, which is for trusted text only (e.g. a prompt rendered elsewhere).
+        Added tokens that are not special (Qwen3's ``<think>``) are always matched.
+
+        Raises:
+            InvalidTextError: ``text`` is not a str, or holds a lone surrogate.
+        """
+        if parse_special:
+            _check_text(text)
+            return self._encode_parts(list(self._specials.split(text)))
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            _check_text(text)
+            raise
+
+    def encode_batch(self, texts: Sequence[str], *, parse_special: bool = False) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, encoded in parallel by the library (Rust threads).
+
+        Raises:
+            InvalidTextError: ``texts`` is a str, or an item is not a str or holds a lone
+                surrogate (the message gives its index); nothing is returned then.
+        """
+        if isinstance(texts, str):
+            raise InvalidTextError("encode_batch takes a sequence of str, got a single str")
+        if parse_special:
+            return [self.encode(t, parse_special=True) for t in texts]
+        try:
+            return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+        except TypeError:
+            for i, text in enumerate(texts):
+                _check_text(text, f"texts[{i}]")
+            raise
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``. Special tokens are dropped unless ``skip_special_tokens=False``; added
+        tokens that are not special (``<think>``) are kept; ids with no token (Qwen3-0.6B's
+        embedding rows 151669..151935) give "". Invalid UTF-8 becomes U+FFFD.
+
+        Raises:
+            InvalidTokenIdError: an id is not an int in 0..2**32-1.
+        """
+        ids = list(ids)
+        try:
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except (TypeError, OverflowError):
+            for i in ids:
+                check_id(i)
+            raise
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Ids of the chat prompt: ``encode`` of ``chat_template.apply(...)`` with control tokens
+        only where the template itself writes them; special-token strings inside messages, tools
+        or kwargs stay text. The decoded ids equal ``chat_template.apply(...)`` for the same input.
+
+        Raises:
+            ChatTemplateError: the tokenizer has no chat template, or rendering failed.
+            InvalidTextError: a message string holds a lone surrogate.
+        """
+        if self.chat_template is None:
+            raise ChatTemplateError("this tokenizer has no chat template")
+        guard = self._specials
+        rendered = self.chat_template._render(
+            messages, add_generation_prompt, enable_thinking, tools, kwargs, guard.escape
+        )
+        parts = [(guard.unescape(p) if i is None else p, i) for p, i in guard.split(rendered)]
+        return self._encode_parts(parts)
+
+    def _encode_parts(self, parts: Sequence[tuple[str, int | None]]) -> list[int]:
+        """Join ``(text, None)`` parts encoded as text and ``(string, id)`` control parts."""
+        texts = [p for p, i in parts if i is None]
+        encoded = iter(self.encode_batch(texts))
+        ids: list[int] = []
+        for _, i in parts:
+            ids.extend(next(encoded) if i is None else [i])
+        return ids
+
+    def byte_table(self) -> ByteTable:
+        """The id -> bytes table of a byte-level BPE tokenizer, built on first call (~0.3 s for
+        Qwen3) and cached; used by ``StreamingDetokenizer``.
+
+        Raises:
+            TokenizationError: the decoder is not byte-level, so tokens are not byte strings.
+        """
+        return self._byte_table
+
+    @functools.cached_property
+    def _byte_table(self) -> ByteTable:
+        if type(self._backend.decoder).__name__ != "ByteLevel":
+            raise TokenizationError("streaming detokenization needs a byte-level BPE decoder")
+        vocab = self._backend.get_vocab(with_added_tokens=False)
+        return ByteTable.build(vocab, self._added)
+
+    def special_token_strings(self) -> dict[int, str]:
+        """Special (control) token id -> its string, e.g. {151645: "<|im_end|>", ...}."""
+        return {i: s for s, i in self._specials.strings.items()}
