@@ -226,7 +226,7 @@ class Tokenizer:
         return ids
 
     def byte_table(self) -> ByteTable:
-        """The id -> bytes table of a byte-level BPE tokenizer, built on first call (~0.3 s for
+        """The id -> bytes table of a byte-level BPE tokenizer, built on first call (~0.2 s for
         Qwen3) and cached; used by ``StreamingDetokenizer``.
 
         Raises:
