@@ -1,0 +1,41 @@
+"""serving: a batching serving runtime modeled on Nx.Serving (see docs/serving.md)."""
+
+from ._backend import Backend, IterativeBackend
+from ._batch import Batch
+from ._client import AsyncStream, Stream, Transducer
+from ._errors import (
+    BackendError,
+    DeadlineExceeded,
+    RemoteError,
+    RequestCancelled,
+    ServingError,
+    ServingOverloaded,
+    ServingStopped,
+    WorkerCrashed,
+)
+from ._handle import ServingHandle
+from ._options import ProcessOptions
+from ._serving import Serving
+from ._telemetry import ServingStats, TelemetryEvent
+
+__all__ = [
+    "AsyncStream",
+    "Backend",
+    "BackendError",
+    "Batch",
+    "DeadlineExceeded",
+    "IterativeBackend",
+    "ProcessOptions",
+    "RemoteError",
+    "RequestCancelled",
+    "Serving",
+    "ServingError",
+    "ServingHandle",
+    "ServingOverloaded",
+    "ServingStats",
+    "ServingStopped",
+    "Stream",
+    "TelemetryEvent",
+    "Transducer",
+    "WorkerCrashed",
+]

@@ -1,0 +1,78 @@
+"""Backend protocols: what a serving runs on its executor threads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from ._batch import Batch
+
+__all__ = ["Backend", "IterativeBackend", "FunctionBackend", "Mode", "is_iterative"]
+
+Mode = Literal["inline", "process"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A static backend: runs one whole batch at a time.
+
+    ``init`` is called once per serving (inline: lazily on the first run; process mode: in
+    ``Serving.start``) on the executor thread of partition 0, with ``partitions`` = how many
+    partitions will call ``handle_batch``. ``handle_batch`` runs on partition ``partition``'s
+    executor thread and returns ``(output, metadata)``: ``output`` has one leading entry per row of
+    ``batch.data`` (an array, a dict or tuple of arrays, or a list of per-row results); rows past
+    ``batch.size`` (padding) are dropped. ``metadata`` reaches every caller of the batch unsliced.
+    """
+
+    def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...
+
+    def handle_batch(self, batch: Batch, partition: int, state: Any) -> tuple[Any, Any]: ...
+
+
+@runtime_checkable
+class IterativeBackend(Protocol):
+    """An iterative backend (continuous batching): rows join and leave between steps.
+
+    Every method runs on the executor thread of the partition that owns ``state``. ``init`` is
+    called once per partition on that partition's thread (``partitions`` is the total), so each
+    partition has its own state and its own step loop.
+
+    - ``admit(state, rows, partition)``: add ``rows`` = ``[(row_id, payload)]`` to the running
+      set; return ``[(row_id, error)]`` for rows that can never fit (each fails only its caller,
+      with that error).
+    - ``free_slots(state)``: how many more rows may be admitted now (e.g. KV budget).
+    - ``step(state)``: one step for all running rows, returning ``[(row_id, event, done)]``;
+      ``done=True`` marks a row's last event and the row leaves the running set.
+    - ``cancel(state, row_ids)``: remove these rows now and free their memory.
+    - ``active(state)``: rows admitted and not finished.
+    """
+
+    def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...
+
+    def admit(self, state: Any, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]: ...
+
+    def free_slots(self, state: Any) -> int: ...
+
+    def step(self, state: Any) -> list[tuple[int, Any, bool]]: ...
+
+    def cancel(self, state: Any, row_ids: list[int]) -> None: ...
+
+    def active(self, state: Any) -> int: ...
+
+
+def is_iterative(backend: Any) -> bool:
+    """True for an object implementing the iterative protocol (it has ``admit`` and ``step``)."""
+    return callable(getattr(backend, "admit", None)) and callable(getattr(backend, "step", None))
+
+
+class FunctionBackend:
+    """The backend of ``Serving.new(fn)``: ``fn(batch) -> output``; metadata is None."""
+
+    def __init__(self, fn: Callable[[Batch], Any]):
+        self._fn = fn
+
+    def init(self, mode: Mode, arg: Any, partitions: int) -> None:
+        return None
+
+    def handle_batch(self, batch: Batch, partition: int, state: Any) -> tuple[Any, Any]:
+        return self._fn(batch), None

@@ -1,0 +1,109 @@
+"""Per-request channel: the executor thread puts messages, the caller takes them (sync or async).
+
+A channel is closed once, either normally (after its last message) or with an error. Readers see
+every message put before the close, then the end (``END``) or the error. Any thread may put or
+close; readers may block a thread (``get``) or await under asyncio or trio (``aget``): async
+readers are woken with the event loop's thread-safe "call soon", never by blocking the writer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import sniffio
+
+END: Any = object()  # returned by get/aget after the last message of a normally closed channel
+
+
+def _loop_caller() -> Callable[[Callable[[], None]], None]:
+    """A non-blocking, thread-safe way to run a callback on the current event loop."""
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        run_soon = token.run_sync_soon
+    else:
+        import asyncio
+
+        run_soon = asyncio.get_running_loop().call_soon_threadsafe
+
+    def call(fn: Callable[[], None]) -> None:
+        try:
+            run_soon(fn)
+        except RuntimeError:  # loop closed (asyncio) or run finished (trio.RunFinishedError)
+            pass
+
+    return call
+
+
+class Channel:
+    """Unbounded per-request message queue; its length is bounded by the request's own output."""
+
+    __slots__ = ("_cond", "_items", "_closed", "_error", "_wakers")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._items: deque[Any] = deque()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._wakers: list[Callable[[], None]] = []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def put(self, item: Any) -> bool:
+        """Append a message; False (dropped) once the channel is closed."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._items.append(item)
+            self._wake()
+        return True
+
+    def close(self, error: BaseException | None = None) -> bool:
+        """Close normally or with ``error``; True for the call that closed it."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._closed, self._error = True, error
+            if error is not None:
+                self._items.clear()
+            self._wake()
+        return True
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        wakers, self._wakers = self._wakers, []
+        for waker in wakers:
+            waker()
+
+    def _take(self) -> Any:
+        if self._items:
+            return self._items.popleft()
+        if self._error is not None:
+            raise self._error
+        return END
+
+    def get(self, timeout: float | None = None) -> Any:
+        """Next message, ``END``, or raise the close error; ``TimeoutError`` after ``timeout`` s."""
+        with self._cond:
+            if not self._items and not self._closed:
+                if not self._cond.wait_for(lambda: self._items or self._closed, timeout):
+                    raise TimeoutError
+            return self._take()
+
+    async def aget(self) -> Any:
+        """Async ``get``: waits without blocking the event loop (asyncio or trio)."""
+        while True:
+            with self._cond:
+                if self._items or self._closed:
+                    return self._take()
+                event = anyio.Event()
+                call = _loop_caller()
+                self._wakers.append(lambda: call(event.set))
+            await event.wait()

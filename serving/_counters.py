@@ -1,0 +1,49 @@
+"""Counters shared by the schedulers (mutated under the scheduler's lock)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._errors import DeadlineExceeded, RequestCancelled, ServingOverloaded
+from ._telemetry import ServingStats
+
+
+@dataclass
+class Counters:
+    queued: int = 0
+    running: int = 0
+    batches_run: int = 0
+    steps_run: int = 0
+    fill_sum: float = 0.0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    rejected: int = 0
+
+    def count_end(self, error: BaseException) -> None:
+        """Count a request that ended with ``error``."""
+        if isinstance(error, RequestCancelled):
+            self.cancelled += 1
+        elif isinstance(error, DeadlineExceeded):
+            self.expired += 1
+        elif isinstance(error, ServingOverloaded):
+            self.rejected += 1
+        else:
+            self.failed += 1
+
+    def snapshot(self) -> ServingStats:
+        runs = self.batches_run + self.steps_run
+        return ServingStats(
+            queued=self.queued,
+            running=self.running,
+            rows_in_flight=self.queued + self.running,
+            batches_run=self.batches_run,
+            steps_run=self.steps_run,
+            mean_batch_fill=self.fill_sum / runs if runs else 0.0,
+            completed=self.completed,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            expired=self.expired,
+            rejected=self.rejected,
+        )

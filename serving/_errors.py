@@ -1,0 +1,62 @@
+"""The serving error tree.
+
+::
+
+    ServingError
+    ├── ServingStopped      the serving was stopped (or never started) before the request ran
+    ├── ServingOverloaded   ``max_queue`` rows are already waiting; nothing was enqueued
+    ├── RequestCancelled    the caller left (cancelled, stream closed); seen by nobody in practice
+    ├── DeadlineExceeded    the request's ``deadline`` passed before it finished
+    ├── BackendError        executing the batch (or step) holding this request's rows raised;
+    │                       the backend's exception is chained as ``__cause__``
+    ├── WorkerCrashed       a worker process died (raised by the process pool)
+    └── RemoteError         an error raised in a worker process, re-raised in the caller
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "DeadlineExceeded",
+    "RemoteError",
+    "RequestCancelled",
+    "ServingError",
+    "ServingOverloaded",
+    "ServingStopped",
+    "WorkerCrashed",
+]
+
+
+class ServingError(Exception):
+    """Base class of every error raised by the serving runtime."""
+
+
+class ServingStopped(ServingError):
+    """The serving is stopped: queued requests are failed with it and new ones are refused."""
+
+
+class ServingOverloaded(ServingError):
+    """The queue already holds ``max_queue`` rows; the request was not enqueued."""
+
+
+class RequestCancelled(ServingError):
+    """The request was withdrawn because its caller left."""
+
+
+class DeadlineExceeded(ServingError):
+    """The request's deadline (seconds after submission) passed before it finished."""
+
+
+class BackendError(ServingError):
+    """The backend raised while running a batch or step holding this request's rows.
+
+    The backend's original exception is ``__cause__``.
+    """
+
+
+class WorkerCrashed(ServingError):
+    """A worker process exited while it held this request."""
+
+
+class RemoteError(ServingError):
+    """An exception raised inside a worker process, carried back to the caller."""

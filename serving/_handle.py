@@ -1,0 +1,155 @@
+"""``ServingHandle``: a serving started in process mode, and the process-local name registry."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import anyio
+
+from ._backend import is_iterative
+from ._batch import Batch
+from ._client import AsyncStream, Call, Stream
+from ._errors import ServingStopped
+from ._executor import Executor
+from ._iterative import IterativeScheduler
+from ._options import ProcessOptions
+from ._static import StaticScheduler
+from ._telemetry import ServingStats
+
+_registry: dict[str, ServingHandle] = {}
+_registry_lock = threading.Lock()
+_anonymous = itertools.count()
+
+
+def lookup(name_or_handle: str | ServingHandle) -> ServingHandle:
+    """The handle itself, or the running serving registered under this name."""
+    if isinstance(name_or_handle, ServingHandle):
+        return name_or_handle
+    with _registry_lock:
+        handle = _registry.get(name_or_handle)
+    if handle is None:
+        raise ServingStopped(f"no running serving is named {name_or_handle!r}")
+    return handle
+
+
+class ServingHandle:
+    """A started serving: batches rows from many callers on its partition threads.
+
+    Use it as a context manager (``with`` or ``async with``) or call ``stop()``. Every method is
+    thread-safe. ``deadline`` (seconds from the call) bounds one request: past it the request is
+    withdrawn and ``DeadlineExceeded`` is raised.
+    """
+
+    def __init__(self, serving: Any, name: str | None, options: ProcessOptions):
+        self._serving, self._name, self._options = serving, name, options
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._register()
+        label = name or f"serving-{next(_anonymous)}"
+        self._executors = [Executor(f"{label}-p{i}") for i in range(options.partitions)]
+        try:
+            self._scheduler = self._init_scheduler()
+        except BaseException:
+            self._close_executors()
+            self._unregister()
+            raise
+        for i, executor in enumerate(self._executors):
+            executor.submit(lambda i=i: self._scheduler.run_partition(i))
+
+    def _register(self) -> None:
+        if self._name is None:
+            return
+        with _registry_lock:
+            if self._name in _registry:
+                raise ValueError(f"a serving named {self._name!r} is already running")
+            _registry[self._name] = self
+
+    def _unregister(self) -> None:
+        with _registry_lock:
+            if self._name is not None and _registry.get(self._name) is self:
+                del _registry[self._name]
+
+    def _init_scheduler(self) -> StaticScheduler | IterativeScheduler:
+        s, opts = self._serving, self._options
+        n, size = opts.partitions, opts.batch_size or 1
+
+        def init() -> Any:
+            return s._backend.init("process", s._arg, n)
+
+        if is_iterative(s._backend):  # one state per partition, built on its own thread
+            states = [f.result() for f in [ex.submit(init) for ex in self._executors]]
+            return IterativeScheduler(s._backend, states, opts, size, s._telemetry)
+        return StaticScheduler(s._backend, self._executors[0].submit(init).result(), opts, size, s._telemetry)
+
+    @property
+    def name(self) -> str | None:
+        """The registered name (None for an anonymous serving)."""
+        return self._name
+
+    @property
+    def options(self) -> ProcessOptions:
+        """The effective process options."""
+        return self._options
+
+    def _check_key(self, batch: Batch) -> None:
+        if batch.batch_key not in self._options.batch_keys:
+            raise ValueError(f"unknown batch key {batch.batch_key!r}; this serving accepts {self._options.batch_keys}")
+
+    def _call(self, input: Any, deadline: float | None) -> Call:
+        return Call(self._serving, self._scheduler, input, deadline, self._check_key)
+
+    def batched_run(self, input: Any, *, deadline: float | None = None) -> Any:
+        """Run ``input`` batched with other callers' rows; blocks; the postprocessed result."""
+        return self._call(input, deadline).result()
+
+    async def batched_run_async(self, input: Any, *, deadline: float | None = None) -> Any:
+        """``batched_run`` for asyncio/trio: awaits without blocking the loop; cancellable."""
+        return await self._call(input, deadline).result_async()
+
+    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+        """Iterator over items as they arrive (iterative: transducer items; static: (output, metadata) per chunk)."""
+        return self._call(input, deadline).stream()
+
+    def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+        """Async iterator twin of ``stream``."""
+        return self._call(input, deadline).stream_async()
+
+    def stats(self) -> ServingStats:
+        """Queue depth, running rows, batches/steps run, fill, and request outcome counters."""
+        return self._scheduler.stats()
+
+    def stop(self) -> None:
+        """Refuse new calls and fail queued ones with ServingStopped at once; let running work
+        finish for up to ``shutdown_timeout`` seconds, then fail it with ServingStopped. Idempotent."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._unregister()
+        self._scheduler.stop()
+        self._close_executors()
+        end = time.monotonic() + self._options.shutdown_timeout
+        if not all(ex.join(max(end - time.monotonic(), 0.0)) for ex in self._executors):
+            self._scheduler.abort()
+
+    def _close_executors(self) -> None:
+        for executor in self._executors:
+            executor.close()
+
+    def __enter__(self) -> ServingHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> ServingHandle:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+    def __repr__(self) -> str:
+        return f"ServingHandle(name={self._name!r}, stopped={self._stopped})"

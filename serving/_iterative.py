@@ -1,0 +1,282 @@
+"""Iterative scheduler: continuous batching for ``IterativeBackend`` objects.
+
+Rows wait in one FIFO. A partition with no active rows waits for the first arrival, then keeps
+an admission window open for ``batch_timeout`` seconds (or until enough rows wait to fill it) so
+that arrivals in the window are admitted together. While rows are active the partition loops:
+cancel withdrawn rows, admit up to ``min(batch_size - active, free_slots)`` waiting rows, expire
+rows past their deadline, run one step, deliver each row's events to its caller.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from ._backend import IterativeBackend
+from ._batch import Batch
+from ._counters import Counters
+from ._errors import BackendError, ServingOverloaded, ServingStopped
+from ._options import ProcessOptions
+from ._request import Request
+from ._telemetry import TelemetryEvent, emit
+
+_log = logging.getLogger("serving")
+
+
+class _Row:
+    __slots__ = ("request", "index", "payload", "id", "partition", "done")
+
+    def __init__(self, request: Request, index: int, payload: Any, row_id: int):
+        self.request, self.index, self.payload, self.id = request, index, payload, row_id
+        self.partition: _Partition | None = None
+        self.done = False
+
+
+class _Partition:
+    __slots__ = ("index", "state", "active", "to_cancel")
+
+    def __init__(self, index: int, state: Any):
+        self.index, self.state = index, state
+        self.active: dict[int, _Row] = {}
+        self.to_cancel: list[int] = []
+
+
+class IterativeScheduler:
+    """Continuous-batching scheduler (see module docstring); one step loop per partition."""
+
+    def __init__(self, backend: IterativeBackend, states: list[Any], options: ProcessOptions, batch_size: int,
+                 telemetry: Callable[[TelemetryEvent], None] | None):
+        self._backend, self._opts, self._batch_size = backend, options, batch_size
+        self._telemetry = telemetry
+        self._parts = [_Partition(i, s) for i, s in enumerate(states)]
+        self._cond = threading.Condition(threading.RLock())
+        self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._ids = itertools.count()
+        self._stopping = False
+        self._aborting = False
+        self._c = Counters()
+
+    def bind_state(self, index: int, state: Any) -> None:
+        """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
+        self._parts[index].state = state
+
+    # ---- caller side -------------------------------------------------------------------------
+    def submit(self, request: Request, batch: Batch) -> None:
+        """Queue the batch's rows; raises ServingStopped / ServingOverloaded."""
+        payloads = batch.rows()
+        with self._cond:
+            if self._stopping:
+                raise ServingStopped("the serving is stopped")
+            max_queue = self._opts.max_queue
+            if max_queue is not None and self._c.queued + len(payloads) > max_queue:
+                self._c.rejected += 1
+                raise ServingOverloaded(f"{self._c.queued} rows queued; max_queue is {max_queue}")
+            request.owner = self
+            request.rows = [_Row(request, i, p, next(self._ids)) for i, p in enumerate(payloads)]
+            self._waiting.extend(request.rows)
+            self._c.queued += len(payloads)
+            if request.deadline is not None:
+                heapq.heappush(self._deadlines, (request.deadline, request.rows[0].id, request))
+            self._cond.notify_all()
+
+    def withdraw(self, request: Request, error: BaseException) -> None:
+        with self._cond:
+            self._c.count_end(error)
+            self._drop(request.rows)
+
+    def stop_rows(self, request: Request, indices: list[int]) -> None:
+        """End these rows of ``request`` now; the request completes when no row is left."""
+        with self._cond:
+            rows = [request.rows[i] for i in indices if not request.rows[i].done]
+            self._drop(rows)
+            request.rows_left -= len(rows)
+            if request.rows_left == 0 and request.channel.close():
+                self._c.completed += 1
+
+    def _drop(self, rows: list[_Row]) -> None:
+        for row in rows:
+            if row.done:
+                continue
+            row.done = True
+            if row.partition is None:
+                self._c.queued -= 1
+            else:
+                del row.partition.active[row.id]
+                row.partition.to_cancel.append(row.id)
+                self._c.running -= 1
+        self._cond.notify_all()
+
+    def stats(self) -> Any:
+        with self._cond:
+            return self._c.snapshot()
+
+    def stop(self) -> None:
+        """Refuse new requests, fail waiting ones with ServingStopped; active rows run on."""
+        with self._cond:
+            self._stopping = True
+            waiting = {id(r.request): r.request for r in self._waiting if not r.done}
+            self._cond.notify_all()
+        for request in waiting.values():
+            request.fail(ServingStopped("the serving stopped before this request ran"))
+
+    def abort(self) -> None:
+        """After the shutdown timeout: fail active rows with ServingStopped; loops exit."""
+        with self._cond:
+            self._aborting = True
+            active = {id(r.request): r.request for p in self._parts for r in p.active.values()}
+            self._cond.notify_all()
+        for request in active.values():
+            request.fail(ServingStopped("the serving stopped while this request was running"))
+
+    # ---- executor side -----------------------------------------------------------------------
+    def run_partition(self, index: int, drain: bool = False) -> None:
+        """Step loop of one partition. ``drain``: return once idle (inline runs) instead of waiting."""
+        part = self._parts[index]
+        while not self._aborting:
+            try:
+                if not self._iteration(part, drain):
+                    return
+            except Exception as exc:  # a backend bookkeeping call raised: fail, never stop the loop
+                self._recover(part, exc)
+
+    def _iteration(self, part: _Partition, drain: bool) -> bool:
+        """Cancel, admit, expire, step once. False when the loop should end."""
+        backend = self._backend
+        self._apply_cancels(part)
+        active = backend.active(part.state)
+        room = min(self._batch_size - active, backend.free_slots(part.state))
+        rows = self._take(part, active, max(room, 1) if active == 0 else room, drain)
+        if rows is None:
+            return False
+        start = time.perf_counter()
+        if rows:
+            self._admit(part, rows)
+        self._expire(time.monotonic())
+        self._apply_cancels(part)
+        if backend.active(part.state) > 0:
+            self._step(part)
+        emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, len(part.active), part.index))
+        return True
+
+    def _recover(self, part: _Partition, cause: Exception) -> None:
+        """Fail the partition's active rows (or, if none, the next waiting request) with ``cause``."""
+        with self._cond:
+            requests = [r.request for r in part.active.values()]
+            if not requests:
+                requests = [r.request for r in self._waiting if not r.done][:1]
+        for request in {id(r): r for r in requests}.values():
+            request.fail(_backend_error(cause))
+        try:
+            self._apply_cancels(part)
+        except Exception:
+            _log.exception("IterativeBackend.cancel failed while recovering from %r", cause)
+
+    def _apply_cancels(self, part: _Partition) -> None:
+        with self._cond:
+            ids, part.to_cancel = part.to_cancel, []
+        if ids:
+            self._backend.cancel(part.state, ids)
+
+    def _take(self, part: _Partition, active: int, room: int, drain: bool) -> list[_Row] | None:
+        """Waiting rows to admit now ([] to just step); None when the loop should end."""
+        with self._cond:
+            if active == 0:
+                if not self._wait_window(room, drain):
+                    return None
+            rows: list[_Row] = []
+            while self._waiting and len(rows) < room:
+                row = self._waiting.popleft()
+                if row.done:
+                    continue
+                row.partition = part
+                part.active[row.id] = row
+                rows.append(row)
+            self._c.queued -= len(rows)
+            self._c.running += len(rows)
+            return rows
+
+    def _wait_window(self, room: int, drain: bool) -> bool:
+        """Idle: wait for a first arrival, then the batch_timeout window. False: end the loop."""
+        while True:
+            while self._c.queued == 0:
+                if self._stopping or self._aborting or drain:
+                    return False
+                self._cond.wait()
+            first = next(r for r in self._waiting if not r.done)
+            window_end = first.request.submitted + self._opts.batch_timeout
+            while self._c.queued and self._c.queued < room and not self._aborting:
+                left = window_end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._aborting:
+                return False
+            if self._c.queued:
+                return True
+
+    def _admit(self, part: _Partition, rows: list[_Row]) -> None:
+        try:
+            rejected = self._backend.admit(part.state, [(r.id, r.payload) for r in rows], part.index)
+        except Exception as exc:
+            self._fail_rows(part, rows, exc)
+            return
+        for row_id, error in rejected:
+            with self._cond:
+                row = part.active.pop(row_id, None)
+                if row is None or row.done:
+                    continue
+                row.done = True
+                self._c.running -= 1
+                if row.request.channel.close(error):
+                    self._c.rejected += 1
+                    self._drop(row.request.rows)
+
+    def _expire(self, now: float) -> None:
+        expired = []
+        with self._cond:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                expired.append(heapq.heappop(self._deadlines)[2])
+        for request in expired:
+            request.expire()
+
+    def _step(self, part: _Partition) -> None:
+        try:
+            events = self._backend.step(part.state)
+        except Exception as exc:
+            self._fail_rows(part, list(part.active.values()), exc)
+            return
+        with self._cond:
+            self._c.steps_run += 1
+            self._c.fill_sum += len(part.active) / self._batch_size
+            for row_id, event, done in events:
+                row = part.active.get(row_id)
+                if row is None:
+                    continue
+                request = row.request
+                request.channel.put(("event", row.index, event))
+                if done:
+                    row.done = True
+                    del part.active[row_id]
+                    self._c.running -= 1
+                    request.rows_left -= 1
+                    if request.rows_left == 0 and request.channel.close():
+                        self._c.completed += 1
+
+    def _fail_rows(self, part: _Partition, rows: list[_Row], cause: Exception) -> None:
+        """A backend call raised: fail the requests of these rows, cancel what it still holds."""
+        for request in {id(r.request): r.request for r in rows}.values():
+            request.fail(_backend_error(cause))
+        self._apply_cancels(part)
+
+
+def _backend_error(cause: BaseException) -> BackendError:
+    error = BackendError(f"the backend failed on a step holding this request: {cause!r}")
+    error.__cause__ = cause
+    return error

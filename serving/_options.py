@@ -1,0 +1,55 @@
+"""``ProcessOptions``: how a started serving collects and runs batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["ProcessOptions"]
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """Options of ``Serving.start`` (defaults follow Nx.Serving: batch_size 1, 100 ms, 30 s).
+
+    batch_size: most rows per executed batch (iterative backends: most rows running at once);
+      None means the serving's own ``batch_size`` or 1.
+    batch_timeout: seconds a batch waits after its first row arrives before running unfilled
+      (iterative backends: the admission window when idle).
+    batch_keys: every batch key callers may use; each has its own stack and timer.
+    partitions: executor threads, each running batches (or a step loop) on its own.
+    max_queue: most rows waiting; a request that would exceed it raises ``ServingOverloaded``.
+    shutdown_timeout: seconds ``stop()`` lets running work finish before failing it.
+
+    Raises ``ValueError`` for out-of-range values, and when ``max_queue < batch_size`` (a batch
+    could then never fill).
+    """
+
+    batch_size: int | None = None
+    batch_timeout: float = 0.1
+    batch_keys: tuple[Any, ...] = field(default=("default",))
+    partitions: int = 1
+    max_queue: int | None = None
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_keys", tuple(self.batch_keys))
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_timeout < 0:
+            raise ValueError(f"batch_timeout must be >= 0 seconds, got {self.batch_timeout}")
+        if not self.batch_keys:
+            raise ValueError("batch_keys must name at least one key")
+        if self.partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {self.partitions}")
+        if self.max_queue is not None and self.max_queue < (self.batch_size or 1):
+            raise ValueError(
+                f"max_queue ({self.max_queue}) must be >= batch_size ({self.batch_size or 1}): "
+                "a batch could never fill"
+            )
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+
+    def merge(self, **overrides: Any) -> ProcessOptions:
+        """A copy with ``overrides`` applied (unknown names raise ``TypeError``)."""
+        return replace(self, **overrides)

@@ -1,0 +1,53 @@
+"""Per-caller slicing and reassembly of batch outputs (leading axis = rows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._batch import _is_array, _is_mlx
+
+
+def output_rows(output: Any) -> int:
+    """Leading size of an output; ``TypeError`` if it has no rows axis."""
+    if _is_array(output):
+        if len(output.shape) == 0:
+            raise TypeError("handle_batch returned a scalar array; its output needs a leading rows axis")
+        return int(output.shape[0])
+    if isinstance(output, list):
+        return len(output)
+    if isinstance(output, (dict, tuple)) and output:
+        values = output.values() if isinstance(output, dict) else output
+        return min(output_rows(v) for v in values)
+    raise TypeError(
+        f"handle_batch returned {type(output).__name__}; expected an array, a dict or tuple of arrays, "
+        "or a list with one result per row"
+    )
+
+
+def slice_output(output: Any, start: int, size: int) -> Any:
+    """Rows ``[start, start + size)`` of every leaf."""
+    if isinstance(output, dict):
+        return {k: slice_output(v, start, size) for k, v in output.items()}
+    if isinstance(output, tuple):
+        return tuple(slice_output(v, start, size) for v in output)
+    return output[start : start + size]
+
+
+def concat_outputs(parts: list[Any]) -> Any:
+    """Join per-chunk outputs of one caller in order (the inverse of splitting)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, dict):
+        return {k: concat_outputs([p[k] for p in parts]) for k in first}
+    if isinstance(first, tuple):
+        return tuple(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
+    if isinstance(first, list):
+        return [row for part in parts for row in part]
+    if _is_mlx(first):
+        import mlx.core as mx
+
+        return mx.concatenate(parts, axis=0)
+    return np.concatenate(parts, axis=0)

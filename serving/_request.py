@@ -1,0 +1,70 @@
+"""``Request``: one caller's submission as the schedulers see it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from ._channel import Channel
+from ._errors import DeadlineExceeded, RequestCancelled
+
+
+class Owner(Protocol):
+    """The runtime holding a request's rows (a scheduler or the inline runtime)."""
+
+    def withdraw(self, request: Request, error: BaseException) -> None: ...
+
+    def stop_rows(self, request: Request, indices: list[int]) -> None: ...
+
+
+class Request:
+    """Rows of one call, their channel back to the caller, and an optional deadline.
+
+    ``deadline`` is absolute (``time.monotonic()`` seconds) or None. ``fail`` closes the channel
+    with an error and withdraws whatever rows are still queued or running.
+    """
+
+    __slots__ = ("channel", "size", "deadline", "submitted", "owner", "delivered", "rows", "rows_left")
+
+    def __init__(self, size: int, deadline_s: float | None):
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline must be > 0 seconds, got {deadline_s}")
+        self.channel = Channel()
+        self.size = size
+        self.submitted = time.monotonic()
+        self.deadline = None if deadline_s is None else self.submitted + deadline_s
+        self.owner: Owner | None = None
+        self.delivered = 0  # static: rows whose output was delivered
+        self.rows: list[Any] = []  # iterative: the scheduler's row records
+        self.rows_left = size  # iterative: rows not finished or stopped
+
+    @property
+    def done(self) -> bool:
+        return self.channel.closed
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
+
+    def remaining(self) -> float | None:
+        """Seconds left before the deadline (None without one)."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+    def fail(self, error: BaseException) -> bool:
+        """Close with ``error`` and withdraw the rest of the rows; False if already done."""
+        if not self.channel.close(error):
+            return False
+        if self.owner is not None:
+            self.owner.withdraw(self, error)
+        return True
+
+    def cancel(self) -> None:
+        """The caller left: withdraw (no-op when the request already finished)."""
+        self.fail(RequestCancelled("the caller cancelled the request"))
+
+    def expire(self) -> None:
+        self.fail(DeadlineExceeded("the request's deadline passed"))
+
+    def stop_rows(self, indices: list[int]) -> None:
+        """Ask the owner to end these rows now (client-side stop, e.g. a stop string)."""
+        if self.owner is not None and indices and not self.done:
+            self.owner.stop_rows(self, indices)

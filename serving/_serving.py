@@ -1,0 +1,168 @@
+"""``Serving``: an immutable description of what to run and how; inline and process mode."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ._backend import Backend, FunctionBackend, IterativeBackend, is_iterative
+from ._batch import Batch
+from ._client import AsyncStream, Call, EventTransducer, Stream, Transducer
+from ._handle import ServingHandle, lookup
+from ._inline import InlineRuntime
+from ._options import ProcessOptions
+from ._telemetry import Callback
+
+_UNSET: Any = object()
+
+
+def _default_preprocessing(input: Any) -> tuple[Batch, Any]:
+    if not isinstance(input, Batch):
+        raise TypeError(f"without client_preprocessing the input must be a Batch, got {type(input).__name__}")
+    return input, None
+
+
+def _default_postprocessing(result: tuple[Any, Any], info: Any) -> Any:
+    return result[0]
+
+
+class Serving:
+    """What to run (a function or a backend) plus client pre/postprocessing and batching options.
+
+    Builders (``client_preprocessing``, ``batch_size``, ...) return a new Serving. Run it inline
+    with ``Serving.run(serving, input)`` / ``serving.run(input)`` (the backend's ``init`` runs once,
+    lazily, on the serving's own executor thread), or start it with ``Serving.start(serving, ...)``
+    and call ``Serving.batched_run(handle_or_name, input)`` from any number of threads or tasks.
+    """
+
+    __slots__ = ("_backend", "_arg", "_pre", "_post", "_batch_size", "_options", "_factory",
+                 "_telemetry", "_inline", "__weakref__")
+
+    def __init__(self, backend: Backend | IterativeBackend, arg: Any = None, *,
+                 preprocessing: Callable[[Any], tuple[Batch, Any]] = _default_preprocessing,
+                 postprocessing: Callable[[tuple[Any, Any], Any], Any] = _default_postprocessing,
+                 batch_size: int | None = None, options: ProcessOptions = ProcessOptions(),
+                 factory: Callable[[Any], Transducer] | None = None, telemetry: Callback | None = None):
+        self._backend, self._arg = backend, arg
+        self._pre, self._post = preprocessing, postprocessing
+        self._batch_size, self._options, self._factory, self._telemetry = batch_size, options, factory, telemetry
+        self._inline = InlineRuntime(backend, arg, batch_size, telemetry)
+        weakref.finalize(self, self._inline.close)
+
+    @classmethod
+    def new(cls, fn_or_backend: Callable[[Batch], Any] | Backend | IterativeBackend, arg: Any = None) -> Serving:
+        """``new(fn)``: ``fn(batch)`` returns one leading entry per row (array/dict/tuple or a list).
+        ``new(backend, arg)``: a ``Backend`` or ``IterativeBackend``; ``arg`` goes to its ``init``.
+        Raises ``TypeError`` for anything else."""
+        if callable(getattr(fn_or_backend, "init", None)) and (
+            is_iterative(fn_or_backend) or callable(getattr(fn_or_backend, "handle_batch", None))
+        ):
+            return cls(fn_or_backend, arg)
+        if callable(fn_or_backend):
+            if arg is not None:
+                raise TypeError("Serving.new(fn) takes no arg; pass a Backend to use one")
+            return cls(FunctionBackend(fn_or_backend))
+        raise TypeError(f"expected a function or a Backend, got {type(fn_or_backend).__name__}")
+
+    def _replace(self, **changes: Any) -> Serving:
+        fields = dict(preprocessing=self._pre, postprocessing=self._post, batch_size=self._batch_size,
+                      options=self._options, factory=self._factory, telemetry=self._telemetry)
+        fields.update(changes)
+        return Serving(self._backend, self._arg, **fields)
+
+    # ---- builders ------------------------------------------------------------------------------
+    def client_preprocessing(self, fn: Callable[[Any], tuple[Batch, Any]] | None) -> Serving:
+        """``fn(input) -> (Batch, info)`` runs in the caller; None restores "input is a Batch"."""
+        return self._replace(preprocessing=fn or _default_preprocessing)
+
+    def client_postprocessing(self, fn: Callable[[tuple[Any, Any], Any], Any] | None) -> Serving:
+        """``fn((output, metadata), info) -> result`` runs in the caller; None returns ``output``."""
+        return self._replace(postprocessing=fn or _default_postprocessing)
+
+    def batch_size(self, n: int) -> Serving:
+        """Most rows per executed batch, inline and in process mode (``ValueError`` if < 1)."""
+        if n < 1:
+            raise ValueError(f"batch_size must be >= 1, got {n}")
+        return self._replace(batch_size=n)
+
+    def process_options(self, **options: Any) -> Serving:
+        """Defaults for ``start`` (the fields of ``ProcessOptions``; unknown names: ``TypeError``)."""
+        return self._replace(options=self._options.merge(**options))
+
+    def streaming(self, factory: Callable[[Any], Transducer]) -> Serving:
+        """For an ``IterativeBackend``: ``factory(info)`` builds each request's transducer."""
+        if not is_iterative(self._backend):
+            raise TypeError("streaming(factory) needs an IterativeBackend")
+        return self._replace(factory=factory)
+
+    def telemetry(self, callback: Callback | None) -> Serving:
+        """``callback(TelemetryEvent)`` for every preprocessing / execute / step / postprocessing."""
+        return self._replace(telemetry=callback)
+
+    # ---- used by calls -------------------------------------------------------------------------
+    @property
+    def _is_iterative(self) -> bool:
+        return is_iterative(self._backend)
+
+    def _preprocess(self, input: Any) -> tuple[Batch, Any]:
+        result = self._pre(input)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Batch)):
+            raise TypeError("client_preprocessing must return (Batch, info)")
+        return result
+
+    def _postprocess(self, result: tuple[Any, Any], info: Any) -> Any:
+        return self._post(result, info)
+
+    def _transducer_for(self, info: Any) -> Transducer:
+        return EventTransducer() if self._factory is None else self._factory(info)
+
+    # ---- inline ----------------------------------------------------------------------------
+    def run(self, input: Any) -> Any:
+        """Run inline (no batching across callers): preprocess, split by batch_size, execute on
+        the serving's executor thread, reassemble, postprocess. Raises ``BackendError`` (cause
+        chained) if the backend fails, or what preprocessing raised."""
+        return Call(self, self._inline, input, None).result()
+
+    async def run_async(self, input: Any) -> Any:
+        """``run`` for asyncio/trio: model work stays on the serving's executor thread."""
+        return await Call(self, self._inline, input, None).result_async()
+
+    # ---- process mode --------------------------------------------------------------------------
+    def start(self, name: str | None = None, **options: Any) -> ServingHandle:
+        """Start in process mode; ``options`` override ``process_options`` (see ``ProcessOptions``).
+
+        ``name`` registers the handle for ``Serving.batched_run(name, ...)`` (``ValueError`` if
+        taken). Raises ``ValueError`` if ``batch_size`` disagrees with ``Serving.batch_size``, and
+        whatever the backend's ``init`` raised.
+        """
+        opts = self._options.merge(**options)
+        if opts.batch_size is not None and self._batch_size is not None and opts.batch_size != self._batch_size:
+            raise ValueError(f"batch_size {opts.batch_size} disagrees with the serving's batch_size {self._batch_size}")
+        opts = opts.merge(batch_size=opts.batch_size or self._batch_size or 1)
+        return ServingHandle(self, name, opts)
+
+    @staticmethod
+    def batched_run(name_or_handle: str | ServingHandle, input: Any, *, deadline: float | None = None) -> Any:
+        """Blocking, thread-safe call of a started serving (see ``ServingHandle.batched_run``)."""
+        return lookup(name_or_handle).batched_run(input, deadline=deadline)
+
+    @staticmethod
+    async def batched_run_async(name_or_handle: str | ServingHandle, input: Any, *,
+                                deadline: float | None = None) -> Any:
+        """Async twin of ``batched_run`` (asyncio or trio)."""
+        return await lookup(name_or_handle).batched_run_async(input, deadline=deadline)
+
+    @staticmethod
+    def stream(name_or_handle: str | ServingHandle, input: Any, *, deadline: float | None = None) -> Stream:
+        """Sync iterator of items as they arrive; closing or dropping it cancels the request."""
+        return lookup(name_or_handle).stream(input, deadline=deadline)
+
+    @staticmethod
+    def stream_async(name_or_handle: str | ServingHandle, input: Any, *,
+                     deadline: float | None = None) -> AsyncStream:
+        """Async iterator of items; ``aclose()``, breaking out or dropping it cancels the request."""
+        return lookup(name_or_handle).stream_async(input, deadline=deadline)
+
+    def __repr__(self) -> str:
+        return f"Serving(backend={type(self._backend).__name__}, batch_size={self._batch_size})"
