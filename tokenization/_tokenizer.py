@@ -167,7 +167,9 @@ class Tokenizer:
         if isinstance(texts, str):
             raise InvalidTextError("encode_batch takes a sequence of str, got a single str")
         if parse_special:
-            return [self.encode(t, parse_special=True) for t in texts]
+            for i, text in enumerate(texts):
+                _check_text(text, f"texts[{i}]")
+            return [self._encode_parts(list(self._specials.split(t))) for t in texts]
         try:
             return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         except TypeError:

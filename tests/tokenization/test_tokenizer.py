@@ -150,6 +150,8 @@ def test_encode_rejects_lone_surrogates(qwen3: Tokenizer) -> None:
         qwen3.encode("abc\ud83d")
     with pytest.raises(InvalidTextError, match=r"texts\[1\].*U\+DC00"):
         qwen3.encode_batch(["fine", "\udc00"])
+    with pytest.raises(InvalidTextError, match=r"texts\[2\] must be a str"):
+        qwen3.encode_batch(["fine", "<|im_end|>", None], parse_special=True)
     with pytest.raises(InvalidTextError, match="single str"):
         qwen3.encode_batch("abc")
     assert issubclass(InvalidTextError, TokenizationError) and issubclass(TokenizationError, ValueError)
