@@ -12,10 +12,11 @@ from ._errors import (
     InvalidTokenIdError,
     TokenizationError,
 )
-from ._stream import StreamingDetokenizer
+from ._stream import ByteTable, StreamingDetokenizer
 from ._tokenizer import Tokenizer
 
 __all__ = [
+    "ByteTable",
     "ChatTemplate",
     "ChatTemplateError",
     "InvalidTextError",
