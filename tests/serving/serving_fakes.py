@@ -58,3 +58,69 @@ class GateBackend(RecordingBackend):
     def wait_started(self, n: int = 1) -> None:
         for _ in range(n):
             assert self.started.acquire(timeout=5), "batch never started"
+
+
+class CountdownBackend:
+    """Iterative fake: a row with payload ``n`` emits n-1, ..., 0, one per step; done at 0.
+
+    slots: most rows admitted at once (``free_slots``); max_steps: rows with a larger ``n`` can
+    never fit and are rejected; step_delay: seconds each step sleeps. Records per step the active
+    row ids, each admission, and cancelled ids.
+    """
+
+    def __init__(self, slots: int | None = None, max_steps: int | None = None, step_delay: float = 0.0,
+                 fail_on: int | None = None):
+        self.slots, self.max_steps, self.step_delay, self.fail_on = slots, max_steps, step_delay, fail_on
+        self.steps: list[list[int]] = []
+        self.admissions: list[list[int]] = []
+        self.cancelled: list[int] = []
+        self.threads: set[str] = set()
+        self.inits: list[tuple[str, int]] = []
+
+    def init(self, mode: str, arg: Any, partitions: int) -> dict:
+        self.inits.append((mode, partitions))
+        return {"rows": {}}
+
+    def admit(self, state: dict, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
+        self.threads.add(threading.current_thread().name)
+        self.admissions.append([row_id for row_id, _ in rows])
+        rejected: list[tuple[int, BaseException]] = []
+        for row_id, n in rows:
+            if self.max_steps is not None and n > self.max_steps:
+                rejected.append((row_id, ValueError(f"a row of {n} steps never fits (max {self.max_steps})")))
+            else:
+                state["rows"][row_id] = int(n)
+        return rejected
+
+    def free_slots(self, state: dict) -> int:
+        return 1 << 30 if self.slots is None else self.slots - len(state["rows"])
+
+    def step(self, state: dict) -> list[tuple[int, Any, bool]]:
+        self.threads.add(threading.current_thread().name)
+        self.steps.append(sorted(state["rows"]))
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        events = []
+        for row_id in list(state["rows"]):
+            left = state["rows"][row_id] - 1
+            if left == self.fail_on:
+                raise RuntimeError(f"step failed at {left}")
+            events.append((row_id, left, left == 0))
+            if left == 0:
+                del state["rows"][row_id]
+            else:
+                state["rows"][row_id] = left
+        return events
+
+    def cancel(self, state: dict, row_ids: list[int]) -> None:
+        for row_id in row_ids:
+            state["rows"].pop(row_id, None)
+        self.cancelled.extend(row_ids)
+
+    def active(self, state: dict) -> int:
+        return len(state["rows"])
+
+
+def countdown(*ns: int) -> Batch:
+    """One row per step count."""
+    return Batch.stack(list(ns))

@@ -1,0 +1,107 @@
+import threading
+import time
+
+import anyio
+import numpy as np
+import pytest
+
+from serving import DeadlineExceeded, Serving, ServingOverloaded
+from serving_fakes import GateBackend, RecordingBackend, rows
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_run_async_does_model_work_on_the_servings_executor_thread(recording):
+    s = Serving.new(recording, "arg").batch_size(2)
+    loop_thread = threading.current_thread().name
+    out = await Serving.run_async(s, rows(1, 2, 3))
+    assert out.tolist() == [2, 4, 6]
+    assert await s.run_async(rows(4)) == np.array([8])
+    assert recording.threads == {"serving-inline"} and loop_thread not in recording.threads
+    assert len(recording.inits) == 1
+
+
+async def test_batched_run_async_batches_concurrent_tasks_and_keeps_the_loop_free():
+    backend = RecordingBackend(delay=0.3)
+    results, gaps = {}, []
+
+    async def heartbeat(stop: anyio.Event):
+        last = time.monotonic()
+        while not stop.is_set():
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async def call(i):
+        results[i] = (await Serving.batched_run_async(h, rows(i))).tolist()
+
+    async with Serving.new(backend).start(batch_size=8, batch_timeout=5) as h:
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat, stop)
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as calls:
+                    for i in range(8):
+                        calls.start_soon(call, i)
+            stop.set()
+    assert results == {i: [2 * i] for i in range(8)}
+    assert len(backend.batches) == 1 and sorted(backend.batches[0][0]) == list(range(8))
+    assert max(gaps) < 0.2  # the loop ticked while the 0.3 s batch ran
+
+
+async def test_cancelled_while_queued_never_runs():
+    backend = GateBackend()
+    async with Serving.new(backend).start(batch_size=1, batch_timeout=0) as h:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Serving.batched_run_async, h, rows(1))
+            await anyio.to_thread.run_sync(backend.wait_started)
+            with anyio.move_on_after(0.2) as scope:
+                await Serving.batched_run_async(h, rows(2))
+            assert scope.cancelled_caught
+            stats = h.stats()
+            assert (stats.queued, stats.cancelled) == (0, 1)
+            backend.gate.set()
+        assert (await Serving.batched_run_async(h, rows(3))).tolist() == [6]
+    assert [b[0] for b in backend.batches] == [[1], [3]]
+
+
+async def test_inline_run_async_cancelled_while_queued_never_runs():
+    backend = GateBackend()
+    s = Serving.new(backend)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(s.run_async, rows(1))
+        await anyio.to_thread.run_sync(backend.wait_started)
+        with anyio.move_on_after(0.2):
+            await s.run_async(rows(2))
+        backend.gate.set()
+    assert (await s.run_async(rows(3))).tolist() == [6]
+    assert [b[0] for b in backend.batches] == [[1], [3]]
+
+
+async def test_deadline_and_overload_async():
+    backend = GateBackend()
+    async with Serving.new(backend).start(batch_size=1, batch_timeout=0, max_queue=1) as h:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Serving.batched_run_async, h, rows(1))
+            await anyio.to_thread.run_sync(backend.wait_started)
+            start = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await Serving.batched_run_async(h, rows(2), deadline=0.2)
+            assert 0.15 < time.monotonic() - start < 2
+            async with anyio.create_task_group() as queued:
+                queued.start_soon(Serving.batched_run_async, h, rows(3))
+                with anyio.fail_after(5):
+                    while h.stats().queued == 0:
+                        await anyio.sleep(0.01)
+                with pytest.raises(ServingOverloaded):
+                    await Serving.batched_run_async(h, rows(4))
+                backend.gate.set()
+        stats = h.stats()
+        assert (stats.expired, stats.rejected, stats.completed) == (1, 1, 2)
+
+
+async def test_static_stream_yields_each_chunk(recording):
+    async with Serving.new(recording).start(batch_size=2, batch_timeout=0.01) as h:
+        chunks = [out.tolist() async for out, _meta in Serving.stream_async(h, rows(1, 2, 3))]
+    assert chunks == [[2, 4], [6]]
