@@ -3,3 +3,7 @@
 Modules: ``_wire`` (messages, framing, payload codec), ``_worker`` (the worker process),
 ``_pool`` (``ServingPool``: spawning, routing, failure handling).
 """
+
+from ._pool import PoolStats, ServingPool, WorkerHealth, WorkerStats
+
+__all__ = ["PoolStats", "ServingPool", "WorkerHealth", "WorkerStats"]

@@ -63,24 +63,28 @@ _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
 class ErrorInfo(msgspec.Struct, array_like=True):
-    """An exception raised in a worker: ``module.qualname``, ``str(exc)``, the formatted traceback,
-    and the pickled exception when it could be pickled (None otherwise)."""
+    """An exception raised in a worker: ``module.qualname``, ``str(exc)``, the formatted traceback
+    (with its chain), the pickled exception when it could be pickled (None otherwise), and the
+    same for its ``__cause__``."""
 
     type_name: str
     message: str
     traceback: str
     pickled: bytes | None = None
+    cause: ErrorInfo | None = None
 
 
 # --- parent -> worker -------------------------------------------------------------------------
 
 
 class Call(msgspec.Struct, tag="call", array_like=True):
-    """Run one request (``stream=False``: one `Result`; ``stream=True``: `Item`s then `End`)."""
+    """Run one request (``stream=False``: one `Result`; ``stream=True``: `Item`s then `End`);
+    ``deadline``: seconds the request may take from its arrival in the worker (None: no limit)."""
 
     id: int
     stream: bool
     payload: msgspec.Raw
+    deadline: float | None = None
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
