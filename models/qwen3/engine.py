@@ -1,0 +1,287 @@
+"""Continuous (iteration-level) batching over a preallocated slot KV cache.
+
+Sequences join free cache slots between steps and leave (freeing the slot) as soon as
+they finish or are cancelled. Each :meth:`Engine.step` builds, for the whole batch,
+at most one prefill forward (one chunk of up to ``prefill_chunk`` tokens for every
+sequence still reading its prompt) and one decode forward (one token for every
+decoding sequence, over slots ``0..hi``), enqueues them with one ``mx.async_eval``,
+and only then reads the previous step's tokens to the host: the device always has the
+next step queued while the host does bookkeeping (mlx-lm's ``generate_step`` pipelines
+the same way). A sequence that ends on EOS therefore costs one wasted decode row.
+Sequences using the ``top_p_cpu`` sampler need their logits on the host before their
+next step, so a step holding such rows is read back at once (no pipelining).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import KVCache, init_kv_cache, kv_bytes_per_token
+from .loader import State
+from .model import Rows, forward
+from .sampling import SamplingParams, greedy, top_p_cpu, top_p_gpu
+
+__all__ = ["Engine", "SeqEvent"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """One new token of sequence ``seq_id``; ``finish_reason`` is set on its last
+    event ("stop": an EOS id, included as ``token_id``; "length": max_new_tokens)."""
+
+    seq_id: int
+    token_id: int | None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(eq=False)
+class _Seq:
+    seq_id: int
+    prompt: np.ndarray
+    params: SamplingParams
+    rng: np.random.Generator
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the cache
+    scheduled: int = 0  # new tokens whose computation has been enqueued
+    emitted: int = 0  # tokens returned as events
+    done: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.scheduled >= 1 and self.scheduled < self.params.max_new_tokens
+
+
+@dataclass
+class _Flight:
+    """One enqueued step: the slot token array after it, and who got a token."""
+
+    tokens: mx.array
+    produced: list[_Seq] = field(default_factory=list)
+    cpu_rows: list[_Seq] = field(default_factory=list)
+    cpu_logits: mx.array | None = None
+
+
+class Engine:
+    """Continuous-batching generator for one loaded Qwen3 :class:`State`.
+
+    ``max_batch`` slots of ``max_len`` tokens each (prompt + new tokens), or fewer
+    slots when ``kv_cache_bytes`` caps the cache; ``prefill_chunk`` prompt tokens per
+    sequence per step. ``kv_cache`` reuses a cache from :func:`init_kv_cache` (its
+    ``max_len`` wins). Raises ValueError when the budget holds no slot at all.
+    Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
+                 kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None):
+        if max_batch < 1 or max_len < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_batch, max_len and prefill_chunk must be >= 1, got "
+                             f"{max_batch}, {max_len}, {prefill_chunk}")
+        slots = max_batch
+        if kv_cache_bytes is not None:
+            slots = min(slots, kv_cache_bytes // (kv_bytes_per_token(state) * (max_len + 1)))
+            if slots < 1:
+                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_len={max_len}")
+        if kv_cache is None:
+            kv_cache = init_kv_cache(state, max_len, slots)
+        kv_cache.lengths[:] = 0
+        self.state, self.cache, self.prefill_chunk = state, kv_cache, prefill_chunk
+        self.max_len = kv_cache.max_len
+        self._slots: list[_Seq | None] = [None] * min(slots, kv_cache.slots)
+        self._waiting: deque[_Seq] = deque()
+        self._by_id: dict[int, _Seq] = {}
+        self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
+        self._flight: _Flight | None = None
+
+    # ---- admission -------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        """Sequences added and not yet finished or cancelled (waiting ones included)."""
+        return len(self._by_id)
+
+    @property
+    def free_slots(self) -> int:
+        """How many more sequences would get a cache slot right now."""
+        return sum(s is None for s in self._slots) - len(self._waiting)
+
+    def can_add(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """True when a sequence of this size fits and a slot is free now."""
+        return self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
+
+    def _fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return 1 <= prompt_len and prompt_len + max_new_tokens <= self.max_len
+
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a sequence; it takes a slot at the next step (FIFO when all are busy).
+
+        Raises ValueError for a duplicate ``seq_id``, an empty prompt, ids outside the
+        vocabulary, or ``len(prompt_ids) + max_new_tokens > max_len`` (never fits).
+        """
+        if seq_id in self._by_id:
+            raise ValueError(f"sequence {seq_id} is already active")
+        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if prompt.size == 0:
+            raise ValueError("empty prompt: at least one token id is needed")
+        if not self._fits(prompt.size, params.max_new_tokens):
+            raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds max_len {self.max_len}")
+        vocab = self.state.config.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed))
+        self._by_id[seq_id] = seq
+        self._waiting.append(seq)
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a sequence now and free its slot; unknown or finished ids are ignored."""
+        seq = self._by_id.get(seq_id)
+        if seq is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: _Seq) -> None:
+        seq.done = True
+        del self._by_id[seq.seq_id]
+        if seq.slot >= 0:
+            self._slots[seq.slot] = None
+        else:
+            self._waiting.remove(seq)
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self._slots):
+            if not self._waiting:
+                return
+            if occupant is None:
+                seq = self._waiting.popleft()
+                seq.slot, self._slots[slot] = slot, seq
+                self.cache.lengths[slot] = 0
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[SeqEvent]:
+        """Advance every active sequence by one step; return the new tokens' events.
+
+        Events lag the device by one step (pipelining): the first call after an add
+        usually returns nothing for that sequence.
+        """
+        events: list[SeqEvent] = []
+        if self._flight is not None and self._flight.cpu_rows:
+            events += self._land(self._flight)
+            self._flight = None
+        self._admit()
+        decoders = [s for s in self._slots if s is not None and s.decoding]
+        prefillers = [s for s in self._slots if s is not None and s.prefilled < s.prompt.size]
+        flight = _Flight(self._tokens)
+        if prefillers:
+            self._prefill(prefillers, flight)
+        if decoders:
+            self._decode(decoders, flight)
+        flight.tokens = self._tokens
+        if flight.produced:
+            mx.async_eval(flight.tokens, *self.cache.keys, *self.cache.values)
+        if self._flight is not None:
+            events += self._land(self._flight)
+        self._flight = flight if flight.produced else None
+        if flight.cpu_rows:
+            events += self._land(flight)
+            self._flight = None
+        return events
+
+    def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
+        chunks = [s.prompt[s.prefilled : s.prefilled + self.prefill_chunk] for s in seqs]
+        t = max(len(c) for c in chunks)
+        tokens = np.zeros((len(seqs), t), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, : len(c)] = c
+        start = np.array([s.prefilled for s in seqs], dtype=np.int32)
+        n_valid = np.array([len(c) for c in chunks], dtype=np.int32)
+        rows = Rows(mx.array(tokens), mx.array([s.slot for s in seqs], dtype=mx.int32),
+                    mx.array(start), mx.array(n_valid), int((start + n_valid).max()),
+                    mx.array(n_valid - 1), dense=len(seqs) == 1 and n_valid[0] == t)
+        logits = forward(self.state, self.cache, rows)
+        done = []
+        for i, (s, n) in enumerate(zip(seqs, n_valid)):
+            s.prefilled += int(n)
+            self.cache.lengths[s.slot] += int(n)
+            if s.prefilled == s.prompt.size:
+                done.append(i)
+        if done:
+            idx = mx.array(done, dtype=mx.int32)
+            finished = [seqs[i] for i in done]
+            self._sample(logits[idx], finished, idx_slots=[s.slot for s in finished], flight=flight)
+
+    def _decode(self, seqs: list[_Seq], flight: _Flight) -> None:
+        hi = max(s.slot for s in seqs) + 1
+        start = self.cache.lengths[:hi].astype(np.int32)
+        n_valid = np.zeros(hi, dtype=np.int32)
+        n_valid[[s.slot for s in seqs]] = 1
+        kv_len = int((start + n_valid)[n_valid == 1].max())
+        rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
+                    mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)
+        logits = forward(self.state, self.cache, rows)
+        for s in seqs:
+            self.cache.lengths[s.slot] += 1
+        slot_ids = [s.slot for s in seqs]
+        self._sample(logits[mx.array(slot_ids)] if len(seqs) < hi else logits, seqs,
+                     idx_slots=slot_ids, flight=flight)
+
+    def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
+        """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into
+        the slot token array; ``top_p_cpu`` rows keep their logits for the host."""
+        new = greedy(logits)
+        gpu = [i for i, s in enumerate(seqs) if not s.params.is_greedy and s.params.sampler == "top_p_gpu"]
+        if gpu:
+            idx = mx.array(gpu, dtype=mx.int32)
+            p = [seqs[i].params for i in gpu]
+            u = [seqs[i].rng.random() for i in gpu]
+            new[idx] = top_p_gpu(logits[idx], mx.array([q.temperature for q in p], dtype=mx.float32),
+                                 mx.array([q.top_p for q in p], dtype=mx.float32),
+                                 mx.array(u, dtype=mx.float32))
+        cpu = [i for i, s in enumerate(seqs) if not s.params.is_greedy and s.params.sampler == "top_p_cpu"]
+        if cpu:
+            flight.cpu_rows += [seqs[i] for i in cpu]
+            rows = logits[mx.array(cpu, dtype=mx.int32)]
+            flight.cpu_logits = rows if flight.cpu_logits is None else mx.concatenate([flight.cpu_logits, rows])
+        self._tokens = _put(self._tokens, idx_slots, new)
+        for s in seqs:
+            s.scheduled += 1
+        flight.produced += seqs
+
+    def _land(self, flight: _Flight) -> list[SeqEvent]:
+        """Read a flight's tokens to the host and turn them into events."""
+        host = np.array(flight.tokens)
+        if flight.cpu_rows:
+            logits = np.array(flight.cpu_logits.astype(mx.float32))
+            for s, row in zip(flight.cpu_rows, logits):
+                host[s.slot] = top_p_cpu(row, s.params.temperature, s.params.top_p, s.rng.random())
+            slots = [s.slot for s in flight.cpu_rows]
+            self._tokens = _put(self._tokens, slots, mx.array(host[slots]))
+        events = []
+        for s in flight.produced:
+            if s.done:
+                continue
+            token = int(host[s.slot])
+            reason: FinishReason | None = None
+            if token in s.params.eos_token_ids:
+                reason = "stop"
+            elif s.emitted + 1 >= s.params.max_new_tokens:
+                reason = "length"
+            events.append(SeqEvent(s.seq_id, token, reason))
+            s.emitted += 1
+            if reason is not None:
+                self._finish(s)
+        return events
+
+
+def _put(tokens: mx.array, slots: list[int], values: mx.array) -> mx.array:
+    """A new slot token array with ``values`` at ``slots`` (``tokens`` is untouched:
+    an enqueued step keeps its own snapshot)."""
+    return mx.put_along_axis(tokens, mx.array(slots, dtype=mx.int32), values.astype(mx.int32), axis=0)

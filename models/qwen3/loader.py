@@ -1,0 +1,191 @@
+"""Load an MLX Qwen3 checkpoint directory into a :class:`State`.
+
+Layout (mlx-community / lmstudio-community MLX checkpoints): ``config.json``,
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``, optional
+``generation_config.json``. A quantized module stores ``<name>.weight`` (uint32, ``bits``
+values packed per word, shape ``(out, in * bits / 32)``) plus ``<name>.scales`` and
+``<name>.biases`` (shape ``(out, in / group_size)``); a module without ``.scales`` is dense.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .config import QuantSpec, Qwen3Config, read_config
+
+__all__ = ["Linear", "Layer", "State", "load"]
+
+
+@dataclass
+class Linear:
+    """A weight matrix of logical shape ``(out, in)``, dense or quantized.
+
+    Dense: ``weight`` is ``(out, in)`` float. Quantized: ``weight`` packed uint32, with
+    ``scales``/``biases`` and ``spec``. Call with 2-D ``x`` ``(rows, in)`` -> ``(rows, out)``.
+    """
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    spec: QuantSpec | None = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.scales is None:
+            return x @ self.weight.T
+        return mx.quantized_matmul(
+            x, self.weight, self.scales, self.biases, transpose=True,
+            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+        )
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Embedding lookup: rows ``ids`` (any int shape) -> ``ids.shape + (in,)``.
+
+        Quantized tables gather the packed rows and dequantize only those (as mlx-lm's
+        ``QuantizedEmbedding`` does), never the whole table.
+        """
+        if self.scales is None:
+            return self.weight[ids]
+        return mx.dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids],
+            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+        )
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights (names as in the checkpoint)."""
+
+    input_layernorm: mx.array
+    post_attention_layernorm: mx.array
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: mx.array
+    k_norm: mx.array
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+
+@dataclass
+class State:
+    """A loaded model: config, weights, activation ``dtype`` and checkpoint ``path``."""
+
+    config: Qwen3Config
+    embed_tokens: Linear
+    layers: list[Layer]
+    norm: mx.array
+    lm_head: Linear
+    dtype: mx.Dtype
+    path: Path | None = None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = [path / "model.safetensors"]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"checkpoint {path}: missing weight file {f.name}")
+    return files
+
+
+def _read_tensors(path: Path) -> dict[str, mx.array]:
+    tensors: dict[str, mx.array] = {}
+    for f in _weight_files(path):
+        tensors.update(mx.load(str(f)))
+    return tensors
+
+
+class _Reader:
+    def __init__(self, path: Path, tensors: dict[str, mx.array], config: Qwen3Config):
+        self.path, self.tensors, self.config = path, tensors, config
+
+    def tensor(self, name: str) -> mx.array:
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint {self.path}: missing tensor {name!r}")
+        return self.tensors[name]
+
+    def linear(self, module: str) -> Linear:
+        weight = self.tensor(f"{module}.weight")
+        if f"{module}.scales" not in self.tensors:
+            return Linear(weight)
+        quant = self.config.quantization
+        spec = quant.spec_for(module) if quant is not None else None
+        if spec is None:
+            raise ValueError(
+                f"checkpoint {self.path}: {module}.scales present but config.json's "
+                f"quantization block does not quantize {module!r}"
+            )
+        biases = self.tensors.get(f"{module}.biases")
+        if biases is None and spec.mode == "affine":
+            raise KeyError(f"checkpoint {self.path}: missing tensor '{module}.biases'")
+        return Linear(weight, self.tensor(f"{module}.scales"), biases, spec)
+
+
+def _layer(r: _Reader, i: int) -> Layer:
+    p = f"model.layers.{i}"
+    return Layer(
+        input_layernorm=r.tensor(f"{p}.input_layernorm.weight"),
+        post_attention_layernorm=r.tensor(f"{p}.post_attention_layernorm.weight"),
+        q_proj=r.linear(f"{p}.self_attn.q_proj"),
+        k_proj=r.linear(f"{p}.self_attn.k_proj"),
+        v_proj=r.linear(f"{p}.self_attn.v_proj"),
+        o_proj=r.linear(f"{p}.self_attn.o_proj"),
+        q_norm=r.tensor(f"{p}.self_attn.q_norm.weight"),
+        k_norm=r.tensor(f"{p}.self_attn.k_norm.weight"),
+        gate_proj=r.linear(f"{p}.mlp.gate_proj"),
+        up_proj=r.linear(f"{p}.mlp.up_proj"),
+        down_proj=r.linear(f"{p}.mlp.down_proj"),
+    )
+
+
+def load(path: str | Path) -> State:
+    """Load the checkpoint directory ``path`` and evaluate its weights.
+
+    Tied embeddings (``tie_word_embeddings``) reuse ``model.embed_tokens`` as the head
+    (any stray ``lm_head.*`` is ignored). Activations run in the dtype of the embedding
+    scales (quantized) or embedding weight (dense).
+
+    Raises FileNotFoundError (missing config.json / weight file, named), KeyError
+    (missing tensor or config field, named), ValueError (unsupported architecture or
+    quantization mode).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+    config = read_config(path)
+    r = _Reader(path, _read_tensors(path), config)
+    embed = r.linear("model.embed_tokens")
+    head = embed if config.tie_word_embeddings else r.linear("lm_head")
+    state = State(
+        config=config,
+        embed_tokens=embed,
+        layers=[_layer(r, i) for i in range(config.num_hidden_layers)],
+        norm=r.tensor("model.norm.weight"),
+        lm_head=head,
+        dtype=(embed.scales if embed.scales is not None else embed.weight).dtype,
+        path=path,
+    )
+    mx.eval(_arrays(state))
+    return state
+
+
+def _arrays(state: State) -> list[mx.array]:
+    out: list[mx.array] = [state.norm]
+    linears = [state.embed_tokens, state.lm_head]
+    for layer in state.layers:
+        out += [layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm]
+        linears += [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj,
+                    layer.gate_proj, layer.up_proj, layer.down_proj]
+    for lin in linears:
+        out += [a for a in (lin.weight, lin.scales, lin.biases) if a is not None]
+    return out

@@ -1,0 +1,119 @@
+"""The Qwen3 forward pass over a ragged batch, writing a preallocated KV cache.
+
+Per layer (pre-norm): RMSNorm -> q/k/v projections -> per-head q_norm/k_norm ->
+split-half RoPE (``traditional=False``, base ``rope_theta``, per-row position offsets)
+-> write K/V into the cache -> GQA attention through ``mx.fast.scaled_dot_product_attention``
+over each row's valid prefix -> o_proj -> residual; RMSNorm -> SwiGLU MLP -> residual.
+Then the final norm and the (tied or separate) head, for one position per row only.
+Architecture: Qwen3 technical report (arXiv:2505.09388) / transformers ``Qwen3Model``.
+
+Every projection sees 2-D activations ``(rows, features)``: on MLX's CUDA build a
+``(B, 1, K)`` input into ``quantized_matmul`` costs time linear in B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import mlx.core as mx
+
+from .cache import KVCache
+from .loader import Layer, State
+
+__all__ = ["Rows", "forward"]
+
+
+@partial(mx.compile, shapeless=True)
+def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+@dataclass
+class Rows:
+    """Which cache slots a forward call covers, and where each row's tokens go.
+
+    ``tokens`` (B, T) int32; ``slots`` (B,) int32 cache slot per row, or None for slots
+    ``0..B-1``; ``start`` (B,) int32 position of each row's first token (its cache
+    length before the call); ``n_valid`` (B,) int32 real tokens per row (the rest is
+    padding: written to the scratch column, never attended); ``kv_len`` the attention
+    span (max over rows of start + n_valid); ``last`` (B,) int32 index in ``[0, T)`` of
+    the token whose logits each row returns; ``dense`` True when B == 1 and the row has
+    no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
+    """
+
+    tokens: mx.array
+    slots: mx.array | None
+    start: mx.array
+    n_valid: mx.array
+    kv_len: int
+    last: mx.array
+    dense: bool = False
+
+
+def _mask(rows: Rows, t: int) -> mx.array | str | None:
+    if rows.dense:
+        return "causal" if t > 1 else None
+    j = mx.arange(rows.kv_len)
+    qpos = rows.start[:, None] + mx.arange(t)[None, :]
+    end = (rows.start + rows.n_valid)[:, None, None]
+    mask = (j <= qpos[:, :, None]) & (j < end)
+    return (mask | (j == 0))[:, None]  # key 0 always open: no fully masked row
+
+
+def _write_positions(rows: Rows, t: int, scratch: int) -> mx.array:
+    offs = mx.arange(t)[None, :]
+    pos = rows.start[:, None] + offs
+    return mx.where(offs < rows.n_valid[:, None], pos, scratch)
+
+
+def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, rows: Rows,
+               pos: mx.array, mask: mx.array | str | None, state: State) -> mx.array:
+    c = state.config
+    b, t = rows.tokens.shape
+    d = c.head_dim
+    q = layer.q_proj(x).reshape(b, t, c.num_attention_heads, d)
+    k = layer.k_proj(x).reshape(b, t, c.num_key_value_heads, d)
+    v = layer.v_proj(x).reshape(b, t, c.num_key_value_heads, d)
+    q = mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
+    k = mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
+    rope = partial(mx.fast.rope, dims=d, traditional=False, base=c.rope_theta, scale=1.0,
+                   offset=rows.start)
+    q, k = rope(q), rope(k)
+    slot_idx = mx.arange(b) if rows.slots is None else rows.slots
+    cache.keys[i][slot_idx[:, None], :, pos] = k.transpose(0, 2, 1, 3)
+    cache.values[i][slot_idx[:, None], :, pos] = v
+    keys, values = cache.keys[i][..., : rows.kv_len, :], cache.values[i][..., : rows.kv_len, :]
+    if rows.slots is None:
+        keys, values = keys[:b], values[:b]
+    else:
+        keys, values = keys[rows.slots], values[rows.slots]
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mask)
+    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(b * t, -1))
+
+
+def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, rows: Rows, pos: mx.array,
+           mask: mx.array | str | None, state: State) -> mx.array:
+    eps = state.config.rms_norm_eps
+    x = mx.fast.rms_norm(h, layer.input_layernorm, eps)
+    h = h + _attention(layer, x, cache, i, rows, pos, mask, state)
+    x = mx.fast.rms_norm(h, layer.post_attention_layernorm, eps)
+    return h + layer.down_proj(_swiglu(layer.gate_proj(x), layer.up_proj(x)))
+
+
+def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
+    """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
+
+    Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row,
+    at token index ``rows.last``. Does not update ``cache.lengths`` (the caller does).
+    """
+    b, t = rows.tokens.shape
+    h = state.embed_tokens.rows(rows.tokens.reshape(-1))
+    pos = _write_positions(rows, t, cache.max_len)
+    mask = _mask(rows, t)
+    for i, layer in enumerate(state.layers):
+        h = _layer(layer, h, cache, i, rows, pos, mask, state)
+    if t > 1:
+        h = mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
+    h = mx.fast.rms_norm(h, state.norm, state.config.rms_norm_eps)
+    return state.lm_head(h)
