@@ -1,0 +1,138 @@
+"""Continuous-batching Engine: outputs independent of batchmates and arrival time,
+slots freed at once, budget admission, chunked prefill interleaved with decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.qwen3 import Engine, SamplingParams, generate
+from models.qwen3.cache import kv_bytes_per_token
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 151000, n)]
+
+
+REQUESTS = [  # (prompt, params) with mixed lengths and options
+    (_prompt(1, 5), SamplingParams(max_new_tokens=9)),
+    (_prompt(2, 23), SamplingParams(max_new_tokens=4, sampler="top_p_gpu", temperature=1.2, top_p=0.9, seed=3)),
+    (_prompt(3, 1), SamplingParams(max_new_tokens=12, sampler="top_p_cpu", temperature=0.8, top_p=0.95, seed=4)),
+    (_prompt(4, 14), SamplingParams(max_new_tokens=7, sampler="top_p_gpu", temperature=0.0)),
+    (_prompt(5, 9), SamplingParams(max_new_tokens=10, sampler="top_p_gpu", temperature=2.0, top_p=1.0, seed=9)),
+]
+
+
+def _solo(state, prompt, p: SamplingParams) -> list[int]:
+    ids, _ = generate(prompt, state, max_new_tokens=p.max_new_tokens, sampler=p.sampler,
+                      temperature=p.temperature, top_p=p.top_p, seed=p.seed, eos_token_ids=p.eos_token_ids)
+    return ids
+
+
+def _drain(engine: Engine, out: dict[int, list[int]], reasons: dict[int, str], max_steps: int = 200) -> None:
+    for _ in range(max_steps):
+        if not engine.num_active:
+            return
+        _collect(engine.step(), out, reasons)
+    raise AssertionError("engine did not finish")
+
+
+def _collect(events, out, reasons) -> None:
+    for ev in events:
+        assert ev.seq_id not in reasons, "event after the sequence finished"
+        out.setdefault(ev.seq_id, []).append(ev.token_id)
+        if ev.finish_reason:
+            reasons[ev.seq_id] = ev.finish_reason
+
+
+@pytest.fixture(scope="module")
+def solo(tiny32):
+    return [_solo(tiny32, prompt, p) for prompt, p in REQUESTS]
+
+
+@pytest.mark.parametrize("max_batch, chunk, arrivals", [
+    (8, 512, [0, 0, 0, 0, 0]),     # all at once
+    (2, 4, [0, 1, 1, 3, 6]),       # staggered, queueing for slots, chunked prefill
+    (3, 7, [2, 0, 5, 1, 0]),       # another order
+])
+def test_output_independent_of_batchmates_and_arrival(tiny32, solo, max_batch, chunk, arrivals):
+    engine = Engine(tiny32, max_batch=max_batch, max_len=64, prefill_chunk=chunk)
+    out: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    order = sorted(range(len(REQUESTS)), key=lambda i: arrivals[i])
+    step = 0
+    while order or engine.num_active:
+        while order and arrivals[order[0]] <= step:
+            i = order.pop(0)
+            engine.add(i, *REQUESTS[i])
+        _collect(engine.step(), out, reasons)
+        step += 1
+        assert step < 200
+    for i, ref in enumerate(solo):
+        assert out[i] == ref, f"request {i}"
+        assert reasons[i] == "length"
+    assert engine.free_slots == min(max_batch, 8)
+
+
+def test_eos_and_cancel_free_slots(tiny32, solo):
+    prompt, params = REQUESTS[0]
+    eos = solo[0][2]
+    engine = Engine(tiny32, max_batch=2, max_len=64)
+    engine.add(0, prompt, SamplingParams(max_new_tokens=9, eos_token_ids=(eos,)))
+    engine.add(1, *REQUESTS[3])
+    engine.add(2, *REQUESTS[4])  # waits: both slots busy
+    assert engine.num_active == 3 and engine.free_slots == -1 and not engine.can_add(3, 3)
+    out: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    while 0 not in reasons:
+        _collect(engine.step(), out, reasons)
+    assert out[0] == solo[0][:3] and reasons[0] == "stop"
+    engine.cancel(1)
+    engine.cancel(1)  # idempotent
+    assert engine.num_active == 1
+    _drain(engine, out, reasons)
+    assert 1 not in reasons and len(out.get(1, [])) < 7
+    assert out[2] == solo[4]  # joined a freed slot, unaffected
+    assert engine.num_active == 0 and engine.free_slots == 2
+
+
+def test_cancel_waiting_sequence(tiny32):
+    engine = Engine(tiny32, max_batch=1, max_len=64)
+    engine.add(0, *REQUESTS[0])
+    engine.add(1, *REQUESTS[1])
+    engine.cancel(1)
+    out: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    _drain(engine, out, reasons)
+    assert set(out) == {0}
+
+
+def test_decode_keeps_flowing_during_chunked_prefill(tiny32):
+    engine = Engine(tiny32, max_batch=2, max_len=96, prefill_chunk=8)
+    engine.add(0, _prompt(1, 3), SamplingParams(max_new_tokens=30))
+    for _ in range(3):
+        engine.step()
+    engine.add(1, _prompt(9, 60), SamplingParams(max_new_tokens=3))  # 8 chunks of prefill
+    per_step = []
+    for _ in range(8):
+        per_step.append({ev.seq_id for ev in engine.step()})
+    assert all(0 in s for s in per_step)  # seq 0 emitted a token at every step
+    assert not any(1 in s for s in per_step[:7])  # seq 1 still reading its prompt
+
+
+def test_budget_and_validation(tiny32):
+    per_slot = kv_bytes_per_token(tiny32) * (64 + 1)
+    engine = Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=3 * per_slot)
+    assert engine.free_slots == 3 and engine.cache.slots == 3
+    assert engine.can_add(10, 54) and not engine.can_add(10, 55)
+    with pytest.raises(ValueError, match="exceeds max_len 64"):
+        engine.add(0, _prompt(1, 10), SamplingParams(max_new_tokens=55))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add(0, [], SamplingParams(max_new_tokens=5))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add(0, [1, 10**7], SamplingParams(max_new_tokens=5))
+    engine.add(0, [1, 2], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="already active"):
+        engine.add(0, [1, 2], SamplingParams(max_new_tokens=5))
+    with pytest.raises(ValueError, match="holds no sequence"):
+        Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=per_slot - 1)
