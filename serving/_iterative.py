@@ -187,8 +187,8 @@ class IterativeScheduler:
     def _take(self, part: _Partition, active: int, room: int, drain: bool) -> list[_Row] | None:
         """Waiting rows to admit now ([] to just step); None when the loop should end."""
         with self._cond:
-            if active == 0:
-                if not self._wait_window(room, drain):
+            if active == 0 and not part.to_cancel:
+                if not self._wait_window(part, room, drain):
                     return None
             rows: list[_Row] = []
             while self._waiting and len(rows) < room:
@@ -202,10 +202,12 @@ class IterativeScheduler:
             self._c.running += len(rows)
             return rows
 
-    def _wait_window(self, room: int, drain: bool) -> bool:
+    def _wait_window(self, part: _Partition, room: int, drain: bool) -> bool:
         """Idle: wait for a first arrival, then the batch_timeout window. False: end the loop."""
         while True:
             while self._c.queued == 0:
+                if part.to_cancel:
+                    return True
                 if self._stopping or self._aborting or drain:
                     return False
                 self._cond.wait()

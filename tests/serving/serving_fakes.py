@@ -76,10 +76,12 @@ class CountdownBackend:
         self.cancelled: list[int] = []
         self.threads: set[str] = set()
         self.inits: list[tuple[str, int]] = []
+        self.states: list[dict] = []
 
     def init(self, mode: str, arg: Any, partitions: int) -> dict:
         self.inits.append((mode, partitions))
-        return {"rows": {}}
+        self.states.append({"rows": {}})
+        return self.states[-1]
 
     def admit(self, state: dict, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
         self.threads.add(threading.current_thread().name)
