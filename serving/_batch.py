@@ -39,6 +39,8 @@ def _leading(data: Any) -> int:
         if len(data.shape) == 0:
             raise ValueError("cannot concatenate a scalar array: it has no leading (rows) axis")
         return int(data.shape[0])
+    if isinstance(data, list):
+        return len(data)
     sizes = {_leading(v) for v in data.values()}
     if len(sizes) != 1:
         raise ValueError(f"every value of a dict entry needs the same number of rows, got {sorted(sizes)}")
@@ -134,7 +136,7 @@ class Batch:
         sizes = []
         for piece in pieces:
             _check_compatible(template, _template(piece))
-            sizes.append(len(piece) if template == _ROWS else _leading(piece))
+            sizes.append(_leading(piece))
         return cls(pieces, sizes, template)
 
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import DeadlineExceeded, RequestCancelled, ServingOverloaded
+from ._errors import DeadlineExceeded, RequestCancelled
 from ._telemetry import ServingStats
 
 
@@ -27,8 +27,6 @@ class Counters:
             self.cancelled += 1
         elif isinstance(error, DeadlineExceeded):
             self.expired += 1
-        elif isinstance(error, ServingOverloaded):
-            self.rejected += 1
         else:
             self.failed += 1
 

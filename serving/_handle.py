@@ -28,6 +28,8 @@ def lookup(name_or_handle: str | ServingHandle) -> ServingHandle:
     """The handle itself, or the running serving registered under this name."""
     if isinstance(name_or_handle, ServingHandle):
         return name_or_handle
+    if not isinstance(name_or_handle, str):
+        raise TypeError(f"expected a ServingHandle or a serving name, got {type(name_or_handle).__name__}")
     with _registry_lock:
         handle = _registry.get(name_or_handle)
     if handle is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._backend import Backend, FunctionBackend, IterativeBackend, is_iterative
@@ -129,14 +129,22 @@ class Serving:
         return await Call(self, self._inline, input, None).result_async()
 
     # ---- process mode --------------------------------------------------------------------------
-    def start(self, name: str | None = None, **options: Any) -> ServingHandle:
-        """Start in process mode; ``options`` override ``process_options`` (see ``ProcessOptions``).
+    def start(self, name: str | None = None, *, batch_size: int | None = None, batch_timeout: float | None = None,
+              batch_keys: Sequence[Any] | None = None, partitions: int | None = None,
+              max_queue: int | None = _UNSET, shutdown_timeout: float | None = None) -> ServingHandle:
+        """Start in process mode; given options override ``process_options`` (see ``ProcessOptions``).
 
         ``name`` registers the handle for ``Serving.batched_run(name, ...)`` (``ValueError`` if
-        taken). Raises ``ValueError`` if ``batch_size`` disagrees with ``Serving.batch_size``, and
-        whatever the backend's ``init`` raised.
+        taken). Blocks until the backend's ``init`` has run. Raises ``ValueError`` if
+        ``batch_size`` disagrees with ``Serving.batch_size`` or an option is out of range, and
+        whatever ``init`` raised.
         """
-        opts = self._options.merge(**options)
+        given = dict(batch_size=batch_size, batch_timeout=batch_timeout, batch_keys=batch_keys,
+                     partitions=partitions, shutdown_timeout=shutdown_timeout)
+        overrides = {k: v for k, v in given.items() if v is not None}
+        if max_queue is not _UNSET:
+            overrides["max_queue"] = max_queue
+        opts = self._options.merge(**overrides)
         if opts.batch_size is not None and self._batch_size is not None and opts.batch_size != self._batch_size:
             raise ValueError(f"batch_size {opts.batch_size} disagrees with the serving's batch_size {self._batch_size}")
         opts = opts.merge(batch_size=opts.batch_size or self._batch_size or 1)

@@ -23,7 +23,7 @@ class TelemetryEvent:
     kind: ``preprocessing`` / ``postprocessing`` (in the caller's thread, one per request),
     ``execute`` (one static batch on an executor thread) or ``step`` (one admission + step of an
     iterative backend). duration_s: wall time in seconds (``time.perf_counter``). rows: rows in
-    the batch or step (the request's rows for pre/postprocessing). partition: executor partition,
+    the batch or step (postprocessing: the request's rows; preprocessing: 0, not yet known). partition: executor partition,
     None in the caller. error: the exception raised by the phase, if any.
     """
 

@@ -18,6 +18,8 @@ def test_dicts_and_ragged_python_rows():
     assert r.size == 2 and r.data == [[1, 2, 3], [4]]
     assert Batch.concatenate([[[1], [2, 3]], [[4]]]).data == [[1], [2, 3], [4]]
     assert d.rows()[1]["ids"].tolist() == [1, 2]
+    mixed = Batch.merge([Batch.stack([{"ids": [1, 2], "max_new": 4}]), Batch.stack([{"ids": [3], "max_new": 1}])])
+    assert mixed.size == 2 and mixed.rows() == [{"ids": [1, 2], "max_new": 4}, {"ids": [3], "max_new": 1}]
 
 
 def test_mlx_arrays_are_joined_with_mlx():

@@ -231,6 +231,11 @@ def test_batch_size_disagreement_and_option_validation(recording):
         Serving.new(recording).start(batch_size=4, max_queue=2)
     with pytest.raises(TypeError):
         Serving.new(recording).start(bogus=1)
+    with pytest.raises(TypeError, match="ServingHandle"):
+        Serving.batched_run(Serving.new(recording), rows(1))
+    served = Serving.new(recording).process_options(batch_size=2, batch_timeout=0.01, max_queue=8)
+    with served.start(max_queue=None) as h:
+        assert (h.options.batch_size, h.options.batch_timeout, h.options.max_queue) == (2, 0.01, None)
 
 
 def test_init_failure_raises_from_start():
