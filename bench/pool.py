@@ -1,0 +1,156 @@
+"""ServingPool: throughput of 1 vs 2 worker processes, and the per-request overhead of the pool.
+
+(a) Throughput for a CPU-bound backend that holds the GIL (a pure-Python loop, about 20 ms per
+    row), batch_size 1, 16 caller threads, 96 requests, best of 3 rounds (each round runs every
+    path in turn, so background load hits them alike). Rows: a local
+    ``ServingHandle`` with 1 and 2 partitions (one process: the GIL serialises them), the pool with
+    1 and 2 workers, and the peer ``concurrent.futures.ProcessPoolExecutor(2)`` (spawn) running the
+    same function without batching. Target (issue 6): pool 2 workers / pool 1 worker >= 1.7x.
+(b) Per-request latency, one caller, 2000 sequential requests, no-op backend (returns its input),
+    batch_size 1, batch_timeout 0; p50/p99 in microseconds for a 16-float input and a 1 MiB
+    float32 array. Rows: the local handle's ``batched_run``, ``ServingPool.run`` (1 worker), and
+    the peer ``ProcessPoolExecutor(1).submit(fn, x).result()``. The pool's overhead is its p50
+    minus the local handle's.
+
+Run: ``.venv/bin/python bench/pool.py`` (writes bench/results/pool.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from serving import Batch, Serving
+from serving._pool import ServingPool
+
+_SPAWN = multiprocessing.get_context("spawn")  # the peer starts its processes as the pool does
+LOOP = 400_000  # iterations of the pure-Python loop per row (~20 ms on the development machine)
+
+
+def spin(seed: int) -> float:
+    """CPU-bound pure-Python work that holds the GIL."""
+    acc = 0.0
+    for i in range(LOOP):
+        acc += (i * seed) % 7
+    return acc
+
+
+def _one(value: Any) -> tuple[Batch, None]:
+    return Batch.stack([value]), None
+
+
+def _first(output_metadata: tuple[Any, Any], info: Any) -> Any:
+    return output_metadata[0][0]
+
+
+def cpu_serving() -> Serving:
+    return Serving.new(lambda batch: [spin(seed) for seed in batch.rows()]).client_preprocessing(_one).client_postprocessing(_first)
+
+
+def noop(value: Any) -> Any:
+    return value
+
+
+def noop_serving() -> Serving:
+    return Serving.new(lambda batch: batch.rows()).client_preprocessing(_one).client_postprocessing(_first)
+
+
+def _rate(call, requests: int, callers: ThreadPoolExecutor) -> float:
+    start = time.perf_counter()
+    list(callers.map(call, range(1, requests + 1)))
+    return requests / (time.perf_counter() - start)
+
+
+def _latency_us(call, value: Any, n: int) -> tuple[float, float]:
+    for _ in range(50):
+        call(value)
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call(value)
+        samples.append(time.perf_counter() - start)
+    p50, p99 = np.percentile(np.asarray(samples) * 1e6, [50, 99])
+    return float(p50), float(p99)
+
+
+def throughput(requests: int, rounds: int) -> dict[str, float]:
+    """Best req/s per path; every round measures every path in turn (fair under shared cores)."""
+    options = {"batch_size": 1, "batch_timeout": 0.0}
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        local1 = enter(Serving.start(cpu_serving(), partitions=1, **options))
+        local2 = enter(Serving.start(cpu_serving(), partitions=2, **options))
+        pool1 = enter(ServingPool(cpu_serving, workers=1, **options))
+        pool2 = enter(ServingPool(cpu_serving, workers=2, **options))
+        peer = enter(ProcessPoolExecutor(2, mp_context=_SPAWN))
+        list(peer.map(spin, [1, 2]))  # both processes up before timing
+        paths = {
+            "local_1_partitions": local1.batched_run,
+            "local_2_partitions": local2.batched_run,
+            "pool_1_workers": pool1.run,
+            "pool_2_workers": pool2.run,
+            "peer_process_pool_2": lambda s: peer.submit(spin, s).result(),
+        }
+        callers = enter(ThreadPoolExecutor(16))
+        best = dict.fromkeys(paths, 0.0)
+        for _ in range(rounds):
+            for path, call in paths.items():
+                best[path] = max(best[path], _rate(call, requests, callers))
+    return best
+
+
+def latency(n: int) -> dict[str, dict[str, float]]:
+    inputs = {"16 floats": np.ones(16, np.float32), "1 MiB array": np.ones(1 << 18, np.float32)}
+    options = {"batch_size": 1, "batch_timeout": 0.0}
+    out: dict[str, dict[str, float]] = {}
+    with Serving.start(noop_serving(), **options) as handle, ServingPool(noop_serving, workers=1, **options) as pool:
+        with ProcessPoolExecutor(1, mp_context=_SPAWN) as peer:
+            paths = {
+                "local handle batched_run": handle.batched_run,
+                "ServingPool.run (1 worker)": pool.run,
+                "peer ProcessPoolExecutor(1)": lambda x: peer.submit(noop, x).result(),
+            }
+            for label, value in inputs.items():
+                for path, call in paths.items():
+                    p50, p99 = _latency_us(call, value, n)
+                    out[f"{path} / {label}"] = {"p50_us": p50, "p99_us": p99}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency-requests", type=int, default=2000)
+    args = parser.parse_args()
+
+    a = throughput(args.requests, args.rounds)
+    print(f"(a) CPU-bound backend (~20 ms/row, holds the GIL), 16 threads, {args.requests} requests, best of {args.rounds}")
+    print(f"{'path':<36}{'req/s':>10}")
+    for path, value in a.items():
+        print(f"{path:<36}{value:>10.1f}")
+    scale = a["pool_2_workers"] / a["pool_1_workers"]
+    print(f"pool 2 workers / 1 worker: {scale:.2f}x (target >= 1.7x); "
+          f"pool 2 / peer ProcessPoolExecutor(2): {a['pool_2_workers'] / a['peer_process_pool_2']:.2f}")
+    print()
+    b = latency(args.latency_requests)
+    print(f"(b) latency, no-op backend, 1 caller, {args.latency_requests} requests (us)")
+    print(f"{'path / input':<56}{'p50':>10}{'p99':>10}")
+    for path, value in b.items():
+        print(f"{path:<56}{value['p50_us']:>10.1f}{value['p99_us']:>10.1f}")
+    out = Path(__file__).parent / "results" / "pool.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"throughput_req_per_s": a, "scale_2_over_1": scale, "latency": b}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
