@@ -1,0 +1,69 @@
+"""Text generation as a Serving: Qwen3 (MLX) with continuous batching, streaming and stop strings.
+
+Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat template applied),
+optionally with per-request ``seed``, ``stop``, ``max_new_tokens``, ``sampler``, ``temperature``,
+``top_p``, ``enable_thinking``, ``tools``; or a list of these. Output for one input:
+``{"results": [{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input",
+"output"}, "timing"}]}``; a list input returns a list of those, in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from serving import Serving
+from tokenization import Tokenizer
+
+from ..qwen3 import State, load
+from ._backend import GenerationBackend
+from ._inputs import RequestInfo, preprocess
+from ._options import GenerationOptions
+from ._stream import GenerationTransducer, collect
+
+__all__ = ["GenerationOptions", "from_mlx4bit", "serving"]
+
+_BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
+
+
+def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
+    """A text-generation Serving over a loaded Qwen3 ``state``.
+
+    ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
+    sampler="greedy", temperature=0.95, top_p=0.9, chat=False, stop=(), profile_timing=True,
+    max_batch=32, prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
+    ``batch_size=max_batch`` and a 5 ms admission window. Raises ValueError for a bad option and
+    TypeError for an unknown one. Bad inputs raise ValueError in the caller only.
+    """
+    opts = GenerationOptions(**options)
+    return (
+        Serving.new(GenerationBackend(state, opts))
+        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts))
+        .streaming(lambda info: GenerationTransducer(tokenizer, info))
+        .client_postprocessing(_postprocess)
+        .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)
+    )
+
+
+def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, **options: Any) -> Serving:
+    """Load an MLX checkpoint directory (4-bit or dense) and return :func:`serving` over it.
+
+    The tokenizer comes from the same directory unless given. Raises FileNotFoundError naming a
+    missing file, ValueError for an unsupported checkpoint or option.
+    """
+    _check_option_names(options)
+    state = load(path)
+    return serving(tokenizer or Tokenizer.from_dir(path), state, **options)
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    known = {f.name for f in fields(GenerationOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown text-generation options {unknown} (known: {sorted(known)})")
+
+
+def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> Any:
+    items, _metadata = result
+    return collect(items, info)

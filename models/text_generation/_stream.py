@@ -1,0 +1,133 @@
+"""Client-side stream state: token ids -> UTF-8-safe text pieces, stop strings held back.
+
+One :class:`GenerationTransducer` per request (built by ``Serving.streaming``); it runs in the
+caller's thread or event loop, never on the executor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenization import StreamingDetokenizer, Tokenizer
+
+from ._backend import TokenEvent
+from ._inputs import RequestInfo
+
+__all__ = ["GenerationTransducer", "RowText", "collect"]
+
+
+@dataclass
+class RowText:
+    """Text state of one row: emitted text, held-back tail, token count, finish."""
+
+    detok: StreamingDetokenizer
+    stops: tuple[str, ...]
+    held: str = ""
+    tokens: int = 0
+    finish_reason: str | None = None
+    timing: dict[str, float] | None = None
+    pieces: list[str] = field(default_factory=list)
+
+    def push(self, text: str) -> str:
+        """Add new text; return what is safe to emit. Sets ``finish_reason="stop"`` when a stop
+        string appears (the text from it on is dropped)."""
+        buf = self.held + text
+        cut = _first_stop(buf, self.stops)
+        if cut is not None:
+            self.held, self.finish_reason = "", "stop"
+            return buf[:cut]
+        keep = _partial_stop_len(buf, self.stops)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return buf[: len(buf) - keep]
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class GenerationTransducer:
+    """Serving transducer for text generation (see ``serving.Transducer``).
+
+    Items: for a single input, ``str`` pieces then one final ``dict`` with ``finish_reason``,
+    ``num_tokens``, ``token_summary`` (``{"input", "output"}`` tokens) and, when profiled,
+    ``timing`` (ms); for a list input, ``(row_index, item)`` pairs. ``"".join`` of a row's pieces
+    equals its non-streamed ``generated_text``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, info: RequestInfo):
+        self._info = info
+        self._rows = [RowText(StreamingDetokenizer(tokenizer), stops) for stops in info.stops]
+        self._stop: list[int] = []
+
+    def feed(self, row_index: int, event: Any) -> list[Any]:
+        """One ``(token_id, finish_reason, timing)`` event of row ``row_index`` -> items."""
+        token_id, finish_reason, timing = event  # type: TokenEvent
+        row = self._rows[row_index]
+        if row.finish_reason is not None:
+            return []
+        row.tokens += token_id is not None
+        text = row.detok.add(token_id) if token_id is not None else ""
+        if finish_reason is not None:
+            text += row.detok.finalize()
+        out = row.push(text)
+        if row.finish_reason == "stop":
+            self._stop.append(row_index)
+        elif finish_reason is not None:
+            out += row.held
+            row.held, row.finish_reason, row.timing = "", finish_reason, timing
+        return self._items(row_index, out, row)
+
+    def stop_rows(self) -> list[int]:
+        """Rows whose stop string was found since the last call (the serving cancels them)."""
+        rows, self._stop = self._stop, []
+        return rows
+
+    def close(self) -> list[Any]:
+        """Nothing is left: every row emitted its final event when it finished or stopped."""
+        return []
+
+    def _items(self, row_index: int, text: str, row: RowText) -> list[Any]:
+        items: list[Any] = [text] if text else []
+        if row.finish_reason is not None:
+            items.append(self._final(row_index, row))
+        return [(row_index, it) for it in items] if self._info.is_list else items
+
+    def _final(self, row_index: int, row: RowText) -> dict[str, Any]:
+        done: dict[str, Any] = {
+            "finish_reason": row.finish_reason,
+            "num_tokens": row.tokens,
+            "token_summary": {"input": self._info.input_tokens[row_index], "output": row.tokens},
+        }
+        if row.timing is not None:
+            done["timing"] = row.timing
+        return done
+
+
+def collect(items: list[Any], info: RequestInfo) -> Any:
+    """Non-streamed result from a request's items: ``{"results": [...]}`` (a list of those for a
+    list input), each result ``{"generated_text", "num_tokens", "finish_reason", "token_summary"
+    [, "timing"]}``."""
+    rows: list[dict[str, Any]] = [{"generated_text": []} for _ in info.input_tokens]
+    for item in items:
+        index, value = item if info.is_list else (0, item)
+        if isinstance(value, str):
+            rows[index]["generated_text"].append(value)
+        else:
+            rows[index].update(value)
+    for r in rows:
+        r["generated_text"] = "".join(r["generated_text"])
+    results = [{"results": [r]} for r in rows]
+    return results if info.is_list else results[0]
