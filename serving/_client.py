@@ -16,7 +16,7 @@ import anyio
 from ._batch import Batch
 from ._channel import END
 from ._output import concat_outputs, slice_output
-from ._request import Request
+from ._request import Request, reap_orphans
 from ._telemetry import Callback, timed
 
 __all__ = ["AsyncStream", "Stream", "Transducer"]
@@ -165,7 +165,7 @@ class Stream:
     def __del__(self) -> None:
         request = getattr(self, "_request", None)
         if request is not None:
-            request.cancel()
+            request.cancel_later()
 
 
 class AsyncStream(Stream):
@@ -203,6 +203,7 @@ class Call:
 
     def __init__(self, serving: Any, runtime: Any, input: Any, deadline: float | None,
                  check_key: Callable[[Batch], None] | None = None):
+        reap_orphans()
         telemetry: Callback | None = serving._telemetry
         with timed(telemetry, "preprocessing", 0):
             batch, self.info = serving._preprocess(input)

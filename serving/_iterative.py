@@ -23,7 +23,7 @@ from ._batch import Batch
 from ._counters import Counters
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
-from ._request import Request
+from ._request import Request, reap_orphans
 from ._telemetry import TelemetryEvent, emit
 
 _log = logging.getLogger("serving")
@@ -149,6 +149,7 @@ class IterativeScheduler:
     def _iteration(self, part: _Partition, drain: bool) -> bool:
         """Cancel, admit, expire, step once. False when the loop should end."""
         backend = self._backend
+        reap_orphans()
         self._apply_cancels(part)
         active = backend.active(part.state)
         room = min(self._batch_size - active, backend.free_slots(part.state))

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Protocol
 
 from ._channel import Channel
 from ._errors import DeadlineExceeded, RequestCancelled
+
+
+# Requests whose stream was garbage-collected. ``__del__`` may run inside any thread at any
+# allocation (cyclic GC), even one holding a scheduler or channel lock, so it only appends here
+# (atomic); schedulers and new calls cancel them at safe points with ``reap_orphans``.
+_orphans: deque[Request] = deque()
+
+
+def reap_orphans() -> None:
+    """Cancel requests whose streams were collected (call holding no scheduler or channel lock)."""
+    while _orphans:
+        try:
+            request = _orphans.popleft()
+        except IndexError:
+            return
+        request.cancel()
 
 
 class Owner(Protocol):
@@ -60,6 +77,11 @@ class Request:
     def cancel(self) -> None:
         """The caller left: withdraw (no-op when the request already finished)."""
         self.fail(RequestCancelled("the caller cancelled the request"))
+
+    def cancel_later(self) -> None:
+        """Cancel from a finalizer: queue for ``reap_orphans`` (takes no lock)."""
+        if not self.channel.closed:
+            _orphans.append(self)
 
     def expire(self) -> None:
         self.fail(DeadlineExceeded("the request's deadline passed"))

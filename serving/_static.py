@@ -21,7 +21,7 @@ from ._counters import Counters
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
 from ._output import output_rows
-from ._request import Request
+from ._request import Request, reap_orphans
 from ._telemetry import TelemetryEvent, emit
 
 
@@ -138,7 +138,11 @@ class StaticScheduler:
     # ---- executor side -----------------------------------------------------------------------
     def run_partition(self, partition: int) -> None:
         """The partition's loop: take the next batch, run it; return once stopped and drained."""
-        while (entries := self._next(partition)) is not None:
+        while True:
+            reap_orphans()  # outside the lock: an orphan may belong to another serving
+            entries = self._next(partition)
+            if entries is None:
+                return
             self._execute(entries, partition)
 
     def _next(self, partition: int) -> list[_Entry] | None:
