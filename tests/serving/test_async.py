@@ -105,3 +105,24 @@ async def test_static_stream_yields_each_chunk(recording):
     async with Serving.new(recording).start(batch_size=2, batch_timeout=0.01) as h:
         chunks = [out.tolist() async for out, _meta in Serving.stream_async(h, rows(1, 2, 3))]
     assert chunks == [[2, 4], [6]]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_asyncio_wait_for_and_task_cancel_withdraw_queued_requests(anyio_backend):
+    import asyncio
+
+    backend = GateBackend()
+    async with Serving.new(backend).start(batch_size=1, batch_timeout=0) as h:
+        running = asyncio.ensure_future(Serving.batched_run_async(h, rows(1)))
+        await anyio.to_thread.run_sync(backend.wait_started)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(Serving.batched_run_async(h, rows(2)), 0.1)
+        task = asyncio.ensure_future(Serving.batched_run_async(h, rows(3)))
+        await anyio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (h.stats().queued, h.stats().cancelled) == (0, 2)
+        backend.gate.set()
+        assert (await running).tolist() == [2]
+    assert [b[0] for b in backend.batches] == [[1]]
