@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import threading
 import time
+import weakref
 from typing import Any
 
 import anyio
@@ -22,6 +24,15 @@ from ._telemetry import ServingStats
 _registry: dict[str, ServingHandle] = {}
 _registry_lock = threading.Lock()
 _anonymous = itertools.count()
+_live: weakref.WeakSet[ServingHandle] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, end handles left running: refuse and fail their work at once, so the
+    partition loops return and the executors' own exit hook can join their threads."""
+    for handle in list(_live):
+        handle._stop_now()
 
 
 def lookup(name_or_handle: str | ServingHandle) -> ServingHandle:
@@ -60,6 +71,7 @@ class ServingHandle:
             raise
         for i, executor in enumerate(self._executors):
             executor.submit(lambda i=i: self._scheduler.run_partition(i))
+        _live.add(self)
 
     def _register(self) -> None:
         if self._name is None:
@@ -136,6 +148,17 @@ class ServingHandle:
         end = time.monotonic() + self._options.shutdown_timeout
         if not all(ex.join(max(end - time.monotonic(), 0.0)) for ex in self._executors):
             self._scheduler.abort()
+
+    def _stop_now(self) -> None:
+        """``stop`` without waiting: running work is failed with ServingStopped too."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._unregister()
+        self._scheduler.stop()
+        self._scheduler.abort()
+        self._close_executors()
 
     def _close_executors(self) -> None:
         for executor in self._executors:

@@ -1,0 +1,26 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPT = """
+import sys, threading
+sys.path.insert(0, {fakes!r})
+from serving import Serving
+from serving_fakes import CountdownBackend, RecordingBackend, countdown, rows
+it = Serving.new(CountdownBackend(step_delay=0.01)).start(batch_size=2, batch_timeout=0)
+st = Serving.new(RecordingBackend()).start(batch_size=4, batch_timeout=60)
+threading.Thread(target=Serving.batched_run, args=(it, countdown(100000)), daemon=True).start()
+threading.Thread(target=Serving.batched_run, args=(st, rows(1)), daemon=True).start()
+Serving.new(RecordingBackend()).run(rows(1))
+print("started", flush=True)
+"""
+
+
+def test_interpreter_exit_ends_handles_left_running():
+    script = SCRIPT.format(fakes=str(Path(__file__).parent))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "started" in done.stdout
+    assert time.monotonic() - start < 4.5  # the executors' exit hook waits at most 5 s
