@@ -1,0 +1,244 @@
+"""GPU throughput: ours (through the Serving) vs mlx-lm, same process, same seeded checkpoint.
+
+Qwen3-0.6B-shaped seeded random MLX 4-bit checkpoint; 128-token prompts, 128 new tokens,
+greedy, EOS ignored (both sides generate exactly ``--new`` tokens). Prints one table and writes
+JSON (default bench/results/gpu_throughput.json). Measures:
+
+- one stream: mlx-lm ``generate_step`` vs our Serving (``Serving.stream`` in process mode) and our
+  bare ``Engine``: time to first token (ms) and decode tok/s;
+- concurrency curve: N concurrent requests through ``batched_run_async`` vs mlx-lm
+  ``batch_generate`` on N prompts (default and ``completion_batch_size=N``): aggregate tok/s =
+  N * new tokens / wall seconds (prefill included);
+- arrival under load: TTFT of one request arriving while 64 streams decode, against its idle
+  prefill time + 3 decode steps at batch 64.
+
+Run (MLX CUDA build): ``python bench/gpu_throughput.py``; on CPU use ``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import tokenizers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import text_generation  # noqa: E402
+from models.qwen3 import Engine, SamplingParams, load  # noqa: E402
+from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from serving import Serving  # noqa: E402
+from tokenization import Tokenizer  # noqa: E402
+
+
+def word_prompts(tok: tokenizers.Tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of exactly ``length`` tokens: random common words that are one token each,
+    so the text round-trips to the same ids through our tokenizer and mlx-lm's."""
+    vocab = tok.get_vocab()
+    words = sorted(w for w in vocab if w.startswith("Ġ") and w[1:].isalpha() and w[1:].islower() and len(w) > 3)
+    rng = np.random.default_rng(seed)
+    return [[vocab[w] for w in rng.choice(words, size=length)] for _ in range(n)]
+
+
+def mlxlm_single(model: Any, prompt: list[int], new: int) -> dict[str, float]:
+    from mlx_lm.generate import generate_step
+    t0 = time.perf_counter()
+    first = last = t0
+    count = 0
+    for count, (tok_id, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=new), start=1):
+        last = time.perf_counter()
+        if count == 1:
+            first = last
+    return {"ttft_ms": (first - t0) * 1e3, "decode_tok_s": (count - 1) / (last - first), "tokens": count}
+
+
+def mlxlm_batch(model: Any, tokenizer: Any, prompts: list[list[int]], new: int, **kw: Any) -> dict[str, float]:
+    from mlx_lm import batch_generate
+    t0 = time.perf_counter()
+    resp = batch_generate(model, tokenizer, prompts, max_tokens=new, return_token_ids=True, **kw)
+    wall = time.perf_counter() - t0
+    produced = sum(len(t) for t in resp.token_ids)
+    return {"wall_s": wall, "tokens": produced, "tok_s": produced / wall,
+            "decode_tok_s": resp.stats.generation_tps}
+
+
+def engine_single(state: Any, prompt: list[int], new: int) -> dict[str, float]:
+    eng = Engine(state, max_batch=1, max_len=len(prompt) + new + 8)
+    eng.add(0, prompt, SamplingParams(max_new_tokens=new, eos_token_ids=()))
+    t0 = time.perf_counter()
+    times: list[float] = []
+    while eng.num_active:
+        if eng.step():
+            times.append(time.perf_counter())
+    return {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+            "tokens": len(times)}
+
+
+def serving_single(handle: Any, text: str) -> dict[str, float]:
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    final: dict[str, Any] = {}
+    for item in Serving.stream(handle, text):
+        if isinstance(item, dict):
+            final = item
+        else:
+            stamps.append(time.perf_counter())
+    n = final["num_tokens"]
+    return {"ttft_ms": (stamps[0] - t0) * 1e3, "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "tokens": n}
+
+
+async def serving_concurrent(handle: Any, texts: list[str]) -> dict[str, float]:
+    counts: list[int] = []
+
+    async def one(text: str) -> None:
+        r = await Serving.batched_run_async(handle, text)
+        counts.append(r["results"][0]["num_tokens"])
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for t in texts:
+            tg.start_soon(one, t)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": sum(counts), "tok_s": sum(counts) / wall}
+
+
+async def arrival_under_load(handle: Any, background: list[str], probe: str) -> dict[str, float]:
+    """TTFT of ``probe`` sent once all ``background`` streams are decoding; inter-token gap of
+    the background streams (their decode step time) measured just before."""
+    started = anyio.Event()
+    first_seen = 0
+    gaps: list[float] = []
+    result: dict[str, float] = {}
+
+    async def bg(text: str) -> None:
+        nonlocal first_seen
+        last = None
+        async for item in Serving.stream_async(handle, text):
+            now = time.perf_counter()
+            if isinstance(item, str):
+                if last is None:
+                    first_seen += 1
+                    if first_seen == len(background):
+                        started.set()
+                elif started.is_set() and "ttft_ms" not in result:
+                    gaps.append(now - last)
+                last = now
+
+    async def probe_task() -> None:
+        await started.wait()
+        await anyio.sleep(0.2)
+        t0 = time.perf_counter()
+        async for item in Serving.stream_async(handle, probe):
+            if isinstance(item, str):
+                result["ttft_ms"] = (time.perf_counter() - t0) * 1e3
+                break
+
+    async with anyio.create_task_group() as tg:
+        for t in background:
+            tg.start_soon(bg, t)
+        tg.start_soon(probe_task)
+    result["step_ms_at_load"] = statistics.median(gaps) * 1e3 if gaps else float("nan")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen3-0.6b-bench"))
+    ap.add_argument("--preset", default="0.6b")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,8,32,64,128,256")
+    ap.add_argument("--peer-concurrency", default="1,8,32,128,256")
+    ap.add_argument("--load-streams", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_throughput.json"))
+    ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens: a smoke run for CPU")
+    args = ap.parse_args()
+    if args.quick:
+        args.preset, args.new, args.prompt_len = "tiny", 8, 16
+        args.concurrency, args.peer_concurrency, args.load_streams = "1,4", "1,4", 4
+    if not (args.ckpt / "config.json").is_file():
+        write_checkpoint(args.ckpt, args.preset, seed=0)
+    from mlx_lm import load as mlxlm_load
+
+    raw = tokenizers.Tokenizer.from_file(str(args.ckpt / "tokenizer.json"))
+    tok = Tokenizer(raw, eos_token_ids=())  # EOS ignored: every request generates exactly --new tokens
+    state = load(args.ckpt)
+    model, mlxlm_tok = mlxlm_load(str(args.ckpt))
+    mlxlm_tok.eos_token_ids = set()
+    levels = [int(x) for x in args.concurrency.split(",")]
+    peer_levels = [int(x) for x in args.peer_concurrency.split(",")]
+    n_max = max(levels + peer_levels + [args.load_streams + 1])
+    prompts = word_prompts(raw, n_max, args.prompt_len, seed=0)
+    texts = [raw.decode(p) for p in prompts]
+    assert all(tok.encode(t) == p for t, p in zip(texts[:8], prompts[:8])), "prompts must round-trip"
+    out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
+                           "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node()}
+
+    # warm-up both (kernel compilation, allocator)
+    mlxlm_single(model, prompts[0], 8)
+    engine_single(state, prompts[0], 8)
+    out["single"] = {"mlx_lm_generate_step": mlxlm_single(model, prompts[1], args.new),
+                     "ours_engine": engine_single(state, prompts[1], args.new)}
+    max_len = args.prompt_len + args.new + 8
+    gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=max_len,
+                                  max_batch=max(levels), prefill_chunk=512)
+    with Serving.start(gen, batch_size=1, batch_timeout=0.0) as h:
+        serving_single(h, texts[0])
+        out["single"]["ours_serving"] = serving_single(h, texts[1])
+    curve: dict[str, Any] = {}
+    for n in levels:
+        with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
+            anyio.run(serving_concurrent, h, texts[:min(n, 4)])  # warm-up at this batch shape
+            curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
+    for n in peer_levels:
+        row = curve.setdefault(str(n), {})
+        row["mlx_lm_batch_generate"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new)
+        if n > 32:
+            row["mlx_lm_batch_generate_cbs_n"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new,
+                                                             completion_batch_size=n, prefill_batch_size=n)
+    out["curve"] = curve
+    load_gen = text_generation.serving(tok, state, max_new_tokens=4 * args.new, max_len=args.prompt_len + 4 * args.new + 8,
+                                       max_batch=args.load_streams + 1)
+    with Serving.start(load_gen, batch_size=args.load_streams + 1, batch_timeout=0.002) as h:
+        idle = serving_single(h, texts[-1])
+        under = anyio.run(arrival_under_load, h, texts[:args.load_streams], texts[-1])
+    bound = idle["ttft_ms"] + 3 * under["step_ms_at_load"]
+    out["arrival_under_load"] = {"streams": args.load_streams, "idle_ttft_ms": idle["ttft_ms"], **under,
+                                 "bound_ms": bound, "within_bound": under["ttft_ms"] <= bound}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print_table(out)
+
+
+def print_table(out: dict[str, Any]) -> None:
+    s = out["single"]
+    peer = s["mlx_lm_generate_step"]
+    print(f"device {out['device']}  mlx {out['mlx']}  preset {out['preset']}  "
+          f"prompt {out['prompt_len']}  new {out['new_tokens']}")
+    print(f"{'one stream':<28}{'TTFT ms':>10}{'decode tok/s':>14}{'vs mlx-lm':>11}")
+    for name, r in (("mlx-lm generate_step", peer), ("ours: Engine", s["ours_engine"]),
+                    ("ours: Serving.stream", s["ours_serving"])):
+        print(f"{name:<28}{r['ttft_ms']:>10.1f}{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>10.2f}x")
+    print(f"\n{'concurrent':>10}{'ours tok/s':>12}{'mlx-lm bg':>12}{'ratio':>8}{'mlx-lm cbs=N':>14}{'ratio':>8}")
+    for n, row in sorted(out["curve"].items(), key=lambda kv: int(kv[0])):
+        ours = row.get("ours", {}).get("tok_s", float("nan"))
+        bg = row.get("mlx_lm_batch_generate", {}).get("tok_s", float("nan"))
+        cbs = row.get("mlx_lm_batch_generate_cbs_n", {}).get("tok_s", float("nan"))
+        print(f"{n:>10}{ours:>12.0f}{bg:>12.0f}{ours / bg:>7.2f}x{cbs:>14.0f}{ours / cbs:>7.2f}x")
+    a = out["arrival_under_load"]
+    print(f"\narrival while {a['streams']} streams decode: TTFT {a['ttft_ms']:.1f} ms; bound = idle TTFT "
+          f"{a['idle_ttft_ms']:.1f} + 3 x step {a['step_ms_at_load']:.2f} = {a['bound_ms']:.1f} ms -> "
+          f"{'within' if a['within_bound'] else 'OVER'}")
+
+
+if __name__ == "__main__":
+    main()
