@@ -6,6 +6,9 @@
     ``ServingHandle`` with 1 and 2 partitions (one process: the GIL serialises them), the pool with
     1 and 2 workers, and the peer ``concurrent.futures.ProcessPoolExecutor(2)`` (spawn) running the
     same function without batching. Target (issue 6): pool 2 workers / pool 1 worker >= 1.7x.
+(c) Throughput of the tiny seeded Qwen3 (4-bit) text-generation serving (``models.text_generation.
+    from_mlx4bit``), 16 caller threads, 32 prompts, 16 new tokens each (greedy), best of 2
+    rounds: local handle vs pool with 1 and 2 workers (MLX CPU build).
 (b) Per-request latency, one caller, 2000 sequential requests, no-op backend (returns its input),
     batch_size 1, batch_timeout 0; p50/p99 in microseconds for a 16-float input and a 1 MiB
     float32 array. Rows: the local handle's ``batched_run``, ``ServingPool.run`` (1 worker), and
@@ -19,8 +22,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing
+import os
+import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -28,8 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from serving import Batch, Serving
-from serving._pool import ServingPool
+# bench/ holds scripts named like the packages (bench/tokenization.py): keep the script's folder
+# off the import path, here and in the spawned workers (they inherit sys.path)
+sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+
+from serving import Batch, Serving  # noqa: E402
+from serving._pool import ServingPool  # noqa: E402
 
 _SPAWN = multiprocessing.get_context("spawn")  # the peer starts its processes as the pool does
 LOOP = 400_000  # iterations of the pure-Python loop per row (~20 ms on the development machine)
@@ -107,6 +118,32 @@ def throughput(requests: int, rounds: int) -> dict[str, float]:
     return best
 
 
+def qwen3_throughput(requests: int, rounds: int) -> dict[str, float]:
+    """Generated tokens/s per path, tiny seeded Qwen3 (best of ``rounds``, paths in turn)."""
+    from models.qwen3.checkpoint import write_checkpoint
+    from models.text_generation import from_mlx4bit
+
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        factory = functools.partial(from_mlx4bit, write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0),
+                                    max_new_tokens=8)
+        enter = stack.enter_context
+        paths = {
+            "local_handle": enter(Serving.start(factory())).batched_run,
+            "pool_1_workers": enter(ServingPool(factory, workers=1)).run,
+            "pool_2_workers": enter(ServingPool(factory, workers=2)).run,
+        }
+        callers = enter(ThreadPoolExecutor(16))
+        prompts = [f"Request {i}: count to ten." for i in range(requests)]
+        best = dict.fromkeys(paths, 0.0)
+        for _ in range(rounds):
+            for path, call in paths.items():
+                start = time.perf_counter()
+                outputs = list(callers.map(call, prompts))
+                tokens = sum(r["num_tokens"] for out in outputs for r in out["results"])
+                best[path] = max(best[path], tokens / (time.perf_counter() - start))
+    return best
+
+
 def latency(n: int) -> dict[str, dict[str, float]]:
     inputs = {"16 floats": np.ones(16, np.float32), "1 MiB array": np.ones(1 << 18, np.float32)}
     options = {"batch_size": 1, "batch_timeout": 0.0}
@@ -132,7 +169,9 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=2000)
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]
     a = throughput(args.requests, args.rounds)
+    print(f"1-minute load average before the run: {load_before:.2f} (2 cores)")
     print(f"(a) CPU-bound backend (~20 ms/row, holds the GIL), 16 threads, {args.requests} requests, best of {args.rounds}")
     print(f"{'path':<36}{'req/s':>10}")
     for path, value in a.items():
@@ -141,6 +180,13 @@ def main() -> None:
     print(f"pool 2 workers / 1 worker: {scale:.2f}x (target >= 1.7x); "
           f"pool 2 / peer ProcessPoolExecutor(2): {a['pool_2_workers'] / a['peer_process_pool_2']:.2f}")
     print()
+    c = qwen3_throughput(16, 1)
+    print("(c) tiny Qwen3 4-bit text generation, 16 threads, 16 prompts x 8 new tokens (tokens/s)")
+    for path, value in c.items():
+        print(f"{path:<36}{value:>10.1f}")
+    print(f"pool 2 workers / 1 worker: {c['pool_2_workers'] / c['pool_1_workers']:.2f}x; "
+          f"pool 1 worker / local handle: {c['pool_1_workers'] / c['local_handle']:.2f}")
+    print()
     b = latency(args.latency_requests)
     print(f"(b) latency, no-op backend, 1 caller, {args.latency_requests} requests (us)")
     print(f"{'path / input':<56}{'p50':>10}{'p99':>10}")
@@ -148,7 +194,7 @@ def main() -> None:
         print(f"{path:<56}{value['p50_us']:>10.1f}{value['p99_us']:>10.1f}")
     out = Path(__file__).parent / "results" / "pool.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"throughput_req_per_s": a, "scale_2_over_1": scale, "latency": b}, indent=2))
+    out.write_text(json.dumps({"load_average_1min_before": load_before, "throughput_req_per_s": a, "scale_2_over_1": scale, "qwen3_tokens_per_s": c, "latency": b}, indent=2))
     print(f"wrote {out}")
 
 
