@@ -25,7 +25,14 @@ def tiny32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_ckpt: Path) -> State:
+    """The 4-bit tiny checkpoint, default compute dtype (float32 on the CPU)."""
     return load(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tiny_ckpt: Path) -> State:
+    """The 4-bit tiny checkpoint computing in its stored bfloat16 (as mlx-lm does)."""
+    return load(tiny_ckpt, dtype="bfloat16")
 
 
 @pytest.fixture(scope="session")

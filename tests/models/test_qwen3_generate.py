@@ -27,10 +27,14 @@ def _mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _mlx_lm_model(path: Path):
+def _mlx_lm_model(path: Path, dtype=mx.float32):
+    """mlx-lm's model for ``path``, floating parameters cast to ``dtype`` (the packed
+    4-bit weights are untouched), so both sides compute in the same precision."""
     from mlx_lm.utils import load_model
 
-    return load_model(path)[0]
+    model = load_model(path)[0]
+    model.set_dtype(dtype)
+    return model
 
 
 # ---- parity with mlx-lm --------------------------------------------------------------------
@@ -43,12 +47,19 @@ def test_greedy_ids_match_mlx_lm(tiny, tiny_ckpt):
         assert info["finish_reason"] == "length" and len(set(ours)) > 4  # not degenerate
 
 
-@pytest.mark.parametrize("which", ["tiny", "tiny32"])
-def test_prefill_and_decode_logits_match_mlx_lm(which, request):
+def test_greedy_ids_match_mlx_lm_bfloat16(tiny_bf16, tiny_ckpt):
+    model = _mlx_lm_model(tiny_ckpt, mx.bfloat16)  # mlx-lm as it loads the checkpoint
+    ours, _ = generate(ELIXIR, tiny_bf16, max_new_tokens=32, eos_token_ids=[])
+    assert ours == _mlx_lm_greedy(model, ELIXIR, 32)
+
+
+@pytest.mark.parametrize("which, ckpt", [("tiny", "tiny_ckpt"), ("tiny_bf16", "tiny_ckpt"),
+                                         ("tiny32", "tiny32_ckpt")])
+def test_prefill_and_decode_logits_match_mlx_lm(which, ckpt, request):
     from mlx_lm.models.cache import make_prompt_cache
 
     state = request.getfixturevalue(which)
-    model = _mlx_lm_model(request.getfixturevalue(f"{which}_ckpt"))
+    model = _mlx_lm_model(request.getfixturevalue(ckpt), state.dtype)
     cache, ref_cache = init_kv_cache(state, 64), make_prompt_cache(model)
     t = len(ELIXIR)
     ours = forward(state, cache, Rows(mx.array([ELIXIR]), None, mx.array([0]), mx.array([t]), t,
@@ -69,7 +80,7 @@ def test_prefill_and_decode_logits_match_mlx_lm(which, request):
 @pytest.mark.slow
 def test_greedy_ids_match_mlx_lm_0_6b_shape(tmp_path):
     path = write_checkpoint(tmp_path / "q06", "0.6b", seed=0)
-    state, model = load(path), _mlx_lm_model(path)
+    state, model = load(path), _mlx_lm_model(path, mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
     for prompt in PROMPTS[:2]:
         ours, _ = generate(prompt, state, max_new_tokens=32, eos_token_ids=[])
         assert ours == _mlx_lm_greedy(model, prompt, 32)
@@ -100,7 +111,8 @@ def test_batched_rows_equal_solo_rows_float32(tiny32, chunk):
     assert info["finish_reason"] == ["length"] * len(prompts)
 
 
-def test_batched_first_step_logits_4bit(tiny):
+def test_batched_first_step_logits_4bit(tiny_bf16):
+    tiny = tiny_bf16
     prompts = _ragged_prompts()[:3]
     t = max(len(p) for p in prompts)
     toks = np.zeros((3, t), dtype=np.int32)

@@ -33,10 +33,12 @@ def _prefill_logits(state, prompt=PROMPT) -> np.ndarray:
     return np.array(forward(state, cache, rows).astype(mx.float32))
 
 
-def _ref_logits(path: Path, prompt=PROMPT) -> np.ndarray:
+def _ref_logits(path: Path, prompt=PROMPT, dtype=mx.float32) -> np.ndarray:
+    """mlx-lm's last-position logits, its floating parameters cast to ``dtype``."""
     from mlx_lm.utils import load_model
 
     model, _ = load_model(path)
+    model.set_dtype(dtype)
     return np.array(model(mx.array([prompt]))[:, -1].astype(mx.float32))
 
 
@@ -109,9 +111,11 @@ def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
         load(d)
 
 
-def test_quantized_layout_loads(tiny):
+def test_quantized_layout_loads(tiny, tiny_bf16):
     c = tiny.config
-    assert tiny.dtype == mx.bfloat16 and c.tie_word_embeddings
+    assert tiny_bf16.dtype == mx.bfloat16 and tiny_bf16.layers[0].q_proj.scales.dtype == mx.bfloat16
+    assert tiny.dtype == mx.float32  # the CPU default compute dtype
+    assert c.tie_word_embeddings
     assert tiny.lm_head is tiny.embed_tokens
     q = tiny.layers[0].q_proj
     assert q.weight.dtype == mx.uint32 and q.weight.shape == (c.num_attention_heads * c.head_dim, c.hidden_size // 8)
