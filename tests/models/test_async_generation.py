@@ -1,15 +1,22 @@
 """Async text generation on the tiny Qwen3 checkpoint: a free event loop, cancellation (queued,
 generating, a stream left early), streamed text equal to the non-streamed text, stop strings
-held back, max_queue and deadlines. anyio tests run on asyncio and on trio."""
+held back, max_queue and deadlines; the ASGI example (examples/asgi_stream.py). anyio tests run
+on asyncio and on trio."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from starlette.requests import ClientDisconnect
+from starlette.testclient import TestClient
 
 from models import text_generation
 from models.qwen3 import State
@@ -346,3 +353,71 @@ async def test_asyncio_wait_for_timeout_withdraws_the_generating_row(
         assert stats.cancelled == 1 and stats.running <= 1
         result = (await asyncio.wait_for(other, 30))["results"][0]
     assert _core(result) == _core(solo("Once upon a time", 12))
+
+
+@pytest.fixture(scope="module")
+def asgi_stream() -> Any:
+    """examples/asgi_stream.py, imported from its path (examples/ is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "asgi_stream.py"
+    spec = importlib.util.spec_from_file_location("asgi_stream_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_asgi_example_streams_the_non_streamed_text(gen: Serving, asgi_stream: Any, backend: str) -> None:
+    body = {"text": MULTIBYTE[0], "max_new_tokens": 16}
+    with TestClient(asgi_stream.create_app(gen), backend=backend) as client:
+        with client.stream("POST", "/stream", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+            chunks = list(r.iter_bytes())
+        whole = client.post("/generate", json=body)
+        bad = client.post("/stream", json={"text": ""})
+        late = client.post("/generate", json={**body, "max_new_tokens": MAX_LEN - 16, "deadline": 0.2})
+    assert whole.status_code == 200
+    text = whole.json()["results"][0]["generated_text"]
+    assert b"".join(chunks).decode() == text and len(chunks) > 1
+    assert bad.status_code == 400 and bad.json()["error"] == "ValueError"
+    assert late.status_code == 504 and late.json()["error"] == "DeadlineExceeded"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_asgi_example_client_disconnect_cancels_the_request(gen2: Serving, asgi_stream: Any,
+                                                                  spec_version: str) -> None:
+    """2.3: the server reports ``http.disconnect``; 2.4: ``send`` raises OSError once the client is gone."""
+    app = asgi_stream.create_app(gen2)
+    body = json.dumps({"text": "Write a poem", "max_new_tokens": 200}).encode()
+    requests = [{"type": "http.request", "body": body, "more_body": False}]
+    chunks: list[bytes] = []
+    gone = anyio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if requests:
+            return requests.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if gone.is_set() and spec_version == "2.4":
+            raise OSError("client disconnected")
+        if message["type"] == "http.response.body" and message["body"]:
+            chunks.append(message["body"])
+            if len(chunks) == 2:
+                gone.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/stream", "raw_path": b"/stream", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("client", 1),
+             "server": ("server", 80)}
+    with anyio.fail_after(30):
+        async with app.router.lifespan_context(app):
+            handle = app.state.handle
+            with contextlib.suppress(ClientDisconnect):  # raised under 2.4
+                await app(scope, receive, send)
+            await _until(lambda: handle.stats().cancelled == 1)
+            stats = handle.stats()
+    assert len(chunks) == 2
+    assert (stats.cancelled, stats.running, stats.completed) == (1, 0, 0)
