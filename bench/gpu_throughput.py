@@ -49,6 +49,13 @@ def word_prompts(tok: tokenizers.Tokenizer, n: int, length: int, seed: int) -> l
     return [[vocab[w] for w in rng.choice(words, size=length)] for _ in range(n)]
 
 
+def warm(measure: Any, target: Any, inputs: list[Any], new: int | None) -> dict[str, float]:
+    """Run ``measure`` once on ``inputs[0]`` (warm-up), then return its result on ``inputs[1]``."""
+    extra = () if new is None else (new,)
+    measure(target, inputs[0], *extra)
+    return measure(target, inputs[1], *extra)
+
+
 def mlxlm_single(model: Any, prompt: list[int], new: int) -> dict[str, float]:
     from mlx_lm.generate import generate_step
     t0 = time.perf_counter()
@@ -176,35 +183,34 @@ def main() -> None:
     mlxlm_tok.eos_token_ids = set()
     levels = [int(x) for x in args.concurrency.split(",")]
     peer_levels = [int(x) for x in args.peer_concurrency.split(",")]
-    n_max = max(levels + peer_levels + [args.load_streams + 1])
+    n_max = 2 * max(levels + peer_levels + [args.load_streams + 1])
     prompts = word_prompts(raw, n_max, args.prompt_len, seed=0)
     texts = [raw.decode(p) for p in prompts]
     assert all(tok.encode(t) == p for t, p in zip(texts[:8], prompts[:8])), "prompts must round-trip"
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
                            "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node()}
 
-    # warm-up both (kernel compilation, allocator)
-    mlxlm_single(model, prompts[0], 8)
-    engine_single(state, prompts[0], 8)
-    out["single"] = {"mlx_lm_generate_step": mlxlm_single(model, prompts[1], args.new),
-                     "ours_engine": engine_single(state, prompts[1], args.new)}
+    # each measurement runs once to warm up (MLX builds kernels per shape on first use), then is timed
+    out["single"] = {"mlx_lm_generate_step": warm(mlxlm_single, model, prompts, args.new),
+                     "ours_engine": warm(engine_single, state, prompts, args.new)}
     max_len = args.prompt_len + args.new + 8
     gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=max_len,
                                   max_batch=max(levels), prefill_chunk=512)
     with Serving.start(gen, batch_size=1, batch_timeout=0.0) as h:
-        serving_single(h, texts[0])
-        out["single"]["ours_serving"] = serving_single(h, texts[1])
+        out["single"]["ours_serving"] = warm(serving_single, h, texts, None)
     curve: dict[str, Any] = {}
     for n in levels:
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
-            anyio.run(serving_concurrent, h, texts[:min(n, 4)])  # warm-up at this batch shape
+            anyio.run(serving_concurrent, h, texts[n:2 * n])  # warm-up at this concurrency
             curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
     for n in peer_levels:
         row = curve.setdefault(str(n), {})
+        mlxlm_batch(model, mlxlm_tok, prompts[n:2 * n], args.new)  # warm-up at this concurrency
         row["mlx_lm_batch_generate"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new)
-        if n > 32:
-            row["mlx_lm_batch_generate_cbs_n"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new,
-                                                             completion_batch_size=n, prefill_batch_size=n)
+        if n > 32:  # mlx-lm's default completion_batch_size is 32: also give it N
+            tuned = {"completion_batch_size": n, "prefill_batch_size": n}
+            mlxlm_batch(model, mlxlm_tok, prompts[n:2 * n], args.new, **tuned)
+            row["mlx_lm_batch_generate_cbs_n"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new, **tuned)
     out["curve"] = curve
     load_gen = text_generation.serving(tok, state, max_new_tokens=4 * args.new, max_len=args.prompt_len + 4 * args.new + 8,
                                        max_batch=args.load_streams + 1)
