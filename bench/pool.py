@@ -162,39 +162,54 @@ def latency(n: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--latency-requests", type=int, default=2000)
-    args = parser.parse_args()
-
-    load_before = os.getloadavg()[0]
-    a = throughput(args.requests, args.rounds)
-    print(f"1-minute load average before the run: {load_before:.2f} (2 cores)")
-    print(f"(a) CPU-bound backend (~20 ms/row, holds the GIL), 16 threads, {args.requests} requests, best of {args.rounds}")
+def _print_throughput(a: dict[str, float], requests: int, rounds: int) -> None:
+    print(f"(a) CPU-bound backend (~20 ms/row, holds the GIL), 16 threads, {requests} requests, best of {rounds}")
     print(f"{'path':<36}{'req/s':>10}")
     for path, value in a.items():
         print(f"{path:<36}{value:>10.1f}")
-    scale = a["pool_2_workers"] / a["pool_1_workers"]
-    print(f"pool 2 workers / 1 worker: {scale:.2f}x (target >= 1.7x); "
+    print(f"pool 2 workers / 1 worker: {a['pool_2_workers'] / a['pool_1_workers']:.2f}x (target >= 1.7x); "
           f"pool 2 / peer ProcessPoolExecutor(2): {a['pool_2_workers'] / a['peer_process_pool_2']:.2f}")
-    print()
-    c = qwen3_throughput(16, 1)
+
+
+def _print_qwen3(c: dict[str, float]) -> None:
     print("(c) tiny Qwen3 4-bit text generation, 16 threads, 16 prompts x 8 new tokens (tokens/s)")
     for path, value in c.items():
         print(f"{path:<36}{value:>10.1f}")
     print(f"pool 2 workers / 1 worker: {c['pool_2_workers'] / c['pool_1_workers']:.2f}x; "
           f"pool 1 worker / local handle: {c['pool_1_workers'] / c['local_handle']:.2f}")
-    print()
-    b = latency(args.latency_requests)
-    print(f"(b) latency, no-op backend, 1 caller, {args.latency_requests} requests (us)")
+
+
+def _print_latency(b: dict[str, dict[str, float]], requests: int) -> None:
+    print(f"(b) latency, no-op backend, 1 caller, {requests} requests (us)")
     print(f"{'path / input':<56}{'p50':>10}{'p99':>10}")
     for path, value in b.items():
         print(f"{path:<56}{value['p50_us']:>10.1f}{value['p99_us']:>10.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency-requests", type=int, default=2000)
+    parser.add_argument("--parts", default="abc", help="which measurements to run, e.g. 'a' or 'ab'")
+    args = parser.parse_args()
+
+    report: dict[str, object] = {"load_average_1min_before": os.getloadavg()[0]}
+    print(f"1-minute load average before the run: {report['load_average_1min_before']:.2f} (2 cores)")
+    if "a" in args.parts:
+        report["throughput_req_per_s"] = a = throughput(args.requests, args.rounds)
+        _print_throughput(a, args.requests, args.rounds)
+    if "c" in args.parts:
+        report["qwen3_tokens_per_s"] = c = qwen3_throughput(16, 1)
+        _print_qwen3(c)
+    if "b" in args.parts:
+        report["latency"] = b = latency(args.latency_requests)
+        _print_latency(b, args.latency_requests)
+    report["load_average_1min_after"] = os.getloadavg()[0]
+    print(f"1-minute load average after the run: {report['load_average_1min_after']:.2f}")
     out = Path(__file__).parent / "results" / "pool.json"
     out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"load_average_1min_before": load_before, "throughput_req_per_s": a, "scale_2_over_1": scale, "qwen3_tokens_per_s": c, "latency": b}, indent=2))
+    out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
 
 
