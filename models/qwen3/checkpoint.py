@@ -23,9 +23,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["PRESETS", "write_checkpoint"]
+from tokenization import data_path
 
-_SHARED_TOKENIZER = Path("/work/shared/qwen3-tokenizer")
+__all__ = ["PRESETS", "write_checkpoint"]
 
 #: Architecture presets. "0.6b" is the shape of Qwen3-0.6B (its config.json).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -38,25 +38,9 @@ _VOCAB = 151936  # Qwen3's embedding rows (the tokenizer uses 151,669 of them)
 _GAINS = {"self_attn.q_proj": 2.0, "self_attn.k_proj": 2.0, "self_attn.o_proj": 4.0, "mlp.down_proj": 4.0}
 
 
-def _tokenizer_dir() -> Path:
-    """Folder holding the shipped Qwen3 tokenizer files (the tokenization package's
-    data folder when present, else the shared reference copy)."""
-    try:
-        import tokenization
-
-        data = Path(tokenization.__file__).parent / "data"
-        if (data / "tokenizer_config.json").is_file():
-            return data
-    except ImportError:
-        pass
-    return _SHARED_TOKENIZER
-
-
 def _base_config() -> dict[str, Any]:
-    src = _tokenizer_dir() / "config.qwen3-0.6b-mlx-4bit.json"
-    if not src.is_file():
-        src = _SHARED_TOKENIZER / "config.qwen3-0.6b-mlx-4bit.json"
-    return json.loads(src.read_text())
+    """The shipped config.json of Qwen3-0.6B MLX 4-bit (tokenization package data)."""
+    return json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())
 
 
 def _config(preset: str, quantized: bool, dtype: str) -> dict[str, Any]:
@@ -137,14 +121,11 @@ def _save(path: Path, tensors: dict[str, mx.array], shards: int) -> None:
 
 
 def _copy_tokenizer(path: Path) -> None:
-    src = _tokenizer_dir()
+    """The shipped tokenizer files (tokenization package data), tokenizer.json unzipped."""
     for name in ("tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(src / name, path / name)
-    if (src / "tokenizer.json").is_file():
-        shutil.copyfile(src / "tokenizer.json", path / "tokenizer.json")
-    else:
-        with gzip.open(src / "tokenizer.json.gz", "rb") as fin, open(path / "tokenizer.json", "wb") as fout:
-            shutil.copyfileobj(fin, fout)
+        shutil.copyfile(data_path(name), path / name)
+    with gzip.open(data_path("tokenizer.json.gz"), "rb") as fin, open(path / "tokenizer.json", "wb") as fout:
+        shutil.copyfileobj(fin, fout)
 
 
 def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, *,

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 from models.qwen3 import init_kv_cache, load
+from tokenization import data_path
 from models.qwen3.checkpoint import write_checkpoint
 from models.qwen3.config import config_from_dict, read_config
 from models.qwen3.model import Rows, forward
 
 PROMPT = [7985, 825, 11652, 911, 468, 97772, 13]
-REF_CONFIG = json.loads(Path("/work/shared/qwen3-tokenizer/config.qwen3-0.6b-mlx-4bit.json").read_text())
+REF_CONFIG = json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -1,0 +1,158 @@
+"""Qwen3 generation on this machine: ours (models.qwen3) vs mlx-lm, in the same run.
+
+(a) Single stream, 0.6B-shaped seeded 4-bit checkpoint (mlx-community layout), greedy,
+    a ``--prompt``-token prompt and ``--new`` new tokens: prefill tok/s (prompt tokens /
+    time to first token) and decode ms/token (mean gap between later tokens) for
+    ``models.qwen3.generate`` and for mlx-lm's ``generate_step`` on the same checkpoint.
+    mlx-lm runs twice: as it loads the checkpoint (bfloat16 compute) and with its
+    floating parameters cast to float32 (our CPU default compute dtype), so the ratio
+    is also given at equal precision. Target (issue 4): ours / mlx-lm >= 1.0.
+(b) Batch, tiny seeded 4-bit checkpoint: 16 prompts of 8..40 tokens, ``--batch-new`` new
+    tokens each, greedy, EOS ignored: one batched ``generate`` call vs 16 sequential
+    calls (and mlx-lm's ``generate_step`` run 16 times sequentially, bf16 as loaded and
+    float32, as the peer).
+    Aggregate tok/s = new tokens / wall time. Target: batched / sequential >= 4x.
+
+Run: ``.venv/bin/python bench/generate.py`` (writes bench/results/generate.json;
+checkpoints are made once under --ckpt-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# bench/ holds scripts named like the packages (bench/tokenization.py): keep it off sys.path
+sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from models.qwen3 import generate, load  # noqa: E402
+from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
+
+
+def _checkpoint(root: Path, preset: str) -> Path:
+    path = root / f"qwen3-{preset}-seed0-4bit"
+    if not (path / "config.json").is_file():
+        write_checkpoint(path, preset, seed=0)
+    return path
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 151000, n)]
+
+
+def _mlx_lm(path: Path, dtype: mx.Dtype | None):
+    from mlx_lm.utils import load_model
+
+    model = load_model(path)[0]
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return model
+
+
+def _peer_stream(model, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    """mlx-lm generate_step: (tokens, time to first token ms, mean decode ms/token)."""
+    from mlx_lm.generate import generate_step
+
+    t0 = time.perf_counter()
+    stamps, toks = [], []
+    for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        stamps.append(time.perf_counter())
+        toks.append(int(tok))
+    return toks, (stamps[0] - t0) * 1e3, (stamps[-1] - stamps[0]) * 1e3 / max(1, len(stamps) - 1)
+
+
+def single_stream(path: Path, prompt_len: int, new: int) -> list[dict[str, Any]]:
+    prompt = _prompt(prompt_len)
+    rows = []
+    state = load(path)
+    generate(prompt[:4], state, max_new_tokens=2, eos_token_ids=[])  # warm-up
+    ids, info = generate(prompt, state, max_new_tokens=new, eos_token_ids=[])
+    t = info["timing"]
+    rows.append(dict(impl="ours (models.qwen3.generate)", dtype=str(state.dtype), ttft_ms=t["prefill_ms"],
+                     decode_ms_per_token=float(np.mean(t["per_token_ms"])), tokens=ids))
+    del state
+    for dtype in (None, mx.float32):
+        model = _mlx_lm(path, dtype)
+        _peer_stream(model, prompt[:4], 2)  # warm-up
+        toks, ttft, per = _peer_stream(model, prompt, new)
+        rows.append(dict(impl="mlx-lm generate_step", dtype="bfloat16 (as loaded)" if dtype is None else "float32",
+                         ttft_ms=ttft, decode_ms_per_token=per, tokens=toks))
+        del model
+    for r in rows:
+        r["prefill_tok_s"] = prompt_len / (r["ttft_ms"] / 1e3)
+    return rows
+
+
+def batch(path: Path, new: int, n_prompts: int = 16) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(1)
+    prompts = [_prompt(int(n), seed=i) for i, n in enumerate(rng.integers(8, 41, n_prompts))]
+    state = load(path)
+    generate(prompts[:2], state, max_new_tokens=2, eos_token_ids=[])  # warm-up
+    t0 = time.perf_counter()
+    batched, _ = generate(prompts, state, max_new_tokens=new, eos_token_ids=[])
+    t_batch = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    seq = [generate(p, state, max_new_tokens=new, eos_token_ids=[])[0] for p in prompts]
+    t_seq = time.perf_counter() - t0
+    assert batched == seq, "batched rows differ from sequential runs"
+    total = new * n_prompts
+    rows = [dict(impl=f"ours, one batched generate ({n_prompts} prompts)", seconds=t_batch, tok_s=total / t_batch),
+            dict(impl=f"ours, {n_prompts} sequential generate calls", seconds=t_seq, tok_s=total / t_seq)]
+    for dtype, name in ((None, "bf16 as loaded"), (mx.float32, "float32")):
+        model = _mlx_lm(path, dtype)
+        _peer_stream(model, prompts[0][:4], 2)  # warm-up
+        t0 = time.perf_counter()
+        for p in prompts:
+            _peer_stream(model, p, new)
+        t_peer = time.perf_counter() - t0
+        rows.append(dict(impl=f"mlx-lm generate_step x{n_prompts} ({name})", seconds=t_peer, tok_s=total / t_peer))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt-dir", type=Path, default=Path.home() / ".cache" / "mlx-serving" / "bench")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens, single stream")
+    ap.add_argument("--new", type=int, default=6, help="new tokens, single stream")
+    ap.add_argument("--batch-new", type=int, default=32, help="new tokens per prompt, batch part")
+    args = ap.parse_args()
+    stream = single_stream(_checkpoint(args.ckpt_dir, "0.6b"), args.prompt, args.new)
+    ours = stream[0]
+    print(f"(a) single stream, 0.6B-shaped 4-bit, prompt {args.prompt}, {args.new} new tokens, greedy")
+    print(f"{'impl':34} {'compute':22} {'prefill tok/s':>13} {'decode ms/tok':>13} {'ours/peer decode':>16} {'ours/peer prefill':>17}")
+    for r in stream:
+        dec = r["decode_ms_per_token"] / ours["decode_ms_per_token"]
+        pre = ours["prefill_tok_s"] / r["prefill_tok_s"]
+        r["ours_over_peer_decode"], r["ours_over_peer_prefill"] = dec, pre
+        print(f"{r['impl']:34} {r['dtype']:22} {r['prefill_tok_s']:13.2f} {r['decode_ms_per_token']:13.1f} "
+              f"{dec:16.2f} {pre:17.2f}")
+    same = [r["tokens"] == ours["tokens"] for r in stream[1:]]
+    print(f"greedy ids equal to ours: {same}")
+    rows = batch(_checkpoint(args.ckpt_dir, "tiny"), args.batch_new)
+    print(f"\n(b) batch, tiny 4-bit, 16 prompts of 8..40 tokens, {args.batch_new} new tokens each")
+    print(f"{'impl':48} {'seconds':>8} {'tok/s':>8} {'vs ours sequential':>18}")
+    for r in rows:
+        r["vs_ours_sequential"] = r["tok_s"] / rows[1]["tok_s"]
+        print(f"{r['impl']:48} {r['seconds']:8.2f} {r['tok_s']:8.1f} {r['vs_ours_sequential']:18.2f}")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "machine": platform.platform(), "mlx": mx.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+        "single_stream": [{k: v for k, v in r.items() if k != "tokens"} | {"greedy_ids_equal_ours": r["tokens"] == ours["tokens"]}
+                          for r in stream],
+        "batch": rows,
+    }, indent=2))
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
