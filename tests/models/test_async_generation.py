@@ -107,36 +107,47 @@ def _bounds(pieces: list[str]) -> set[int]:
     return ends
 
 
-@pytest.mark.anyio
-async def test_event_loop_stays_responsive_while_8_requests_generate(gen: Serving) -> None:
+async def _max_heartbeat_gap(handle: ServingHandle, clients: int) -> float:
+    """Longest gap (s) seen by a 10 ms heartbeat task while ``clients`` streams generate."""
     gaps: list[float] = []
     finals: list[dict[str, Any]] = []
-    async with Serving.start(gen) as h:
-        await Serving.batched_run_async(h, "warm up")  # first-step costs are not what we measure
-        steps = h.stats().steps_run
-        done = anyio.Event()
+    done = anyio.Event()
+    steps = handle.stats().steps_run
 
-        async def heartbeat() -> None:
-            last = anyio.current_time()
-            while not done.is_set():
-                await anyio.sleep(0.01)
-                now = anyio.current_time()
-                gaps.append(now - last)
-                last = now
+    async def heartbeat() -> None:
+        last = anyio.current_time()
+        while not done.is_set():
+            await anyio.sleep(0.01)
+            now = anyio.current_time()
+            gaps.append(now - last)
+            last = now
 
-        async def client(i: int) -> None:
-            finals.append((await _collect(h, f"request {i}: hello there"))[1])
+    async def client(i: int) -> None:
+        finals.append((await _collect(handle, f"request {i}: hello there"))[1])
 
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(heartbeat)
-                async with anyio.create_task_group() as clients:
-                    for i in range(8):
-                        clients.start_soon(client, i)
-                done.set()
-        assert h.stats().steps_run - steps >= 12  # the beats were taken while generation ran
-    assert [f["num_tokens"] for f in finals] == [12] * 8
-    assert max(gaps) < 0.05, f"event loop blocked for {max(gaps) * 1e3:.0f} ms"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        async with anyio.create_task_group() as calls:
+            for i in range(clients):
+                calls.start_soon(client, i)
+        done.set()
+    assert [f["num_tokens"] for f in finals] == [12] * clients
+    assert handle.stats().steps_run - steps >= 12  # the beats were taken while generation ran
+    return max(gaps)
+
+
+@pytest.mark.anyio
+async def test_event_loop_stays_responsive_while_8_requests_generate(gen: Serving) -> None:
+    """No heartbeat gap over 50 ms. On a shared machine the OS sometimes deschedules the whole
+    process for longer (a separate process's ticker stalls at the same moments), so the
+    measurement gets up to 3 windows; a loop blocked by model work would fail every one."""
+    gaps: list[float] = []
+    with anyio.fail_after(60):
+        async with Serving.start(gen) as h:
+            await Serving.batched_run_async(h, "warm up")  # first-step costs are not what we measure
+            while len(gaps) < 3 and (not gaps or gaps[-1] >= 0.05):
+                gaps.append(await _max_heartbeat_gap(h, 8))
+    assert gaps[-1] < 0.05, f"event loop blocked for {[round(g * 1e3) for g in gaps]} ms"
 
 
 @pytest.mark.anyio
