@@ -17,19 +17,20 @@ from __future__ import annotations
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache, init_kv_cache, kv_bytes_per_token
 from .loader import State
-from .model import Rows, forward
+from .model import Rows, compiled_decode, forward
 from .sampling import SamplingParams, greedy, top_p_cpu, top_p_gpu
 
 __all__ = ["Engine", "SeqEvent"]
 
 FinishReason = Literal["stop", "length"]
+_KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,15 @@ class Engine:
     ``max_batch`` slots of ``max_len`` tokens each (prompt + new tokens), or fewer
     slots when ``kv_cache_bytes`` caps the cache; ``prefill_chunk`` prompt tokens per
     sequence per step. ``kv_cache`` reuses a cache from :func:`init_kv_cache` (its
-    ``max_len`` wins). Raises ValueError when the budget holds no slot at all.
+    ``max_len`` wins). ``compile_decode`` runs decode steps through ``mx.compile``d
+    graphs (attention span rounded up to a multiple of ``_KV_BUCKET`` so few variants
+    are traced). Raises ValueError when the budget holds no slot at all.
     Not thread-safe: drive it from one thread.
     """
 
     def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
-                 kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None):
+                 kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None,
+                 compile_decode: bool = False):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch, max_len and prefill_chunk must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}")
@@ -99,6 +103,7 @@ class Engine:
         self._by_id: dict[int, _Seq] = {}
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
         self._flight: _Flight | None = None
+        self._compiled: dict[int, Callable[..., tuple]] | None = {} if compile_decode else None
 
     # ---- admission -------------------------------------------------------------------
 
@@ -224,14 +229,27 @@ class Engine:
         n_valid = np.zeros(hi, dtype=np.int32)
         n_valid[[s.slot for s in seqs]] = 1
         kv_len = int((start + n_valid)[n_valid == 1].max())
-        rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
-                    mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)
-        logits = forward(self.state, self.cache, rows)
+        if self._compiled is None:
+            rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
+                        mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)
+            logits = forward(self.state, self.cache, rows)
+        else:
+            logits = self._decode_compiled(hi, start, n_valid, kv_len)
         for s in seqs:
             self.cache.lengths[s.slot] += 1
         slot_ids = [s.slot for s in seqs]
         self._sample(logits[mx.array(slot_ids)] if len(seqs) < hi else logits, seqs,
                      idx_slots=slot_ids, flight=flight)
+
+    def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int) -> mx.array:
+        span = min(self.max_len, -(-kv_len // _KV_BUCKET) * _KV_BUCKET)
+        fn = self._compiled.get(span)
+        if fn is None:
+            fn = self._compiled[span] = compiled_decode(self.state, self.max_len, span)
+        logits, keys, values = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid),
+                                  self.cache.keys, self.cache.values)
+        self.cache.keys[:], self.cache.values[:] = keys, values
+        return logits
 
     def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
         """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import mlx.core as mx
+import numpy as np
 
 from .cache import KVCache
 from .loader import Layer, State
 
-__all__ = ["Rows", "forward"]
+__all__ = ["Rows", "compiled_decode", "forward"]
 
 
 @partial(mx.compile, shapeless=True)
@@ -117,3 +119,21 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
         h = mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
     h = mx.fast.rms_norm(h, state.norm, state.config.rms_norm_eps)
     return state.lm_head(h)
+
+
+def compiled_decode(state: State, max_len: int, kv_len: int) -> Callable[..., tuple]:
+    """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``.
+
+    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
+    with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the
+    new per-layer buffers (the caller stores them back). Weights are captured as
+    constants. MLX retraces once per new input shape.
+    """
+
+    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
+             values: list[mx.array]) -> tuple:
+        cache = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), max_len)
+        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start))
+        return forward(state, cache, rows), cache.keys, cache.values
+
+    return mx.compile(step)
