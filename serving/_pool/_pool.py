@@ -111,6 +111,7 @@ class _Worker:
             send_frame(self.sock, frame)
 
     def name(self) -> str:
+        """How errors name this worker."""
         return f"pool worker {self.index} (pid {self.pid})"
 
 
@@ -247,7 +248,7 @@ class ServingPool:
         """Refuse new requests, let in-flight ones finish (up to ``timeout`` s, default the
         ``shutdown_timeout`` process option or 30), then stop every worker and wait for its exit;
         a worker still alive 5 s after that is killed. Requests still unfinished then fail with
-        ``ServingStopped``. Idempotent; later calls raise ``ServingStopped``."""
+        ``ServingStopped``. Idempotent; requests made after it raise ``ServingStopped``."""
         timeout = self._shutdown_timeout if timeout is None else timeout
         with self._cond:
             if self._closing:

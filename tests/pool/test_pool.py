@@ -223,7 +223,7 @@ def test_closing_a_stream_cancels_it_in_the_worker(counter_pool):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
-async def test_async_calls_and_cancellation(anyio_backend, counter_pool, tmp_path):
+async def test_async_calls_and_cancellation(anyio_backend, counter_pool):
     results = []
 
     async def call(n):
