@@ -114,8 +114,9 @@ class Engine:
 
     @property
     def free_slots(self) -> int:
-        """How many more sequences would get a cache slot right now."""
-        return sum(s is None for s in self._slots) - len(self._waiting)
+        """How many more sequences would get a cache slot right now (0 when added
+        sequences are already waiting for one)."""
+        return max(0, sum(s is None for s in self._slots) - len(self._waiting))
 
     def can_add(self, prompt_len: int, max_new_tokens: int) -> bool:
         """True when a sequence of this size fits and a slot is free now."""

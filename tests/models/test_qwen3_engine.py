@@ -81,7 +81,7 @@ def test_eos_and_cancel_free_slots(tiny32, solo):
     engine.add(0, prompt, SamplingParams(max_new_tokens=9, eos_token_ids=(eos,)))
     engine.add(1, *REQUESTS[3])
     engine.add(2, *REQUESTS[4])  # waits: both slots busy
-    assert engine.num_active == 3 and engine.free_slots == -1 and not engine.can_add(3, 3)
+    assert engine.num_active == 3 and engine.free_slots == 0 and not engine.can_add(3, 3)
     out: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     while 0 not in reasons:
