@@ -15,6 +15,7 @@ from ._errors import (
 )
 from ._handle import ServingHandle
 from ._options import ProcessOptions
+from ._pool import PoolStats, ServingPool, WorkerHealth, WorkerStats
 from ._serving import Serving
 from ._telemetry import ServingStats, TelemetryEvent
 
@@ -25,6 +26,7 @@ __all__ = [
     "Batch",
     "DeadlineExceeded",
     "IterativeBackend",
+    "PoolStats",
     "ProcessOptions",
     "RemoteError",
     "RequestCancelled",
@@ -32,10 +34,13 @@ __all__ = [
     "ServingError",
     "ServingHandle",
     "ServingOverloaded",
+    "ServingPool",
     "ServingStats",
     "ServingStopped",
     "Stream",
     "TelemetryEvent",
     "Transducer",
     "WorkerCrashed",
+    "WorkerHealth",
+    "WorkerStats",
 ]

@@ -59,4 +59,12 @@ class WorkerCrashed(ServingError):
 
 
 class RemoteError(ServingError):
-    """An exception raised inside a worker process, carried back to the caller."""
+    """An exception raised inside a worker process, carried back to the caller.
+
+    ``type_name`` (qualified name of the worker's exception type), ``message`` (its ``str``) and
+    ``remote_traceback`` (the worker's formatted traceback text) describe the original.
+    """
+
+    type_name: str = ""
+    message: str = ""
+    remote_traceback: str = ""
