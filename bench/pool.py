@@ -40,7 +40,7 @@ import numpy as np
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
 from serving import Batch, Serving  # noqa: E402
-from serving._pool import ServingPool  # noqa: E402
+from serving import ServingPool  # noqa: E402
 
 _SPAWN = multiprocessing.get_context("spawn")  # the peer starts its processes as the pool does
 LOOP = 400_000  # iterations of the pure-Python loop per row (~20 ms on the development machine)

@@ -18,7 +18,7 @@ import pool_servings
 import pytest
 
 from serving import DeadlineExceeded, RemoteError, ServingStopped, WorkerCrashed
-from serving._pool import ServingPool
+from serving import ServingPool
 
 
 def child_pids() -> set[int]:

@@ -8,7 +8,7 @@ import pytest
 
 from models.qwen3.checkpoint import write_checkpoint
 from models.text_generation import from_mlx4bit
-from serving._pool import ServingPool
+from serving import ServingPool
 
 
 @pytest.fixture(scope="module")
