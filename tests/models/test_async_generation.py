@@ -70,12 +70,12 @@ async def _until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
             await anyio.sleep(0.002)
 
 
-async def _collect(handle: ServingHandle, input: Any, log: list | None = None, name: str = "",
-                   **kw: Any) -> tuple[list[str], dict[str, Any]]:
+async def _collect(handle: ServingHandle, input: Any, log: list | None = None,
+                   name: str = "") -> tuple[list[str], dict[str, Any]]:
     """All text pieces of a stream and its final event; ``log`` gets (name, piece number|"final")."""
     pieces: list[str] = []
     final: dict[str, Any] = {}
-    async for item in Serving.stream_async(handle, input, **kw):
+    async for item in Serving.stream_async(handle, input):
         if isinstance(item, str):
             pieces.append(item)
             if log is not None:
