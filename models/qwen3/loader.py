@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .config import QuantSpec, Qwen3Config, read_config
 
-__all__ = ["Linear", "Layer", "State", "load"]
+__all__ = ["Fused", "Layer", "Linear", "State", "load"]
 
 
 @dataclass
@@ -56,19 +57,49 @@ class Linear:
 
 
 @dataclass
+class Fused:
+    """Linears that read the same input (q/k/v, gate/up), run as one matmul.
+
+    When every part is stored alike (all dense in one dtype, or all quantized with one
+    spec) their rows are concatenated once at load into ``merged`` (exact: each output
+    is the same dot product) and ``splits`` holds the output offsets; otherwise
+    ``parts`` run one by one. Call with ``(rows, in)`` -> list of ``(rows, out_i)``.
+    Fewer, larger matmuls mean fewer kernel launches per decode step.
+    """
+
+    merged: Linear | None
+    splits: list[int]
+    parts: list[Linear]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if self.merged is None:
+            return [p(x) for p in self.parts]
+        return mx.split(self.merged(x), self.splits, axis=-1)
+
+    @classmethod
+    def of(cls, parts: list[Linear]) -> "Fused":
+        first = parts[0]
+        alike = all((p.scales is None) == (first.scales is None) and p.spec == first.spec
+                    and p.weight.dtype == first.weight.dtype for p in parts)
+        if not alike:
+            return cls(None, [], parts)
+        cat = [mx.concatenate([getattr(p, f) for p in parts]) if getattr(first, f) is not None else None
+               for f in ("weight", "scales", "biases")]
+        offsets = [int(x) for x in np.cumsum([p.weight.shape[0] for p in parts])[:-1]]
+        return cls(Linear(cat[0], cat[1], cat[2], first.spec), offsets, [])
+
+
+@dataclass
 class Layer:
-    """One decoder layer's weights (names as in the checkpoint)."""
+    """One decoder layer's weights; ``qkv`` fuses q/k/v_proj, ``gate_up`` gate/up_proj."""
 
     input_layernorm: mx.array
     post_attention_layernorm: mx.array
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
+    qkv: Fused
     o_proj: Linear
     q_norm: mx.array
     k_norm: mx.array
-    gate_proj: Linear
-    up_proj: Linear
+    gate_up: Fused
     down_proj: Linear
 
 
@@ -136,14 +167,11 @@ def _layer(r: _Reader, i: int) -> Layer:
     return Layer(
         input_layernorm=r.tensor(f"{p}.input_layernorm.weight"),
         post_attention_layernorm=r.tensor(f"{p}.post_attention_layernorm.weight"),
-        q_proj=r.linear(f"{p}.self_attn.q_proj"),
-        k_proj=r.linear(f"{p}.self_attn.k_proj"),
-        v_proj=r.linear(f"{p}.self_attn.v_proj"),
+        qkv=Fused.of([r.linear(f"{p}.self_attn.{n}_proj") for n in "qkv"]),
         o_proj=r.linear(f"{p}.self_attn.o_proj"),
         q_norm=r.tensor(f"{p}.self_attn.q_norm.weight"),
         k_norm=r.tensor(f"{p}.self_attn.k_norm.weight"),
-        gate_proj=r.linear(f"{p}.mlp.gate_proj"),
-        up_proj=r.linear(f"{p}.mlp.up_proj"),
+        gate_up=Fused.of([r.linear(f"{p}.mlp.gate_proj"), r.linear(f"{p}.mlp.up_proj")]),
         down_proj=r.linear(f"{p}.mlp.down_proj"),
     )
 
@@ -200,8 +228,9 @@ def _arrays(state: State) -> list[mx.array]:
     linears = [state.embed_tokens, state.lm_head]
     for layer in state.layers:
         out += [layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm]
-        linears += [layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj,
-                    layer.gate_proj, layer.up_proj, layer.down_proj]
+        linears += [layer.o_proj, layer.down_proj]
+        for fused in (layer.qkv, layer.gate_up):
+            linears += fused.parts if fused.merged is None else [fused.merged]
     for lin in linears:
         out += [a for a in (lin.weight, lin.scales, lin.biases) if a is not None]
     return out

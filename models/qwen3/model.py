@@ -74,9 +74,10 @@ def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, rows: Rows,
     c = state.config
     b, t = rows.tokens.shape
     d = c.head_dim
-    q = layer.q_proj(x).reshape(b, t, c.num_attention_heads, d)
-    k = layer.k_proj(x).reshape(b, t, c.num_key_value_heads, d)
-    v = layer.v_proj(x).reshape(b, t, c.num_key_value_heads, d)
+    q, k, v = layer.qkv(x)
+    q = q.reshape(b, t, c.num_attention_heads, d)
+    k = k.reshape(b, t, c.num_key_value_heads, d)
+    v = v.reshape(b, t, c.num_key_value_heads, d)
     q = mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
     k = mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
     rope = partial(mx.fast.rope, dims=d, traditional=False, base=c.rope_theta, scale=1.0,
@@ -100,7 +101,8 @@ def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, rows: Rows, pos: m
     x = mx.fast.rms_norm(h, layer.input_layernorm, eps)
     h = h + _attention(layer, x, cache, i, rows, pos, mask, state)
     x = mx.fast.rms_norm(h, layer.post_attention_layernorm, eps)
-    return h + layer.down_proj(_swiglu(layer.gate_proj(x), layer.up_proj(x)))
+    gate, up = layer.gate_up(x)
+    return h + layer.down_proj(_swiglu(gate, up))
 
 
 def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:

@@ -114,13 +114,15 @@ def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
 
 def test_quantized_layout_loads(tiny, tiny_bf16):
     c = tiny.config
-    assert tiny_bf16.dtype == mx.bfloat16 and tiny_bf16.layers[0].q_proj.scales.dtype == mx.bfloat16
+    assert tiny_bf16.dtype == mx.bfloat16 and tiny_bf16.layers[0].qkv.merged.scales.dtype == mx.bfloat16
     assert tiny.dtype == mx.float32  # the CPU default compute dtype
     assert c.tie_word_embeddings
     assert tiny.lm_head is tiny.embed_tokens
-    q = tiny.layers[0].q_proj
-    assert q.weight.dtype == mx.uint32 and q.weight.shape == (c.num_attention_heads * c.head_dim, c.hidden_size // 8)
-    assert q.scales.shape == (c.num_attention_heads * c.head_dim, c.hidden_size // 64)
+    qkv = tiny.layers[0].qkv  # q/k/v rows concatenated into one packed matrix
+    out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    assert qkv.merged.weight.dtype == mx.uint32 and qkv.merged.weight.shape == (out, c.hidden_size // 8)
+    assert qkv.merged.scales.shape == (out, c.hidden_size // 64)
+    assert qkv.splits == [c.num_attention_heads * c.head_dim, (c.num_attention_heads + c.num_key_value_heads) * c.head_dim]
     assert c.eos_token_ids == (151645, 151643)
 
 
@@ -146,22 +148,25 @@ def test_untied_head(tmp_path):
 
 
 def test_dense_module_and_per_module_override_match_mlx_lm(tiny_ckpt, tmp_path):
-    """layer 0 down_proj stored dense (no .scales, override false) and the embedding
-    re-packed at 8 bits through a per-module override: both loaders agree."""
+    """layer 0 down_proj and up_proj stored dense (no .scales, override false; gate_proj
+    stays 4-bit, so gate/up cannot be fused) and the embedding re-packed at 8 bits through
+    a per-module override: both loaders agree."""
     d = _copy(tiny_ckpt, tmp_path / "mixed")
     t = mx.load(str(d / "model.safetensors"))
-    name = "model.layers.0.mlp.down_proj"
-    t[f"{name}.weight"] = mx.dequantize(t.pop(f"{name}.weight"), t.pop(f"{name}.scales"),
-                                        t.pop(f"{name}.biases"), group_size=64, bits=4)
+    dense_names = ["model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"]
+    for name in dense_names:
+        t[f"{name}.weight"] = mx.dequantize(t.pop(f"{name}.weight"), t.pop(f"{name}.scales"),
+                                            t.pop(f"{name}.biases"), group_size=64, bits=4)
     e = "model.embed_tokens"
     dense = mx.dequantize(t[f"{e}.weight"], t[f"{e}.scales"], t[f"{e}.biases"], group_size=64, bits=4)
     t[f"{e}.weight"], t[f"{e}.scales"], t[f"{e}.biases"] = mx.quantize(dense, group_size=64, bits=8)
     mx.save_safetensors(str(d / "model.safetensors"), t, metadata={"format": "mlx"})
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization"].update({name: False, e: {"group_size": 64, "bits": 8}})
+    cfg["quantization"].update({e: {"group_size": 64, "bits": 8}} | {n: False for n in dense_names})
     (d / "config.json").write_text(json.dumps(cfg))
     state = load(d)
     assert state.layers[0].down_proj.scales is None and state.embed_tokens.spec.bits == 8
+    assert state.layers[0].gate_up.merged is None and state.layers[1].gate_up.merged is not None
     np.testing.assert_allclose(_prefill_logits(state), _ref_logits(d), atol=1e-3)
 
 
