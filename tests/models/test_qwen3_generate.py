@@ -8,6 +8,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.qwen3 import generate, init_kv_cache, load
 from models.qwen3.checkpoint import write_checkpoint
@@ -224,3 +226,25 @@ def test_sampling_params_validation():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
     assert SamplingParams(sampler="top_p_gpu", temperature=0).is_greedy
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> set[int]:
+    """Reference: smallest prefix (by decreasing probability) whose mass reaches top_p."""
+    order = np.argsort(-probs, kind="stable")
+    cum = np.cumsum(probs[order])
+    n = int(np.searchsorted(cum, top_p - 1e-12) + 1)
+    return set(order[: min(n, len(order))].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-8, 8), min_size=2, max_size=40), st.floats(0.05, 1.0), st.floats(0, 0.999))
+def test_nucleus_membership_property(logits, top_p, u):
+    z = np.array(logits, dtype=np.float32)
+    probs = np.exp(z.astype(np.float64) - z.max())
+    probs /= probs.sum()
+    allowed = _nucleus(probs, min(1.0, top_p + 1e-5))  # float32 slack at the boundary
+    cpu = top_p_cpu(z, 1.0, top_p, u)
+    gpu = int(top_p_gpu(mx.array(z[None]), mx.ones((1,)), mx.array([top_p]), mx.array([u]))[0])
+    assert cpu in allowed and gpu in allowed
+    if u < 1e-9:
+        assert cpu == int(np.argmax(z))
