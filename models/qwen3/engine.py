@@ -8,7 +8,11 @@ decoding sequence, over slots ``0..hi``), enqueues them with one ``mx.async_eval
 and only then reads the previous step's tokens to the host: the device always has the
 next step queued while the host does bookkeeping (mlx-lm's ``generate_step`` pipelines
 the same way). A sequence that ends on EOS therefore costs one wasted decode row.
-Sequences using the ``top_p_cpu`` sampler need their logits on the host before their
+Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA build a new
+shape can mean new kernels or plans): a batch of more than one row is padded to a power-of-two
+row count and its attention span rounded up to a multiple of ``_KV_BUCKET``; padding rows and
+tokens have ``n_valid`` 0, write only the scratch column and are never attended, so outputs do
+not change. Sequences using the ``top_p_cpu`` sampler need their logits on the host before their
 next step, so a step holding such rows is read back at once (no pipelining).
 """
 
@@ -204,14 +208,22 @@ class Engine:
     def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
         chunks = [s.prompt[s.prefilled : s.prefilled + self.prefill_chunk] for s in seqs]
         t = max(len(c) for c in chunks)
-        tokens = np.zeros((len(seqs), t), dtype=np.int32)
+        b = len(seqs)
+        dense = b == 1 and len(chunks[0]) == t
+        if not dense:  # bucketed shapes: padding rows/tokens write the scratch column only
+            t, b = min(self.prefill_chunk, _pow2(t)), _pow2(b)
+        tokens = np.zeros((b, t), dtype=np.int32)
         for i, c in enumerate(chunks):
             tokens[i, : len(c)] = c
-        start = np.array([s.prefilled for s in seqs], dtype=np.int32)
-        n_valid = np.array([len(c) for c in chunks], dtype=np.int32)
-        rows = Rows(mx.array(tokens), mx.array([s.slot for s in seqs], dtype=mx.int32),
-                    mx.array(start), mx.array(n_valid), int((start + n_valid).max()),
-                    mx.array(n_valid - 1), dense=len(seqs) == 1 and n_valid[0] == t)
+        start, n_valid = np.zeros(b, dtype=np.int32), np.zeros(b, dtype=np.int32)
+        start[: len(seqs)] = [s.prefilled for s in seqs]
+        n_valid[: len(seqs)] = [len(c) for c in chunks]
+        slots = np.full(b, seqs[0].slot, dtype=np.int32)
+        slots[: len(seqs)] = [s.slot for s in seqs]
+        kv_len = int((start + n_valid).max())
+        rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid),
+                    kv_len if dense else self._span(kv_len), mx.array(np.maximum(n_valid - 1, 0)),
+                    dense=dense)
         logits = forward(self.state, self.cache, rows)
         done = []
         for i, (s, n) in enumerate(zip(seqs, n_valid)):
@@ -226,11 +238,15 @@ class Engine:
 
     def _decode(self, seqs: list[_Seq], flight: _Flight) -> None:
         hi = max(s.slot for s in seqs) + 1
+        if hi > 1:  # bucketed shapes: padding rows have n_valid 0 (scratch write, never read)
+            hi = min(len(self._slots), _pow2(hi))
         start = self.cache.lengths[:hi].astype(np.int32)
         n_valid = np.zeros(hi, dtype=np.int32)
         n_valid[[s.slot for s in seqs]] = 1
         kv_len = int((start + n_valid)[n_valid == 1].max())
         if self._compiled is None:
+            if hi > 1:
+                kv_len = self._span(kv_len)
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)
             logits = forward(self.state, self.cache, rows)
@@ -242,8 +258,12 @@ class Engine:
         self._sample(logits[mx.array(slot_ids)] if len(seqs) < hi else logits, seqs,
                      idx_slots=slot_ids, flight=flight)
 
+    def _span(self, kv_len: int) -> int:
+        """Attention span rounded up to a multiple of ``_KV_BUCKET`` (at most ``max_len``)."""
+        return min(self.max_len, -(-kv_len // _KV_BUCKET) * _KV_BUCKET)
+
     def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int) -> mx.array:
-        span = min(self.max_len, -(-kv_len // _KV_BUCKET) * _KV_BUCKET)
+        span = self._span(kv_len)
         fn = self._compiled.get(span)
         if fn is None:
             fn = self._compiled[span] = compiled_decode(self.state, self.max_len, span)
@@ -298,6 +318,11 @@ class Engine:
             if reason is not None:
                 self._finish(s)
         return events
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _put(tokens: mx.array, slots: list[int], values: mx.array) -> mx.array:

@@ -25,6 +25,10 @@ from .loader import Layer, State
 
 __all__ = ["Rows", "compiled_decode", "forward"]
 
+#: Masked one-token attention through :func:`_decode_attention` (False: through
+#: ``mx.fast.scaled_dot_product_attention``; bench/gpu_profile.py times both).
+DECODE_MATMUL_ATTENTION = True
+
 
 @partial(mx.compile, shapeless=True)
 def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -69,6 +73,30 @@ def _write_positions(rows: Rows, t: int, scratch: int) -> mx.array:
     return mx.where(offs < rows.n_valid[:, None], pos, scratch)
 
 
+def _decode_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: mx.array) -> mx.array:
+    """One query per row, ``q`` (B, H, 1, D) over ``keys``/``values`` (B, Hkv, S, D) with a
+    boolean ``mask`` (B, 1, 1, S): plain batched matmuls with the query heads of one KV
+    head as the matrix rows (no K/V broadcast or copy). MLX's CUDA build routes a masked
+    one-token ``scaled_dot_product_attention`` to cuDNN or its composite fallback, which
+    builds a new graph per (B, S) shape; this path costs one cuBLAS plan per shape.
+    """
+    b, h, _, d = q.shape
+    hkv = keys.shape[1]
+    scores = (q * scale).reshape(b, hkv, h // hkv, d) @ keys.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ values).reshape(b, h, 1, d)
+
+
+def _sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
+          mask: mx.array | str | None) -> mx.array:
+    """Attention ``(B, H, T, D)``; masked one-token rows go through :func:`_decode_attention`."""
+    if q.shape[2] == 1 and isinstance(mask, mx.array) and DECODE_MATMUL_ATTENTION:
+        return _decode_attention(q, keys, values, scale, mask)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
 def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, rows: Rows,
                pos: mx.array, mask: mx.array | str | None, state: State) -> mx.array:
     c = state.config
@@ -91,7 +119,7 @@ def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, rows: Rows,
         keys, values = keys[:b], values[:b]
     else:
         keys, values = keys[rows.slots], values[rows.slots]
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=mask)
+    out = _sdpa(q, keys, values, d**-0.5, mask)
     return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(b * t, -1))
 
 
