@@ -97,37 +97,44 @@ def _sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
-def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, rows: Rows,
-               pos: mx.array, mask: mx.array | str | None, state: State) -> mx.array:
+@dataclass
+class _Step:
+    """Per-forward values shared by every layer (built once, not once per layer)."""
+
+    rows: Rows
+    write_rows: mx.array  # (B, 1) cache slot of each row, for the K/V scatter
+    pos: mx.array  # (B, T) cache position of each token (scratch for padding)
+    mask: mx.array | str | None
+    rope: Callable[[mx.array], mx.array]
+
+
+def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
     c = state.config
+    rows = step.rows
     b, t = rows.tokens.shape
     d = c.head_dim
     q, k, v = layer.qkv(x)
     q = q.reshape(b, t, c.num_attention_heads, d)
     k = k.reshape(b, t, c.num_key_value_heads, d)
     v = v.reshape(b, t, c.num_key_value_heads, d)
-    q = mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
-    k = mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3)
-    rope = partial(mx.fast.rope, dims=d, traditional=False, base=c.rope_theta, scale=1.0,
-                   offset=rows.start)
-    q, k = rope(q), rope(k)
-    slot_idx = mx.arange(b) if rows.slots is None else rows.slots
-    cache.keys[i][slot_idx[:, None], :, pos] = k.transpose(0, 2, 1, 3)
-    cache.values[i][slot_idx[:, None], :, pos] = v
-    keys, values = cache.keys[i][..., : rows.kv_len, :], cache.values[i][..., : rows.kv_len, :]
+    q = step.rope(mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
+    k = step.rope(mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
+    cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
+    cache.values[i][step.write_rows, :, step.pos] = v
     if rows.slots is None:
-        keys, values = keys[:b], values[:b]
+        keys = cache.keys[i][:b, :, : rows.kv_len, :]
+        values = cache.values[i][:b, :, : rows.kv_len, :]
     else:
-        keys, values = keys[rows.slots], values[rows.slots]
-    out = _sdpa(q, keys, values, d**-0.5, mask)
+        keys = cache.keys[i][..., : rows.kv_len, :][rows.slots]
+        values = cache.values[i][..., : rows.kv_len, :][rows.slots]
+    out = _sdpa(q, keys, values, d**-0.5, step.mask)
     return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(b * t, -1))
 
 
-def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, rows: Rows, pos: mx.array,
-           mask: mx.array | str | None, state: State) -> mx.array:
+def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
     eps = state.config.rms_norm_eps
     x = mx.fast.rms_norm(h, layer.input_layernorm, eps)
-    h = h + _attention(layer, x, cache, i, rows, pos, mask, state)
+    h = h + _attention(layer, x, cache, i, step, state)
     x = mx.fast.rms_norm(h, layer.post_attention_layernorm, eps)
     gate, up = layer.gate_up(x)
     return h + layer.down_proj(_swiglu(gate, up))
@@ -141,10 +148,17 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     """
     b, t = rows.tokens.shape
     h = state.embed_tokens.rows(rows.tokens.reshape(-1))
-    pos = _write_positions(rows, t, cache.max_len)
-    mask = _mask(rows, t)
+    c = state.config
+    step = _Step(
+        rows=rows,
+        write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
+        pos=_write_positions(rows, t, cache.max_len),
+        mask=_mask(rows, t),
+        rope=partial(mx.fast.rope, dims=c.head_dim, traditional=False, base=c.rope_theta, scale=1.0,
+                     offset=rows.start),
+    )
     for i, layer in enumerate(state.layers):
-        h = _layer(layer, h, cache, i, rows, pos, mask, state)
+        h = _layer(layer, h, cache, i, step, state)
     if t > 1:
         h = mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
     h = mx.fast.rms_norm(h, state.norm, state.config.rms_norm_eps)
