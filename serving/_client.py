@@ -29,6 +29,10 @@ class Transducer(Protocol):
     request) into items for the caller; ``stop_rows()`` names rows to cancel now (e.g. a stop
     string was found), asked after every ``feed``; ``close()`` returns the last items when every
     row finished or stopped.
+
+    Optional attribute ``live`` (default True): False promises that ``stop_rows()`` never names a
+    row, so a non-streamed call may receive all its events in one burst at the end instead of
+    waking its caller once per event.
     """
 
     def feed(self, row_index: int, event: Any) -> list[Any]: ...
@@ -78,6 +82,7 @@ class IterativeConsumer:
     def __init__(self, request: Request, transducer: Transducer):
         self._request, self._transducer = request, transducer
         self._stopped: set[int] = set()
+        self.live: bool = getattr(transducer, "live", True)
 
     def on_message(self, message: tuple[Any, ...]) -> list[Any]:
         _, index, event = message
@@ -217,13 +222,19 @@ class Call:
             self.consumer = StaticConsumer()
         runtime.submit(self.request, batch)
 
+    def _hold_unless_live(self) -> None:
+        if isinstance(self.consumer, IterativeConsumer) and not self.consumer.live:
+            self.request.channel.hold_until_close()
+
     def result(self) -> Any:
         """Block until done; the postprocessed result."""
+        self._hold_unless_live()
         items = list(Stream(self.request, self.consumer))
         return self._postprocess(items)
 
     async def result_async(self) -> Any:
         """Await completion without blocking the event loop; the postprocessed result."""
+        self._hold_unless_live()
         items = [item async for item in AsyncStream(self.request, self.consumer)]
         return self._postprocess(items)
 

@@ -71,6 +71,7 @@ class GenerationTransducer:
         self._info = info
         self._rows = [RowText(StreamingDetokenizer(tokenizer), stops) for stops in info.stops]
         self._stop: list[int] = []
+        self.live = any(info.stops)  # only stop strings need tokens as they arrive
 
     def feed(self, row_index: int, event: Any) -> list[Any]:
         """One ``(token_id, finish_reason, timing)`` event of row ``row_index`` -> items."""

@@ -271,3 +271,36 @@ async def test_200_random_concurrent_requests_with_random_cancellations_never_ha
     assert outcomes["ok"] > 0 and outcomes["cancelled"] + outcomes["broken"] > 0
     assert stats.completed + stats.cancelled + stats.expired == 200
     assert all(backend.active(state) == 0 for state in backend.states)
+
+
+class FeedLog(Collect):
+    """Transducer recording, at each feed, how many steps the backend had run by then."""
+
+    def __init__(self, info, backend, live):
+        super().__init__(info)
+        self.backend, self.live, self.seen = backend, live, []
+
+    def feed(self, row, event):
+        self.seen.append(len(self.backend.steps))
+        return super().feed(row, event)
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_non_live_transducer_gets_its_events_in_one_burst_at_the_end(live):
+    backend = CountdownBackend(step_delay=0.02)
+    logs = []
+
+    def factory(info):
+        logs.append(FeedLog(info, backend, live))
+        return logs[-1]
+
+    s = Serving.new(backend).streaming(factory)
+    with s.start(batch_size=2, batch_timeout=0) as h:
+        assert Serving.batched_run(h, countdown(6)) == ["0:5", "0:4", "0:3", "0:2", "0:1", "0:0", "end"]
+        streamed = list(Serving.stream(h, countdown(6)))
+    assert streamed == ["0:5", "0:4", "0:3", "0:2", "0:1", "0:0", "end"]
+    call, stream = logs
+    # live: the caller saw the first event while later steps were still to run; not live: every
+    # event arrived after the last step. Streams are always live.
+    assert (call.seen[0] < 6) is live and (min(call.seen) == 6) is (not live)
+    assert stream.seen[0] < 12
