@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from tqdm import tqdm
@@ -36,9 +37,8 @@ def default_checkpoint() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=target.parent))
     try:
-        with tqdm(total=1, desc=f"writing the default checkpoint to {target}", unit="checkpoint") as bar:
-            write_checkpoint(tmp, DEFAULT_PRESET, DEFAULT_SEED)
-            bar.update(1)
+        bar = partial(tqdm, desc=f"writing the default checkpoint to {target}", unit="layer")
+        write_checkpoint(tmp, DEFAULT_PRESET, DEFAULT_SEED, progress=bar)
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

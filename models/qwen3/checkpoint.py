@@ -17,6 +17,7 @@ import argparse
 import gzip
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,8 @@ def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> mx.
     return mx.array(rng.standard_normal(shape, dtype=np.float32) * std)
 
 
-def _dense_weights(cfg: dict[str, Any], rng: np.random.Generator) -> dict[str, mx.array]:
+def _dense_weights(cfg: dict[str, Any], rng: np.random.Generator,
+                   progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> dict[str, mx.array]:
     """float32 weights, std = gain / sqrt(fan_in). The embedding (std 0.4 / sqrt(hidden))
     is small next to the layers' outputs (gain 4 on o_proj / down_proj), so the
     residual stream is not dominated by the input token and greedy decoding does not
@@ -75,7 +77,7 @@ def _dense_weights(cfg: dict[str, Any], rng: np.random.Generator) -> dict[str, m
         "self_attn.v_proj": (nkv * d, h), "self_attn.o_proj": (h, nq * d),
         "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h), "mlp.down_proj": (h, inter),
     }
-    for i in range(cfg["num_hidden_layers"]):
+    for i in progress(range(cfg["num_hidden_layers"])):
         p = f"model.layers.{i}"
         for name, shape in shapes.items():
             gain = _GAINS.get(name, 1.0)
@@ -130,13 +132,15 @@ def _copy_tokenizer(path: Path) -> None:
 
 def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, *,
                      quantized: bool = True, dtype: str = "bfloat16", shards: int = 1,
-                     tie_word_embeddings: bool = True) -> Path:
+                     tie_word_embeddings: bool = True,
+                     progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> Path:
     """Write a seeded random Qwen3 checkpoint to ``path`` (created) and return it.
 
     ``preset``: a key of :data:`PRESETS`. ``quantized``: 4-bit affine, group size 64
     (the mlx-community layout); otherwise dense ``dtype`` weights and no quantization
     block. ``dtype``: "bfloat16" (as shipped) or "float32" (for exact parity tests).
     ``shards`` > 1 splits the tensors and writes model.safetensors.index.json.
+    ``progress`` wraps the iteration over layers (e.g. ``tqdm``) to report progress.
     Same arguments, same bytes. Raises ValueError for an unknown preset or dtype.
     """
     if preset not in PRESETS:
@@ -147,7 +151,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, *,
     path.mkdir(parents=True, exist_ok=True)
     cfg = _config(preset, quantized, dtype)
     cfg["tie_word_embeddings"] = tie_word_embeddings
-    weights = _dense_weights(cfg, np.random.default_rng(seed))
+    weights = _dense_weights(cfg, np.random.default_rng(seed), progress)
     quant = cfg.get("quantization") if quantized else None
     _save(path, _finish(weights, quant, getattr(mx, dtype)), shards)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
