@@ -17,6 +17,7 @@ from serving import Serving
 from tokenization import Tokenizer
 
 from ..qwen3 import State, load
+from ..qwen3.cache import kv_bytes_per_token
 from ._backend import GenerationBackend
 from ._inputs import RequestInfo, preprocess
 from ._options import GenerationOptions
@@ -33,10 +34,12 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     sampler="greedy", temperature=0.95, top_p=0.9, chat=False, stop=(), profile_timing=True,
     max_batch=32, prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
-    ``batch_size=max_batch`` and a 5 ms admission window. Raises ValueError for a bad option and
-    TypeError for an unknown one. Bad inputs raise ValueError in the caller only.
+    ``batch_size=max_batch`` and a 5 ms admission window. Raises ValueError for a bad option
+    (including a ``kv_cache_bytes`` that holds no sequence of ``max_len``) and TypeError for an
+    unknown one. Bad inputs raise ValueError in the caller only.
     """
     opts = GenerationOptions(**options)
+    _check_budget(state, opts)
     return (
         Serving.new(GenerationBackend(state, opts))
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts))
@@ -62,6 +65,14 @@ def _check_option_names(options: dict[str, Any]) -> None:
     unknown = sorted(set(options) - known)
     if unknown:
         raise TypeError(f"unknown text-generation options {unknown} (known: {sorted(known)})")
+
+
+def _check_budget(state: State, opts: GenerationOptions) -> None:
+    """ValueError unless the budget holds one Engine slot (``max_len + 1`` positions: one scratch)."""
+    per_seq = kv_bytes_per_token(state) * (opts.max_len + 1)
+    if opts.kv_cache_bytes is not None and opts.kv_cache_bytes < per_seq:
+        raise ValueError(f"kv_cache_bytes={opts.kv_cache_bytes} holds no sequence of max_len={opts.max_len} "
+                         f"({per_seq} bytes each)")
 
 
 def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> Any:

@@ -345,3 +345,11 @@ def test_no_hang_under_200_random_requests_with_cancellations(tokenizer, tiny32,
         assert outcome(Serving.batched_run(h, REQS[2], deadline=WAIT_S)) == solo[2]  # still serving
     alone = make(tokenizer, tiny32, max_batch=1, max_len=64)
     assert finished == {i: outcome(alone.run(specs[i][0])) for i in finished}  # batchmates changed nothing
+
+
+def test_kv_budget_that_holds_no_sequence_is_a_bad_option(tokenizer, tiny32):
+    per_seq = kv_bytes_per_token(tiny32) * (64 + 1)
+    for budget in (0, -1, per_seq - 1):  # before the fix: accepted, then BackendError on every run
+        with pytest.raises(ValueError, match=f"kv_cache_bytes={budget} holds no sequence of max_len=64"):
+            make(tokenizer, tiny32, max_len=64, kv_cache_bytes=budget)
+    assert make(tokenizer, tiny32, max_len=64, kv_cache_bytes=per_seq).run(REQS[5])["results"][0]["num_tokens"] == 5
