@@ -17,7 +17,9 @@ other jobs whose load drifts); the median of each number is reported. Metrics: a
 generated tokens / (last completion - submission); per-request latency (submission -> last item)
 p50/p99, and TTFT (submission -> first item; static batches deliver everything at once, so their
 TTFT is their latency). ``tok_per_cpu_s`` divides by this process's CPU time (all its threads)
-instead of wall time: it moves less when other jobs share the cores. Ratios are
+instead of wall time: it moves less when other jobs share the cores. Executor ms per step/batch
+is the serving's telemetry time per iterative step (admission + one engine step) or per static
+batch; tokens per step/batch divides the generated tokens by their count. Ratios are
 ``regime / continuous (batch 8)``.
 
 Run: ``.venv/bin/python bench/continuous.py`` (writes bench/results/continuous.json).
@@ -154,22 +156,8 @@ def run_regime(serving: Serving, specs: list[Spec], static: bool, concurrent: bo
             "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
             "cpu_s": cpu_s, "tok_per_cpu_s": float(tokens.sum() / cpu_s),
             "executor_calls": len(work), "executor_busy_s": float(sum(work)),
+            "ms_per_call": float(sum(work)) / len(work) * 1e3, "tokens_per_call": float(tokens.sum()) / len(work),
             "mean_batch_fill": stats.mean_batch_fill, "loadavg_1min": os.getloadavg()[0], "outputs": outputs}
-
-
-def head_cost(state: State, batches: tuple[int, ...] = (1, 8, 32), n: int = 10) -> dict[str, dict[str, float]]:
-    """Wall and process-CPU ms of the greedy head (``argmax(lm_head(h))``, h (B, hidden) float32)
-    per call and per row, for each B: how the step cost of the tiny checkpoint scales with rows."""
-    out = {}
-    for b in batches:
-        h = mx.random.normal((b, state.config.hidden_size))
-        mx.eval(mx.argmax(state.lm_head(h), axis=-1))
-        wall0, cpu0 = time.perf_counter(), time.process_time()
-        for _ in range(n):
-            mx.eval(mx.argmax(state.lm_head(h), axis=-1))
-        wall, cpu = (time.perf_counter() - wall0) / n * 1e3, (time.process_time() - cpu0) / n * 1e3
-        out[str(b)] = {"wall_ms": wall, "cpu_ms": cpu, "cpu_ms_per_row": cpu / b}
-    return out
 
 
 def source_version() -> dict[str, Any]:
@@ -203,10 +191,6 @@ def main() -> None:
         state, tokenizer = load(ckpt), Tokenizer.from_dir(ckpt)
     specs = workload(args.requests, args.seed)
     prompt_lens = [len(tokenizer.encode(s["text"])) for s in specs]
-    head = head_cost(state)
-    print("head (argmax of the 151,936-way tied head): " + ", ".join(
-        f"B={b}: {v['wall_ms']:.1f} ms wall, {v['cpu_ms_per_row']:.1f} CPU-ms/row" for b, v in head.items()),
-        flush=True)
 
     def continuous(max_batch: int) -> Serving:
         return text_generation.serving(tokenizer, state, max_len=MAX_LEN, max_batch=max_batch, profile_timing=False)
@@ -237,13 +221,13 @@ def main() -> None:
           f"max_new_tokens {min(s['max_new_tokens'] for s in specs)}..{max(s['max_new_tokens'] for s in specs)}; "
           f"texts equal to continuous (batch 8): {same}\n")
     print("| regime | tok/s | ratio | tok per CPU-s | ratio | p50 latency s | ratio | p99 latency s | ratio "
-          "| p50 TTFT s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| p50 TTFT s | executor ms per step/batch | tokens per step/batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         keys = ("tok_s", "tok_per_cpu_s", "latency_p50_s", "latency_p99_s")
         r["ratios_vs_continuous_b8"] = q = {k: r[k] / base[k] for k in keys}
         cells = " | ".join(f"{r[k]:.{1 if k.startswith('tok') else 2}f} | {q[k]:.2f}" for k in keys)
-        print(f"| {name} | {cells} | {r['ttft_p50_s']:.2f} |")
+        print(f"| {name} | {cells} | {r['ttft_p50_s']:.2f} | {r['ms_per_call']:.1f} | {r['tokens_per_call']:.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": "python bench/continuous.py " + " ".join(f"--{k} {v}" for k, v in
@@ -255,7 +239,6 @@ def main() -> None:
         "workload": {"requests": args.requests, "prompt_tokens": prompt_lens,
                      "max_new_tokens": [s["max_new_tokens"] for s in specs], "sampler": "greedy"},
         "texts_equal_to_continuous_b8": same,
-        "head_cost": head,
         "regimes": results,
     }, indent=2))
     print(f"\nwrote {args.out}")
