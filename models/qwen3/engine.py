@@ -82,13 +82,16 @@ class Engine:
     sequence per step. ``kv_cache`` reuses a cache from :func:`init_kv_cache` (its
     ``max_len`` wins). ``compile_decode`` runs decode steps through ``mx.compile``d
     graphs (attention span rounded up to a multiple of ``_KV_BUCKET`` so few variants
-    are traced). Raises ValueError when the budget holds no slot at all.
+    are traced). ``bucket_shapes`` pads batches to the shape buckets described in the
+    module docstring; None (default) means on for a GPU, off on the CPU, where a padded
+    row costs as much as a real one and there are no per-shape kernel builds to avoid.
+    Raises ValueError when the budget holds no slot at all.
     Not thread-safe: drive it from one thread.
     """
 
     def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
                  kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, bucket_shapes: bool | None = None):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch, max_len and prefill_chunk must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}")
@@ -108,6 +111,7 @@ class Engine:
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
         self._flight: _Flight | None = None
         self._compiled: dict[int, Callable[..., tuple]] | None = {} if compile_decode else None
+        self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
 
     # ---- admission -------------------------------------------------------------------
 
@@ -210,7 +214,7 @@ class Engine:
         t = max(len(c) for c in chunks)
         b = len(seqs)
         dense = b == 1 and len(chunks[0]) == t
-        if not dense:  # bucketed shapes: padding rows/tokens write the scratch column only
+        if not dense and self._bucket:  # padding rows/tokens write the scratch column only
             t, b = min(self.prefill_chunk, _pow2(t)), _pow2(b)
         tokens = np.zeros((b, t), dtype=np.int32)
         for i, c in enumerate(chunks):
@@ -222,7 +226,8 @@ class Engine:
         slots[: len(seqs)] = [s.slot for s in seqs]
         kv_len = int((start + n_valid).max())
         rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid),
-                    kv_len if dense else self._span(kv_len), mx.array(np.maximum(n_valid - 1, 0)),
+                    self._span(kv_len) if self._bucket and not dense else kv_len,
+                    mx.array(np.maximum(n_valid - 1, 0)),
                     dense=dense)
         logits = forward(self.state, self.cache, rows)
         done = []
@@ -238,14 +243,14 @@ class Engine:
 
     def _decode(self, seqs: list[_Seq], flight: _Flight) -> None:
         hi = max(s.slot for s in seqs) + 1
-        if hi > 1:  # bucketed shapes: padding rows have n_valid 0 (scratch write, never read)
+        if hi > 1 and self._bucket:  # padding rows have n_valid 0 (scratch write, never read)
             hi = min(len(self._slots), _pow2(hi))
         start = self.cache.lengths[:hi].astype(np.int32)
         n_valid = np.zeros(hi, dtype=np.int32)
         n_valid[[s.slot for s in seqs]] = 1
         kv_len = int((start + n_valid)[n_valid == 1].max())
         if self._compiled is None:
-            if hi > 1:
+            if hi > 1 and self._bucket:
                 kv_len = self._span(kv_len)
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)

@@ -45,6 +45,9 @@ class GenerationOptions:
         SamplingParams(self.max_new_tokens, self.sampler, self.temperature, self.top_p)  # validates
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.max_new_tokens >= self.max_len:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}: "
+                             "no prompt would fit")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {self.max_batch}, {self.prefill_chunk}")
 

@@ -55,8 +55,9 @@ def solo(tiny32):
     (2, 4, [0, 1, 1, 3, 6]),       # staggered, queueing for slots, chunked prefill
     (3, 7, [2, 0, 5, 1, 0]),       # another order
 ])
-def test_output_independent_of_batchmates_and_arrival(tiny32, solo, max_batch, chunk, arrivals):
-    engine = Engine(tiny32, max_batch=max_batch, max_len=64, prefill_chunk=chunk)
+@pytest.mark.parametrize("bucket", [False, True], ids=["exact-shapes", "bucketed-shapes"])
+def test_output_independent_of_batchmates_and_arrival(tiny32, solo, max_batch, chunk, arrivals, bucket):
+    engine = Engine(tiny32, max_batch=max_batch, max_len=64, prefill_chunk=chunk, bucket_shapes=bucket)
     out: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     order = sorted(range(len(REQUESTS)), key=lambda i: arrivals[i])
