@@ -138,12 +138,8 @@ class ServingHandle:
     def stop(self) -> None:
         """Refuse new calls and fail queued ones with ServingStopped at once; let running work
         finish for up to ``shutdown_timeout`` seconds, then fail it with ServingStopped. Idempotent."""
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._unregister()
-        self._scheduler.stop()
+        if not self._begin_stop():
+            return
         self._close_executors()
         end = time.monotonic() + self._options.shutdown_timeout
         if not all(ex.join(max(end - time.monotonic(), 0.0)) for ex in self._executors):
@@ -151,14 +147,19 @@ class ServingHandle:
 
     def _stop_now(self) -> None:
         """``stop`` without waiting: running work is failed with ServingStopped too."""
+        if self._begin_stop():
+            self._scheduler.abort()
+            self._close_executors()
+
+    def _begin_stop(self) -> bool:
+        """Mark stopped, unregister, refuse new requests; False if already stopped."""
         with self._stop_lock:
             if self._stopped:
-                return
+                return False
             self._stopped = True
         self._unregister()
         self._scheduler.stop()
-        self._scheduler.abort()
-        self._close_executors()
+        return True
 
     def _close_executors(self) -> None:
         for executor in self._executors:
