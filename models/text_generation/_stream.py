@@ -6,7 +6,7 @@ caller's thread or event loop, never on the executor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenization import StreamingDetokenizer, Tokenizer
@@ -27,7 +27,6 @@ class RowText:
     tokens: int = 0
     finish_reason: str | None = None
     timing: dict[str, float] | None = None
-    pieces: list[str] = field(default_factory=list)
 
     def push(self, text: str) -> str:
         """Add new text; return what is safe to emit. Sets ``finish_reason="stop"`` when a stop
