@@ -19,7 +19,7 @@ __all__ = ["GenerationTransducer", "RowText", "collect"]
 
 @dataclass
 class RowText:
-    """Text state of one row: emitted text, held-back tail, token count, finish."""
+    """Text state of one row: its detokenizer, stop strings, held-back tail, token count, finish."""
 
     detok: StreamingDetokenizer
     stops: tuple[str, ...]
