@@ -16,7 +16,7 @@ import numpy as np
 
 from .loader import State
 
-__all__ = ["KVCache", "init_kv_cache", "kv_bytes_per_token"]
+__all__ = ["KVCache", "budget_slots", "init_kv_cache", "kv_bytes_per_token"]
 
 
 @dataclass
@@ -44,6 +44,16 @@ def kv_bytes_per_token(state: State) -> int:
     """Bytes of K and V one token occupies across all layers."""
     c = state.config
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * state.dtype.size
+
+
+def budget_slots(state: State, max_len: int, kv_cache_bytes: int) -> int:
+    """How many sequences of ``max_len`` tokens (plus the scratch column) fit in
+    ``kv_cache_bytes`` bytes of K/V. Raises ValueError when not even one fits."""
+    per_seq = kv_bytes_per_token(state) * (max_len + 1)
+    if kv_cache_bytes < per_seq:
+        raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_len={max_len} "
+                         f"({per_seq} bytes each)")
+    return kv_cache_bytes // per_seq
 
 
 def init_kv_cache(state: State, max_len: int, batch: int = 1) -> KVCache:

@@ -26,7 +26,7 @@ from typing import Callable, Literal
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache, init_kv_cache, kv_bytes_per_token
+from .cache import KVCache, budget_slots, init_kv_cache
 from .loader import State
 from .model import Rows, compiled_decode, forward
 from .sampling import SamplingParams, greedy, top_p_cpu, top_p_gpu
@@ -97,9 +97,7 @@ class Engine:
                              f"{max_batch}, {max_len}, {prefill_chunk}")
         slots = max_batch
         if kv_cache_bytes is not None:
-            slots = min(slots, kv_cache_bytes // (kv_bytes_per_token(state) * (max_len + 1)))
-            if slots < 1:
-                raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_len={max_len}")
+            slots = min(slots, budget_slots(state, max_len, kv_cache_bytes))
         if kv_cache is None:
             kv_cache = init_kv_cache(state, max_len, slots)
         kv_cache.lengths[:] = 0

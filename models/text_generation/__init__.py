@@ -17,7 +17,7 @@ from serving import Serving
 from tokenization import Tokenizer
 
 from ..qwen3 import State, load
-from ..qwen3.cache import kv_bytes_per_token
+from ..qwen3.cache import budget_slots
 from ._backend import GenerationBackend
 from ._inputs import RequestInfo, preprocess
 from ._options import GenerationOptions
@@ -68,11 +68,9 @@ def _check_option_names(options: dict[str, Any]) -> None:
 
 
 def _check_budget(state: State, opts: GenerationOptions) -> None:
-    """ValueError unless the budget holds one Engine slot (``max_len + 1`` positions: one scratch)."""
-    per_seq = kv_bytes_per_token(state) * (opts.max_len + 1)
-    if opts.kv_cache_bytes is not None and opts.kv_cache_bytes < per_seq:
-        raise ValueError(f"kv_cache_bytes={opts.kv_cache_bytes} holds no sequence of max_len={opts.max_len} "
-                         f"({per_seq} bytes each)")
+    """ValueError unless the KV budget holds at least one sequence of ``max_len``."""
+    if opts.kv_cache_bytes is not None:
+        budget_slots(state, opts.max_len, opts.kv_cache_bytes)
 
 
 def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> Any:
