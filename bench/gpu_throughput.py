@@ -4,6 +4,10 @@ Qwen3-0.6B-shaped seeded random MLX 4-bit checkpoint; 128-token prompts, 128 new
 greedy, EOS ignored (both sides generate exactly ``--new`` tokens). Prints one table and writes
 JSON (default bench/results/gpu_throughput.json). Measures:
 
+Ours runs with its projections dequantized at load (``--weights dequantized``, the default;
+``load(..., dequantize=True)``) and, for one stream and 1 / 128 concurrent, also with the
+4-bit projections as stored.
+
 - one stream: mlx-lm ``generate_step`` vs our Serving (``Serving.stream`` in process mode) and our
   bare ``Engine``: time to first token (ms) and decode tok/s;
 - concurrency curve: N concurrent requests through ``batched_run_async`` vs mlx-lm
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import text_generation  # noqa: E402
 from models.qwen3 import Engine, SamplingParams, load  # noqa: E402
+from models.qwen3.model import decode_path  # noqa: E402
 from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
 from serving import Serving  # noqa: E402
 from tokenization import Tokenizer  # noqa: E402
@@ -167,6 +172,9 @@ def main() -> None:
     ap.add_argument("--peer-concurrency", default="1,8,32,128,256")
     ap.add_argument("--load-streams", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_throughput.json"))
+    ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized",
+                    help="our projections: dequantized to dense at load (default) or 4-bit as stored; "
+                         "one stream and 1 / 128 concurrent are also measured with 4-bit weights")
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens: a smoke run for CPU")
     args = ap.parse_args()
     if args.quick:
@@ -178,7 +186,8 @@ def main() -> None:
 
     raw = tokenizers.Tokenizer.from_file(str(args.ckpt / "tokenizer.json"))
     tok = Tokenizer(raw, eos_token_ids=())  # EOS ignored: every request generates exactly --new tokens
-    state = load(args.ckpt)
+    state4 = load(args.ckpt)  # 4-bit projections, as stored
+    state = load(args.ckpt, dequantize=args.weights == "dequantized")
     model, mlxlm_tok = mlxlm_load(str(args.ckpt))
     mlxlm_tok.eos_token_ids = set()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -188,11 +197,13 @@ def main() -> None:
     texts = [raw.decode(p) for p in prompts]
     assert all(tok.encode(t) == p for t, p in zip(texts[:8], prompts[:8])), "prompts must round-trip"
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
+                           "ours_weights": args.weights, "decode_path": decode_path(state),
                            "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node()}
 
     # each measurement runs once to warm up (MLX builds kernels per shape on first use), then is timed
     out["single"] = {"mlx_lm_generate_step": warm(mlxlm_single, model, prompts, args.new),
-                     "ours_engine": warm(engine_single, state, prompts, args.new)}
+                     "ours_engine": warm(engine_single, state, prompts, args.new),
+                     "ours_engine_4bit": warm(engine_single, state4, prompts, args.new)}
     max_len = args.prompt_len + args.new + 8
     gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=max_len,
                                   max_batch=max(levels), prefill_chunk=512)
@@ -203,6 +214,12 @@ def main() -> None:
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
             anyio.run(serving_concurrent, h, texts[n:2 * n])  # warm-up at this concurrency
             curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
+    gen4 = text_generation.serving(tok, state4, max_new_tokens=args.new, max_len=max_len, max_batch=max(levels))
+    with Serving.start(gen4, batch_size=max(levels), batch_timeout=0.002) as h:
+        for n in (1, 128):
+            if n <= max(levels):
+                anyio.run(serving_concurrent, h, texts[n:2 * n])
+                curve.setdefault(str(n), {})["ours_4bit"] = anyio.run(serving_concurrent, h, texts[:n])
     for n in peer_levels:
         row = curve.setdefault(str(n), {})
         mlxlm_batch(model, mlxlm_tok, prompts[n:2 * n], args.new)  # warm-up at this concurrency
@@ -232,7 +249,7 @@ def print_table(out: dict[str, Any]) -> None:
           f"prompt {out['prompt_len']}  new {out['new_tokens']}")
     print(f"{'one stream':<28}{'TTFT ms':>10}{'decode tok/s':>14}{'vs mlx-lm':>11}")
     for name, r in (("mlx-lm generate_step", peer), ("ours: Engine", s["ours_engine"]),
-                    ("ours: Serving.stream", s["ours_serving"])):
+                    ("ours: Engine, 4-bit weights", s["ours_engine_4bit"]), ("ours: Serving.stream", s["ours_serving"])):
         print(f"{name:<28}{r['ttft_ms']:>10.1f}{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>10.2f}x")
     print(f"\n{'concurrent':>10}{'ours tok/s':>12}{'mlx-lm bg':>12}{'ratio':>8}{'mlx-lm cbs=N':>14}{'ratio':>8}")
     for n, row in sorted(out["curve"].items(), key=lambda kv: int(kv[0])):
@@ -240,6 +257,9 @@ def print_table(out: dict[str, Any]) -> None:
         bg = row.get("mlx_lm_batch_generate", {}).get("tok_s", float("nan"))
         cbs = row.get("mlx_lm_batch_generate_cbs_n", {}).get("tok_s", float("nan"))
         print(f"{n:>10}{ours:>12.0f}{bg:>12.0f}{ours / bg:>7.2f}x{cbs:>14.0f}{ours / cbs:>7.2f}x")
+        if "ours_4bit" in row:
+            q = row["ours_4bit"]["tok_s"]
+            print(f"{'(4-bit)':>10}{q:>12.0f}{'':>12}{q / bg:>7.2f}x")
     a = out["arrival_under_load"]
     print(f"\narrival while {a['streams']} streams decode: TTFT {a['ttft_ms']:.1f} ms; bound = idle TTFT "
           f"{a['idle_ttft_ms']:.1f} + 3 x step {a['step_ms_at_load']:.2f} = {a['bound_ms']:.1f} ms -> "

@@ -28,7 +28,7 @@ import numpy as np
 
 from .cache import KVCache, budget_slots, init_kv_cache
 from .loader import State
-from .model import Rows, compiled_decode, forward
+from .model import Rows, compiled_decode, decode_path, forward
 from .sampling import SamplingParams, greedy, top_p_cpu, top_p_gpu
 
 __all__ = ["Engine", "SeqEvent"]
@@ -81,8 +81,10 @@ class Engine:
     slots when ``kv_cache_bytes`` caps the cache; ``prefill_chunk`` prompt tokens per
     sequence per step. ``kv_cache`` reuses a cache from :func:`init_kv_cache` (its
     ``max_len`` wins). ``compile_decode`` runs decode steps through ``mx.compile``d
-    graphs (attention span rounded up to a multiple of ``_KV_BUCKET`` so few variants
-    are traced). ``bucket_shapes`` pads batches to the shape buckets described in the
+    graphs, one per padded row count (and, off the fused path, per attention span rounded
+    up to a multiple of ``_KV_BUCKET``); None (default) means on with the fused CUDA decode
+    path (model.decode_path), where a traced step saves the host graph building that
+    bounds one-stream decode (bench/gpu_step.py), and off elsewhere. ``bucket_shapes`` pads batches to the shape buckets described in the
     module docstring; None (default) means on for a GPU, off on the CPU, where a padded
     row costs as much as a real one and there are no per-shape kernel builds to avoid.
     Raises ValueError when the budget holds no slot at all.
@@ -91,7 +93,7 @@ class Engine:
 
     def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
                  kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None,
-                 compile_decode: bool = False, bucket_shapes: bool | None = None):
+                 compile_decode: bool | None = None, bucket_shapes: bool | None = None):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1:
             raise ValueError(f"max_batch, max_len and prefill_chunk must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}")
@@ -108,7 +110,10 @@ class Engine:
         self._by_id: dict[int, _Seq] = {}
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
         self._flight: _Flight | None = None
-        self._compiled: dict[int, Callable[..., tuple]] | None = {} if compile_decode else None
+        self._fused = decode_path(state) == "fused"
+        if compile_decode is None:
+            compile_decode = self._fused
+        self._compiled: dict[tuple[int, int], Callable[..., tuple]] | None = {} if compile_decode else None
         self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
 
     # ---- admission -------------------------------------------------------------------
@@ -175,6 +180,33 @@ class Engine:
                 seq = self._waiting.popleft()
                 seq.slot, self._slots[slot] = slot, seq
                 self.cache.lengths[slot] = 0
+
+    def warm_up(self) -> None:
+        """Run every decode shape this engine can use once, plus one small prefill, so that
+        MLX's per-shape work (kernel builds, traces of the compiled decode; seconds each on
+        MLX's CUDA build) happens now and not inside a request's time to first token.
+
+        Only padding rows take part (``n_valid`` 0): no sequence and no valid cache position
+        changes. Does nothing without shape bucketing (the CPU default), where shapes are
+        not a small known set. Raises RuntimeError when sequences are active.
+        """
+        if self._by_id:
+            raise RuntimeError("warm_up() needs an engine with no active sequences")
+        if not self._bucket:
+            return
+        n = len(self._slots)
+        for hi in sorted({min(n, _pow2(k)) for k in range(1, n + 1)}):
+            zeros = np.zeros(hi, dtype=np.int32)
+            if self._compiled is not None:
+                logits = self._decode_compiled(hi, zeros, zeros, 1)
+            else:
+                logits = forward(self.state, self.cache, Rows(self._tokens[:hi, None], None, mx.array(zeros),
+                                                              mx.array(zeros), 1, mx.array(zeros), dense=hi == 1))
+            mx.eval(greedy(logits))
+        t = min(self.prefill_chunk, 16)
+        z = mx.zeros((1,), dtype=mx.int32)
+        rows = Rows(mx.zeros((1, t), dtype=mx.int32), z, z, z, 1, z)
+        mx.eval(forward(self.state, self.cache, rows))
 
     # ---- the step --------------------------------------------------------------------
 
@@ -266,10 +298,10 @@ class Engine:
         return min(self.max_len, -(-kv_len // _KV_BUCKET) * _KV_BUCKET)
 
     def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int) -> mx.array:
-        span = self._span(kv_len)
-        fn = self._compiled.get(span)
+        span = 0 if self._fused else self._span(kv_len)
+        fn = self._compiled.get((hi, span))
         if fn is None:
-            fn = self._compiled[span] = compiled_decode(self.state, self.max_len, span)
+            fn = self._compiled[(hi, span)] = compiled_decode(self.state, self.max_len, span)
         logits, keys, values = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid),
                                   self.cache.keys, self.cache.values)
         self.cache.keys[:], self.cache.values[:] = keys, values

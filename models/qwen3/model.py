@@ -21,13 +21,17 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import KVCache
+from .kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 from .loader import Layer, State
 
-__all__ = ["Rows", "compiled_decode", "forward"]
+__all__ = ["Rows", "compiled_decode", "decode_path", "forward"]
 
-#: Masked one-token attention through :func:`_decode_attention` (False: through
-#: ``mx.fast.scaled_dot_product_attention``; bench/gpu_profile.py times both).
-DECODE_MATMUL_ATTENTION = True
+#: How a decode forward (one token per row, slots ``0..B-1``) runs: "fused" (the custom
+#: CUDA kernels of :mod:`.kernels`: 8 launches per layer, no mask), "matmul" (generic
+#: path, masked attention through :func:`_decode_attention`) or "sdpa" (generic path,
+#: ``mx.fast.scaled_dot_product_attention`` with the mask); None picks "fused" where it
+#: runs (MLX's CUDA build) and "matmul" elsewhere. bench/gpu_step.py times them.
+DECODE_PATH: str | None = None
 
 
 @partial(mx.compile, shapeless=True)
@@ -92,9 +96,18 @@ def _decode_attention(q: mx.array, keys: mx.array, values: mx.array, scale: floa
 def _sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
           mask: mx.array | str | None) -> mx.array:
     """Attention ``(B, H, T, D)``; masked one-token rows go through :func:`_decode_attention`."""
-    if q.shape[2] == 1 and isinstance(mask, mx.array) and DECODE_MATMUL_ATTENTION:
+    if q.shape[2] == 1 and isinstance(mask, mx.array) and DECODE_PATH != "sdpa":
         return _decode_attention(q, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def decode_path(state: State) -> str:
+    """The decode path :func:`forward` takes for ``state``: :data:`DECODE_PATH`, or when that
+    is None "fused" where the kernels run (MLX's CUDA build, a supported shape), else "matmul"."""
+    if DECODE_PATH is not None:
+        return DECODE_PATH
+    c = state.config
+    return "fused" if kernels_available() and supports(c.hidden_size, c.head_dim) else "matmul"
 
 
 @dataclass
@@ -149,6 +162,8 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     b, t = rows.tokens.shape
     h = state.embed_tokens.rows(rows.tokens.reshape(-1))
     c = state.config
+    if t == 1 and rows.slots is None and decode_path(state) == "fused":
+        return _fused_decode(state, cache, rows, h)
     step = _Step(
         rows=rows,
         write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
@@ -165,8 +180,26 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     return state.lm_head(h)
 
 
+def _fused_decode(state: State, cache: KVCache, rows: Rows, h: mx.array) -> mx.array:
+    """The decode forward through :mod:`.kernels` (rows ``0..B-1`` = cache slots); the K/V
+    cache is written in place. Same contract as :func:`forward`."""
+    c = state.config
+    eps = c.rms_norm_eps
+    x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
+    for i, layer in enumerate(state.layers):
+        qkv = layer.qkv.merged(x) if layer.qkv.merged is not None else mx.concatenate(layer.qkv(x), axis=-1)
+        attn = decode_attention(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
+                                cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta)
+        h, x = add_rms_norm(h, layer.o_proj(attn), layer.post_attention_layernorm, eps)
+        act = swiglu(layer.gate_up.merged(x)) if layer.gate_up.merged is not None else _swiglu(*layer.gate_up(x))
+        after = state.layers[i + 1].input_layernorm if i + 1 < len(state.layers) else state.norm
+        h, x = add_rms_norm(h, layer.down_proj(act), after, eps)
+    return state.lm_head(x)
+
+
 def compiled_decode(state: State, max_len: int, kv_len: int) -> Callable[..., tuple]:
-    """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``.
+    """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``
+    (unused by the "fused" path, which reads each row's own length).
 
     Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
     with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the

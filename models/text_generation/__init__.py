@@ -49,14 +49,17 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     )
 
 
-def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, **options: Any) -> Serving:
+def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequantize: bool = False,
+                 **options: Any) -> Serving:
     """Load an MLX checkpoint directory (4-bit or dense) and return :func:`serving` over it.
 
-    The tokenizer comes from the same directory unless given. Raises FileNotFoundError naming a
-    missing file, ValueError for an unsupported checkpoint or option.
+    The tokenizer comes from the same directory unless given. ``dequantize``: keep the
+    projections as dense matrices (more memory, faster batched decode on a GPU; see
+    ``models.qwen3.load``). Raises FileNotFoundError naming a missing file, ValueError for an
+    unsupported checkpoint or option.
     """
     _check_option_names(options)
-    state = load(path)
+    state = load(path, dequantize=dequantize)
     return serving(tokenizer or Tokenizer.from_dir(path), state, **options)
 
 

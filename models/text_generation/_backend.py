@@ -40,9 +40,12 @@ class GenerationBackend:
         self._model, self._opts = state, options
 
     def init(self, mode: str, arg: Any, partitions: int) -> _State:
-        """Allocate the partition's engine: ``max_batch`` KV slots of ``max_len`` positions."""
+        """Allocate the partition's engine (``max_batch`` KV slots of ``max_len`` positions)
+        and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
         o = self._opts
-        return _State(Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes))
+        engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes)
+        engine.warm_up()
+        return _State(engine)
 
     def admit(self, state: _State, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
         """Queue rows in the engine; a row that can never fit is returned with its ValueError."""

@@ -148,3 +148,19 @@ def test_compiled_decode_matches_eager(tiny32, solo):
     reasons: dict[int, str] = {}
     _drain(engine, out, reasons)
     assert out[0] == solo[0] and out[3] == solo[3]
+
+
+def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo):
+    """warm_up() runs every bucketed decode shape (traced when compiled) on padding rows only:
+    later outputs equal the solo runs; it refuses to run while sequences are active."""
+    engine = Engine(tiny32, max_batch=5, max_len=64, bucket_shapes=True, compile_decode=True)
+    engine.warm_up()
+    assert engine.cache.lengths.tolist() == [0] * 5
+    for i, request in enumerate(REQUESTS):
+        engine.add(i, *request)
+    with pytest.raises(RuntimeError, match="no active sequences"):
+        engine.warm_up()
+    out: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    _drain(engine, out, reasons)
+    assert [out[i] for i in range(len(REQUESTS))] == solo

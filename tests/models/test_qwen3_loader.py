@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.qwen3 import init_kv_cache, load
+from models.qwen3 import generate, init_kv_cache, load
 from tokenization import data_path
 from models.qwen3.checkpoint import write_checkpoint
 from models.qwen3.config import config_from_dict, read_config
@@ -209,3 +209,22 @@ def test_cli_and_mlx_lm_full_load(tmp_path):
     ours = _prefill_logits(load(out))
     theirs = np.array(model(mx.array([PROMPT]))[:, -1])
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
+
+
+def test_dequantize_keeps_the_model(tiny_ckpt):
+    """load(dequantize=True) stores dense projections with the same weights: first-step
+    logits within float32 rounding of the 4-bit path, the same greedy ids."""
+    q4, dense = load(tiny_ckpt), load(tiny_ckpt, dequantize=True)
+    assert dense.layers[0].qkv.merged.scales is None and dense.lm_head.scales is None
+    assert dense.embed_tokens.scales is not None  # the table stays quantized (only looked up)
+    prompt = [int(x) for x in np.random.default_rng(7).integers(0, 151000, 12)]
+    ids = {}
+    for name, state in (("q4", q4), ("dense", dense)):
+        cache = init_kv_cache(state, 64)
+        rows = Rows(mx.array([prompt], dtype=mx.int32), None, mx.zeros((1,), dtype=mx.int32),
+                    mx.array([len(prompt)], dtype=mx.int32), len(prompt),
+                    mx.array([len(prompt) - 1], dtype=mx.int32), dense=True)
+        ids[name] = forward(state, cache, rows)
+        ids[name + "_gen"], _ = generate(prompt, state, max_new_tokens=12, max_len=64)
+    assert mx.allclose(ids["q4"], ids["dense"], atol=1e-3, rtol=1e-3).item()
+    assert ids["q4_gen"] == ids["dense_gen"]

@@ -1,0 +1,261 @@
+"""GPU decode-step study: where the time of one decode step goes, per attention path and
+with or without ``mx.compile``.
+
+One seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_throughput.py), a 128-slot
+cache, every row at position ``--pos`` (attention span ``--pos + 1``). For B rows, a loop
+of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_eval`` it,
+then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
+median host time to build one step's graph (``build_ms``) and the wall time per step
+(``step_ms``). Variants: ``DECODE_PATH`` "matmul" / "sdpa" / "fused", eager or
+through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix), with the 4-bit
+weights or dequantized to dense matrices ("-dequant" suffix), and, at B = 1, the dense path
+(no mask, sliced cache) of the generic path. Also checks the fused path against the
+generic one (logits on ragged rows, greedy tokens of an Engine run; float32 and
+bfloat16), times mlx-lm's ``generate_step`` (one stream), and with ``--micro`` only the
+projection shapes as 4-bit vs dequantized matmuls.
+
+Run (MLX CUDA build): ``python bench/gpu_step.py --tag NAME``; JSON to
+bench/results/gpu_step_NAME.json. ``MLX_MAX_OPS_PER_BUFFER`` (MLX's CUDA-graph size) is
+read from the environment and recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.qwen3 import load  # noqa: E402
+from models.qwen3 import model as qmodel  # noqa: E402
+from models.qwen3.cache import KVCache, init_kv_cache  # noqa: E402
+from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from models.qwen3.model import Rows, forward  # noqa: E402
+
+StepFn = Callable[[mx.array], mx.array]
+
+
+def eager_step(state: Any, cache: KVCache, b: int, pos: int, dense: bool) -> StepFn:
+    start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
+    span = pos + 1
+
+    def step(tokens: mx.array) -> mx.array:
+        rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32), dense=dense)
+        return mx.argmax(forward(state, cache, rows), axis=-1).astype(mx.int32)
+
+    return step
+
+
+def compiled_step(state: Any, cache: KVCache, b: int, pos: int) -> StepFn:
+    start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
+    span = pos + 1
+
+    def inner(tokens: mx.array, keys: list[mx.array], values: list[mx.array]) -> tuple:
+        c = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), cache.max_len)
+        rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32))
+        return mx.argmax(forward(state, c, rows), axis=-1).astype(mx.int32), c.keys, c.values
+
+    fn = mx.compile(inner)
+
+    def step(tokens: mx.array) -> mx.array:
+        out, keys, values = fn(tokens, cache.keys, cache.values)
+        cache.keys[:], cache.values[:] = keys, values
+        return out
+
+    return step
+
+
+def run(step: StepFn, b: int, n: int, warm: int = 3) -> dict[str, float]:
+    tokens = mx.zeros((b,), dtype=mx.int32)
+    t_first = time.perf_counter()
+    for _ in range(warm):
+        tokens = step(tokens)
+        mx.eval(tokens)
+    first_ms = (time.perf_counter() - t_first) * 1e3
+    builds: list[float] = []
+    prev = None
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a = time.perf_counter()
+        tokens = step(tokens)
+        builds.append(time.perf_counter() - a)
+        mx.async_eval(tokens)
+        if prev is not None:
+            np.array(prev)
+        prev = tokens
+    np.array(prev)
+    wall = time.perf_counter() - t0
+    return {"warm_ms": first_ms, "build_ms": statistics.median(builds) * 1e3, "step_ms": wall / n * 1e3}
+
+
+def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
+    """The "fused" decode path vs the generic "matmul" one: logits of one decode forward
+    over ragged rows (random cache contents, a quarter of the rows padding), and the greedy
+    tokens of two Engine runs (8 prompts of 5..200 tokens, 32 new tokens each)."""
+    from models.qwen3 import Engine, SamplingParams
+    state = load(ckpt, dtype=dtype)
+    out: dict[str, Any] = {"dtype": dtype}
+    cache = init_kv_cache(state, 512, 128)
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    for b in (1, 8, 128):
+        for i in range(len(cache.keys)):
+            cache.keys[i] = mx.random.normal(cache.keys[i].shape).astype(state.dtype)
+            cache.values[i] = mx.random.normal(cache.values[i].shape).astype(state.dtype)
+        real = np.ones(b, dtype=np.int32)
+        real[rng.permutation(b)[: b // 4]] = 0
+        start = mx.array(rng.integers(0, 400, size=b).astype(np.int32))
+        rows = Rows(mx.array(rng.integers(0, 5000, size=(b, 1)).astype(np.int32)), None, start, mx.array(real),
+                    int(np.array(start).max()) + 1, mx.zeros((b,), dtype=mx.int32))
+        logits = {}
+        for mode in ("matmul", "fused"):
+            qmodel.DECODE_PATH = mode
+            logits[mode] = forward(state, cache, rows).astype(mx.float32)[mx.array(np.flatnonzero(real))]
+            mx.eval(logits[mode])
+        diff = mx.abs(logits["fused"] - logits["matmul"]).max().item()
+        same = (mx.argmax(logits["fused"], -1) == mx.argmax(logits["matmul"], -1)).astype(mx.float32).mean().item()
+        out[f"forward B={b}"] = {"max_abs_diff": diff, "logit_scale": mx.abs(logits["matmul"]).max().item(),
+                                 "argmax_equal": same}
+    prompts = [rng.integers(100, 5000, size=int(n)).tolist() for n in rng.integers(5, 200, size=8)]
+    tokens = {}
+    for name, mode, compiled in (("matmul", "matmul", False), ("fused", "fused", False),
+                                 ("fused+compile", "fused", True)):
+        qmodel.DECODE_PATH = mode
+        eng = Engine(state, max_batch=8, max_len=256, compile_decode=compiled)
+        for i, p in enumerate(prompts):
+            eng.add(i, p, SamplingParams(max_new_tokens=32, eos_token_ids=()))
+        got: dict[int, list[int]] = {i: [] for i in range(8)}
+        while eng.num_active:
+            for ev in eng.step():
+                got[ev.seq_id].append(ev.token_id)
+        tokens[name] = got
+    same = sum(a == b for i in range(8) for a, b in zip(tokens["fused"][i], tokens["matmul"][i]))
+    out["engine_tokens_equal"] = same / (8 * 32)
+    out["engine_compiled_equals_eager"] = tokens["fused+compile"] == tokens["fused"]
+    out["engine_first_divergence"] = [next((k for k, (a, b) in enumerate(zip(tokens["fused"][i], tokens["matmul"][i]))
+                                            if a != b), None) for i in range(8)]
+    qmodel.DECODE_PATH = None
+    return out
+
+
+def densify(state: Any) -> Any:
+    """A copy of ``state`` whose projections and head are dequantized dense matrices in the
+    activation dtype (the same weights, ~3.3x the bytes; the embedding stays quantized)."""
+    from dataclasses import replace
+
+    from models.qwen3.loader import Fused, Linear
+
+    def dense(lin: Linear) -> Linear:
+        if lin.scales is None:
+            return lin
+        return Linear(mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.spec.group_size,
+                                    bits=lin.spec.bits, mode=lin.spec.mode).astype(state.dtype))
+
+    layers = [replace(l, qkv=Fused(dense(l.qkv.merged), l.qkv.splits, []), o_proj=dense(l.o_proj),
+                      gate_up=Fused(dense(l.gate_up.merged), l.gate_up.splits, []), down_proj=dense(l.down_proj))
+              for l in state.layers]
+    out = replace(state, layers=layers, lm_head=dense(state.lm_head))
+    mx.eval([l.qkv.merged.weight for l in layers], out.lm_head.weight)
+    return out
+
+
+def linear_micro(state: Any, calls: int = 200) -> dict[str, Any]:
+    """Per-call wall time (us) of each projection shape of layer 0 and the head, as 4-bit
+    ``quantized_matmul`` and as a dequantized bfloat16 matmul, at several row counts
+    (``calls`` independent calls, one eval)."""
+    layer = state.layers[0]
+    mods = {"qkv": layer.qkv.merged, "o_proj": layer.o_proj, "gate_up": layer.gate_up.merged,
+            "down": layer.down_proj, "head": state.lm_head}
+    res: dict[str, Any] = {}
+    for name, lin in mods.items():
+        if lin.scales is None:
+            continue
+        w = mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.spec.group_size,
+                          bits=lin.spec.bits).astype(state.dtype)
+        k = w.shape[1]
+        for m in (1, 8, 32, 128, 256):
+            x = mx.random.normal((m, k)).astype(state.dtype)
+            for kind, fn in (("q4", lin), ("bf16", lambda a, w=w: a @ w.T)):
+                mx.eval(fn(x))
+                t0 = time.perf_counter()
+                mx.eval([fn(x + i) for i in range(calls)])
+                res[f"{name} M={m} {kind}"] = (time.perf_counter() - t0) / calls * 1e6
+        print({k_: round(v, 1) for k_, v in res.items() if k_.startswith(name)}, flush=True)
+    return res
+
+
+def mlxlm_single(path: Path, new: int) -> dict[str, float]:
+    from mlx_lm import load as mlxlm_load
+    from mlx_lm.generate import generate_step
+    model, _ = mlxlm_load(str(path))
+    prompt = mx.array(np.arange(100, 228, dtype=np.int32))
+    res = {}
+    for _ in range(2):
+        t0 = time.perf_counter()
+        stamps = [time.perf_counter() for _ in generate_step(prompt, model, max_tokens=new)]
+        res = {"ttft_ms": (stamps[0] - t0) * 1e3, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen3-0.6b-bench"))
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--variants", default="matmul,sdpa,fused,compiled-matmul,compiled-fused")
+    ap.add_argument("--pos", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--tag", default="default")
+    ap.add_argument("--preset", default="0.6b", help="checkpoint shape written when --ckpt is missing")
+    ap.add_argument("--micro", action="store_true", help="only the projection micro-benchmark")
+    args = ap.parse_args()
+    if not (args.ckpt / "config.json").is_file():
+        write_checkpoint(args.ckpt, args.preset, seed=0)
+    state = load(args.ckpt)
+    cache = init_kv_cache(state, 512, 128)
+    out: dict[str, Any] = {"mlx": mx.__version__, "device": str(mx.default_device()), "pos": args.pos,
+                           "MLX_MAX_OPS_PER_BUFFER": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
+                           "dtype": str(state.dtype)}
+    if args.micro:
+        out["linear_us"] = linear_micro(state)
+        Path(f"bench/results/gpu_step_{args.tag}.json").write_text(json.dumps(out, indent=2))
+        return
+    for dtype in ("float32", "bfloat16"):
+        try:
+            out[f"parity_{dtype}"] = path_parity(args.ckpt, dtype)
+        except Exception as e:  # noqa: BLE001 - a study: record and go on
+            out[f"parity_{dtype}"] = repr(e)[:2000]
+        print(json.dumps(out[f"parity_{dtype}"], indent=1), flush=True)
+    results: dict[str, Any] = {}
+    dense_state = densify(state) if any(v.endswith("-dequant") for v in args.variants.split(",")) else None
+    for b in [int(x) for x in args.batches.split(",")]:
+        for variant in args.variants.split(",") + (["dense"] if b == 1 else []):
+            try:
+                compiled = variant.startswith("compiled-")
+                path = variant.removeprefix("compiled-").removesuffix("-dequant")
+                qmodel.DECODE_PATH = "matmul" if variant == "dense" else path
+                st = dense_state if variant.endswith("-dequant") else state
+                fn = (compiled_step(st, cache, b, args.pos) if compiled
+                      else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
+                r = run(fn, b, args.steps)
+            except Exception as e:  # noqa: BLE001
+                r = {"error": repr(e)[:300]}
+            results[f"{variant} B={b}"] = r
+            print(f"{variant:>16} B={b:<4} {r}", flush=True)
+    out["steps"] = results
+    out["mlx_lm_generate_step"] = mlxlm_single(args.ckpt, 128)
+    print("mlx-lm", out["mlx_lm_generate_step"], flush=True)
+    path = Path(f"bench/results/gpu_step_{args.tag}.json")
+    path.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Custom CUDA kernels for the decode step (MLX's CUDA build only).
+
+On a GPU a decode step of a small model is bound by the number of operations MLX records
+and launches per token (measured ~8-10 us each on an H200, bench/gpu_step.py), not by
+arithmetic or memory traffic. These kernels cut a layer's decode work from ~29 graph
+nodes to 8 (four of them the projections):
+
+- :func:`decode_attention`: per (row, KV head) block, from the fused q/k/v projection:
+  q_norm/k_norm (RMSNorm), split-half RoPE at the row's position, the new K/V written into
+  the slot KV cache, then one-token GQA attention of the ``G = H / Hkv`` query heads over
+  the row's valid prefix with an online softmax (running max and sum; Milakov &
+  Gimelshein, arXiv:1805.02867), warps splitting the keys and merged through shared memory.
+- :func:`add_rms_norm`: residual add and the next RMSNorm in one pass.
+- :func:`swiglu`: ``silu(gate) * up`` straight from the fused gate/up projection.
+
+The K/V write is in place: the kernel writes into the cache buffers it receives as inputs
+(which MLX treats as read-only), so the cache needs no scatter and no new arrays per step.
+That is safe here because the cache is always contiguous (no copy is made for the kernel)
+and every reader of those positions (this kernel, later steps) is ordered after the write
+by its data dependence on the kernel's output.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import mlx.core as mx
+
+__all__ = ["add_rms_norm", "decode_attention", "kernels_available", "supports", "swiglu"]
+
+_BLOCK_REDUCE = r"""
+template <int NW>
+__device__ float block_sum(float v, float* scratch) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < NW; ++w) tot += scratch[w];
+    return tot;
+}
+"""
+
+_ATTENTION = r"""
+    // block (g, b): threads = D; W = D / 32 warps; lane handles E = D / 32 dims of a head.
+    constexpr int W = D / 32;
+    constexpr int E = D / 32;
+    constexpr int HALF = D / 2;
+    const int g = blockIdx.x;
+    const int b = blockIdx.y;
+    const int t = threadIdx.x;
+    const int warp = t / 32;
+    const int lane = t % 32;
+    const int L = meta[0];
+    const int pos = start[b];
+    const bool real = n_valid[b] > 0;
+    const int n = pos + (real ? 1 : 0);
+    __shared__ float red[W];
+    __shared__ float rot[D];
+    __shared__ float qs[G][D];
+
+    // q/k heads: RMSNorm (weight), then RoPE (split halves) at position pos.
+    const T* row = qkv + (size_t)b * (H + 2 * HKV) * D;
+    const float freq = exp2f(-(float)(2 * (t % HALF)) / (float)D * LOG2_BASE);
+    float sn, cs;
+    sincosf((float)pos * freq, &sn, &cs);
+    for (int j = 0; j <= G; ++j) {
+        const bool is_k = j == G;
+        const float x = static_cast<float>(row[(is_k ? H + g : g * G + j) * D + t]);
+        const float inv = rsqrtf(block_sum<W>(x * x, red) / (float)D + EPS);
+        const float wt = static_cast<float>((is_k ? k_w : q_w)[t]);
+        const float nv = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(x * inv)) * wt));
+        rot[t] = nv;
+        __syncthreads();
+        const float other = rot[t < HALF ? t + HALF : t - HALF];
+        const float o = static_cast<float>(static_cast<T>(t < HALF ? nv * cs - other * sn : nv * cs + other * sn));
+        __syncthreads();
+        if (!is_k) {
+            qs[j][t] = o;
+        } else if (real) {
+            const_cast<T*>(keys)[(((size_t)b * HKV + g) * L + pos) * D + t] = static_cast<T>(o);
+        }
+    }
+    if (real) {
+        const_cast<T*>(values)[(((size_t)b * HKV + g) * L + pos) * D + t] = row[(H + HKV + g) * D + t];
+    }
+    __syncthreads();
+
+    // attention over keys 0..n-1 of slot b, KV head g; warp w takes keys w, w + W, ...
+    const float scale = rsqrtf((float)D);
+    float m[G], l[G], acc[G][E];
+    for (int h = 0; h < G; ++h) {
+        m[h] = -INFINITY;
+        l[h] = 0.f;
+        for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+    }
+    const size_t base = ((size_t)b * HKV + g) * L * D + lane * E;
+    for (int j = warp; j < n; j += W) {
+        const T* kr = keys + base + (size_t)j * D;
+        const T* vr = values + base + (size_t)j * D;
+        float kf[E], vf[E];
+        for (int e = 0; e < E; ++e) { kf[e] = static_cast<float>(kr[e]); vf[e] = static_cast<float>(vr[e]); }
+        for (int h = 0; h < G; ++h) {
+            float s = 0.f;
+            for (int e = 0; e < E; ++e) s += qs[h][lane * E + e] * kf[e];
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            s *= scale;
+            const float mn = fmaxf(m[h], s);
+            const float c = expf(m[h] - mn);
+            const float p = expf(s - mn);
+            l[h] = l[h] * c + p;
+            for (int e = 0; e < E; ++e) acc[h][e] = acc[h][e] * c + p * vf[e];
+            m[h] = mn;
+        }
+    }
+    __shared__ float sm_m[W][G];
+    __shared__ float sm_l[W][G];
+    __shared__ float sm_acc[W][G][D];
+    for (int h = 0; h < G; ++h) {
+        if (lane == 0) { sm_m[warp][h] = m[h]; sm_l[warp][h] = l[h]; }
+        for (int e = 0; e < E; ++e) sm_acc[warp][h][lane * E + e] = acc[h][e];
+    }
+    __syncthreads();
+    for (int h = 0; h < G; ++h) {
+        float top = -INFINITY;
+        for (int w = 0; w < W; ++w) top = fmaxf(top, sm_m[w][h]);
+        float den = 0.f, num = 0.f;
+        if (top > -INFINITY) {
+            for (int w = 0; w < W; ++w) {
+                const float c = expf(sm_m[w][h] - top);
+                den += sm_l[w][h] * c;
+                num += sm_acc[w][h][t] * c;
+            }
+        }
+        out[((size_t)b * H + g * G + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);
+    }
+"""
+
+_ADD_RMS_NORM = r"""
+    // block r: threads BLK, each N / BLK features of row r.
+    constexpr int PER = N / BLK;
+    const int r = blockIdx.x;
+    __shared__ float red[BLK / 32];
+    float vals[PER];
+    float ss = 0.f;
+    for (int k = 0; k < PER; ++k) {
+        const size_t i = (size_t)r * N + threadIdx.x + k * BLK;
+        const T s = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(delta[i]));
+        h_out[i] = s;
+        vals[k] = static_cast<float>(s);
+        ss += vals[k] * vals[k];
+    }
+    const float inv = rsqrtf(block_sum<BLK / 32>(ss, red) / (float)N + EPS);
+    for (int k = 0; k < PER; ++k) {
+        const int c = threadIdx.x + k * BLK;
+        const float nv = static_cast<float>(static_cast<T>(vals[k] * inv));
+        x_out[(size_t)r * N + c] = static_cast<T>(nv * static_cast<float>(w[c]));
+    }
+"""
+
+
+_SWIGLU = r"""
+    // one thread per output element; gu row = [gate (I) | up (I)].
+    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (size_t)ROWS * I) return;
+    const size_t r = idx / I, c = idx % I;
+    const float g = static_cast<float>(gu[r * 2 * I + c]);
+    const float u = static_cast<float>(gu[r * 2 * I + I + c]);
+    out[idx] = static_cast<T>(g / (1.f + expf(-g)) * u);
+"""
+
+
+def _literals(source: str, eps: float, rope_theta: float | None = None) -> str:
+    source = source.replace("EPS", f"{eps!r}f")
+    if rope_theta is not None:
+        source = source.replace("LOG2_BASE", f"{math.log2(rope_theta)!r}f")
+    return source
+
+
+@cache
+def _attention_kernel(eps: float, rope_theta: float) -> object:
+    return mx.fast.cuda_kernel(
+        name=f"qwen3_decode_attention_{abs(hash((eps, rope_theta)))}",
+        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "meta"],
+        output_names=["out"], source=_literals(_ATTENTION, eps, rope_theta), header=_BLOCK_REDUCE)
+
+
+@cache
+def _add_rms_norm_kernel(eps: float) -> object:
+    return mx.fast.cuda_kernel(name=f"qwen3_add_rms_norm_{abs(hash(eps))}", input_names=["h", "delta", "w"],
+                               output_names=["h_out", "x_out"], source=_literals(_ADD_RMS_NORM, eps),
+                               header=_BLOCK_REDUCE)
+
+
+@cache
+def _swiglu_kernel() -> object:
+    return mx.fast.cuda_kernel(name="qwen3_swiglu", input_names=["gu"], output_names=["out"], source=_SWIGLU)
+
+
+@cache
+def _meta(length: int) -> mx.array:
+    return mx.array([length], dtype=mx.int32)
+
+
+def kernels_available() -> bool:
+    """True when the default device is a GPU of MLX's CUDA build (where these kernels run)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def supports(hidden_size: int, head_dim: int) -> bool:
+    """True when these kernels handle a model of this shape (both multiples of 32, head_dim
+    at most 1024: one thread per head dimension)."""
+    return hidden_size % 32 == 0 and head_dim % 32 == 0 and head_dim <= 1024
+
+
+def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: mx.array, n_valid: mx.array,
+                     keys: mx.array, values: mx.array, *, heads: int, eps: float, rope_theta: float) -> mx.array:
+    """One decode token per row: q/k norm, RoPE, K/V cache write (in place), attention.
+
+    ``qkv`` (B, (H + 2 Hkv) * D): the fused q/k/v projection of rows ``0..B-1``, which map
+    to cache slots ``0..B-1``; ``q_norm``/``k_norm`` (D,) RMSNorm weights (epsilon ``eps``);
+    ``start`` (B,) int32 each row's position (its cache length before this token);
+    ``n_valid`` (B,) int32, 1 for a real row, 0 for padding (nothing written, output
+    unused); ``keys``/``values`` (slots, Hkv, L, D) one layer's cache buffers, contiguous,
+    ``start < L``. RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5``
+    over positions ``0..start`` (the new token included). Returns (B, H * D) in ``qkv``'s
+    dtype (head-major). H = ``heads`` must be a multiple of Hkv; D a multiple of 32, at most 1024.
+    Raises ValueError on shape mismatch.
+    """
+    b, width = qkv.shape
+    slots, hkv, length, d = keys.shape
+    if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024 or slots < b:
+        raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
+    return _attention_kernel(float(eps), float(rope_theta))(
+        inputs=[qkv, q_norm, k_norm, start.astype(mx.int32), n_valid.astype(mx.int32), keys, values,
+                _meta(length)],
+        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv)],
+        grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
+        output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype],
+    )[0]
+
+
+def add_rms_norm(h: mx.array, delta: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """``(h + delta, rms_norm(h + delta) * weight)`` in one pass, both (B, N) in ``h``'s dtype.
+
+    The sum is rounded to ``h``'s dtype before the norm (as two separate ops would do);
+    the norm divides by ``sqrt(mean(x ** 2) + eps)``. N must be a multiple of 32.
+    Raises ValueError on shape mismatch.
+    """
+    b, n = h.shape
+    blk = math.gcd(n, 256)
+    if delta.shape != h.shape or weight.shape != (n,) or blk % 32:
+        raise ValueError(f"add_rms_norm: h {h.shape}, delta {delta.shape}, weight {weight.shape}")
+    h_out, x_out = _add_rms_norm_kernel(float(eps))(
+        inputs=[h, delta, weight], template=[("T", h.dtype), ("N", n), ("BLK", blk)],
+        grid=(b * blk, 1, 1), threadgroup=(blk, 1, 1),
+        output_shapes=[(b, n), (b, n)], output_dtypes=[h.dtype, h.dtype],
+    )
+    return h_out, x_out
+
+
+def swiglu(gate_up: mx.array) -> mx.array:
+    """SwiGLU of a fused gate/up projection: ``gate_up`` (B, 2I) = [gate | up] ->
+    ``silu(gate) * up`` (B, I), computed in float32 and rounded once to the input dtype.
+    Raises ValueError when the last axis is odd."""
+    b, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"swiglu: last axis {width} is not [gate | up]")
+    i = width // 2
+    threads = 256
+    return _swiglu_kernel()(
+        inputs=[gate_up], template=[("T", gate_up.dtype), ("ROWS", b), ("I", i)],
+        grid=(-(-b * i // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(b, i)], output_dtypes=[gate_up.dtype],
+    )[0]
