@@ -363,4 +363,5 @@ def _pow2(n: int) -> int:
 def _put(tokens: mx.array, slots: list[int], values: mx.array) -> mx.array:
     """A new slot token array with ``values`` at ``slots`` (``tokens`` is untouched:
     an enqueued step keeps its own snapshot)."""
-    return mx.put_along_axis(tokens, mx.array(slots, dtype=mx.int32), values.astype(mx.int32), axis=0)
+    values = values if values.dtype == mx.int32 else values.astype(mx.int32)
+    return mx.put_along_axis(tokens, mx.array(slots, dtype=mx.int32), values, axis=0)

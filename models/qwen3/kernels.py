@@ -203,6 +203,10 @@ def _meta(length: int) -> mx.array:
     return mx.array([length], dtype=mx.int32)
 
 
+def _int32(a: mx.array) -> mx.array:
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)  # no extra graph node when already int32
+
+
 def kernels_available() -> bool:
     """True when the default device is a GPU of MLX's CUDA build (where these kernels run)."""
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
@@ -233,8 +237,7 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
     if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024 or slots < b:
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
     return _attention_kernel(float(eps), float(rope_theta))(
-        inputs=[qkv, q_norm, k_norm, start.astype(mx.int32), n_valid.astype(mx.int32), keys, values,
-                _meta(length)],
+        inputs=[qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, _meta(length)],
         template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv)],
         grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
         output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype],

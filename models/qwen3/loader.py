@@ -10,7 +10,7 @@ values packed per word, shape ``(out, in * bits / 32)``) plus ``<name>.scales`` 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,18 +25,25 @@ __all__ = ["Fused", "Layer", "Linear", "State", "load"]
 class Linear:
     """A weight matrix of logical shape ``(out, in)``, dense or quantized.
 
-    Dense: ``weight`` is ``(out, in)`` float. Quantized: ``weight`` packed uint32, with
-    ``scales``/``biases`` and ``spec``. Call with 2-D ``x`` ``(rows, in)`` -> ``(rows, out)``.
+    Dense: ``weight`` is ``(out, in)`` float; ``weight_t`` is its transposed view, made once
+    (evaluated at load, it is a leaf of every step's graph rather than one more node per
+    call). Quantized: ``weight`` packed uint32, with ``scales``/``biases`` and ``spec``.
+    Call with 2-D ``x`` ``(rows, in)`` -> ``(rows, out)``.
     """
 
     weight: mx.array
     scales: mx.array | None = None
     biases: mx.array | None = None
     spec: QuantSpec | None = None
+    weight_t: mx.array | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.scales is None and self.weight_t is None:
+            self.weight_t = self.weight.T
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
-            return x @ self.weight.T
+            return x @ self.weight_t
         return mx.quantized_matmul(
             x, self.weight, self.scales, self.biases, transpose=True,
             group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
@@ -259,5 +266,5 @@ def _arrays(state: State) -> list[mx.array]:
         for fused in (layer.qkv, layer.gate_up):
             linears += fused.parts if fused.merged is None else [fused.merged]
     for lin in linears:
-        out += [a for a in (lin.weight, lin.scales, lin.biases) if a is not None]
+        out += [a for a in (lin.weight, lin.scales, lin.biases, lin.weight_t) if a is not None]
     return out
