@@ -57,8 +57,8 @@ def test_decode_attention_matches_reference():
         np.testing.assert_allclose(new_v[r], ref_v[r], atol=1e-5)
         if r == 1:
             continue
-        kk = mx.array(ref_k[r, :, : p + 1]).repeat(h // hkv, axis=0)
-        vv = mx.array(ref_v[r, :, : p + 1]).repeat(h // hkv, axis=0)
+        kk = mx.repeat(mx.array(ref_k[r, :, : p + 1]), h // hkv, axis=0)
+        vv = mx.repeat(mx.array(ref_v[r, :, : p + 1]), h // hkv, axis=0)
         probs = mx.softmax((q[r][:, None] @ kk.swapaxes(-1, -2)) * d**-0.5, axis=-1)
         np.testing.assert_allclose(np.array(out[r]).reshape(h, d), np.array((probs @ vv)[:, 0]), atol=1e-4)
 
