@@ -14,6 +14,9 @@ One process, one seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_through
 - ``prefill``: first and second call of a B-row, 128-token prefill;
 - ``engine``: whole Engine runs (N sequences, 128-token prompts): wall, tok/s, step median.
 
+Its forward-step variants are the generic decode path (``DECODE_PATH`` "matmul" / "sdpa"); the
+fused CUDA path is studied by bench/gpu_step.py.
+
 Run (MLX CUDA build): ``python bench/gpu_profile.py``; JSON to bench/results/gpu_profile.json.
 """
 
@@ -57,7 +60,7 @@ def ours_step(state: Any, cache: Any, b: int, kv: int, variant: str) -> Callable
                 mx.zeros((b,), dtype=mx.int32), dense=b == 1 or variant == "nomask")
 
     def run() -> list[mx.array]:
-        qmodel.DECODE_MATMUL_ATTENTION = variant == "matmul"
+        qmodel.DECODE_PATH = "sdpa" if variant == "sdpa" else "matmul"  # the generic path's variants
         return [forward(state, cache, rows), *cache.keys, *cache.values]
     return run
 

@@ -1,0 +1,127 @@
+"""Host overhead per decode step of the text-generation Serving, with a zero-cost engine.
+
+The text-generation serving (scheduler, GenerationBackend, per-request channels, the
+client-side GenerationTransducer with its streaming detokenizer) runs over a stand-in for
+``models.qwen3.Engine`` whose ``step()`` returns the next token of every active sequence at
+once, with no model behind it. N concurrent ``batched_run_async`` requests of ``--new`` tokens
+each: wall / steps is the host time the serving spends per step at N rows, which a GPU step
+has to cover (it is serial with the engine's own host work on the same interpreter).
+Peer in the same run: the bare loop over the same stand-in engine (no Serving).
+
+Run: ``python bench/serving_step_overhead.py`` (CPU; JSON to
+bench/results/serving_step_overhead.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models.text_generation._backend as backend_module  # noqa: E402
+from models import text_generation  # noqa: E402
+from models.qwen3 import SamplingParams, load  # noqa: E402
+from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from models.qwen3.engine import SeqEvent  # noqa: E402
+from serving import Serving  # noqa: E402
+from tokenization import Tokenizer  # noqa: E402
+
+
+class ZeroCostEngine:
+    """The Engine interface the backend uses; every step yields one token per sequence."""
+
+    def __init__(self, state: Any, max_batch: int, max_len: int, *args: Any, **kwargs: Any):
+        self._seqs: dict[int, list[int]] = {}
+        self._max_batch = max_batch
+
+    def warm_up(self) -> None:
+        """Nothing to warm."""
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def free_slots(self) -> int:
+        return self._max_batch - len(self._seqs)
+
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._seqs[seq_id] = [params.max_new_tokens, 0]
+
+    def cancel(self, seq_id: int) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def step(self) -> list[SeqEvent]:
+        events = []
+        for seq_id, s in list(self._seqs.items()):
+            s[1] += 1
+            done = s[1] >= s[0]
+            events.append(SeqEvent(seq_id, 1000 + s[1] % 64, "length" if done else None))
+            if done:
+                del self._seqs[seq_id]
+        return events
+
+
+async def concurrent(handle: Any, texts: list[str]) -> float:
+    async def one(text: str) -> None:
+        await Serving.batched_run_async(handle, text)
+
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for t in texts:
+            tg.start_soon(one, t)
+    return time.perf_counter() - t0
+
+
+def bare(n: int, new: int) -> float:
+    eng = ZeroCostEngine(None, n, 0)
+    for i in range(n):
+        eng.add(i, [1], SamplingParams(max_new_tokens=new))
+    t0 = time.perf_counter()
+    while eng.num_active:
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/mlx-serving-tiny"))
+    ap.add_argument("--rows", default="1,32,128")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/serving_step_overhead.json"))
+    args = ap.parse_args()
+    if not (args.ckpt / "config.json").is_file():
+        write_checkpoint(args.ckpt, "tiny", seed=0)
+    backend_module.Engine = ZeroCostEngine  # the stand-in behind the real backend
+    state = load(args.ckpt)
+    tok = Tokenizer.from_dir(args.ckpt)
+    out: dict[str, Any] = {"new_tokens": args.new, "rows": {}}
+    print(f"{'rows':>6}{'serving us/step':>17}{'bare us/step':>14}{'serving us/row-token':>22}")
+    for n in (int(x) for x in args.rows.split(",")):
+        gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=args.new + 64, max_batch=n)
+        texts = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(n)]
+        with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
+            anyio.run(concurrent, h, texts)  # warm-up
+            walls = [anyio.run(concurrent, h, texts) for _ in range(args.rounds)]
+        wall = statistics.median(walls)
+        bare_wall = statistics.median(bare(n, args.new) for _ in range(args.rounds))
+        row = {"serving_us_per_step": wall / args.new * 1e6, "bare_us_per_step": bare_wall / args.new * 1e6,
+               "serving_us_per_row_token": wall / (args.new * n) * 1e6}
+        out["rows"][str(n)] = row
+        print(f"{n:>6}{row['serving_us_per_step']:>17.0f}{row['bare_us_per_step']:>14.0f}"
+              f"{row['serving_us_per_row_token']:>22.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
