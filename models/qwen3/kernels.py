@@ -209,7 +209,8 @@ def _int32(a: mx.array) -> mx.array:
 
 def kernels_available() -> bool:
     """True when the default device is a GPU of MLX's CUDA build (where these kernels run)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)  # absent from some non-CUDA builds
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def supports(hidden_size: int, head_dim: int) -> bool:
