@@ -86,12 +86,12 @@ def _error(status: int, headers: dict[str, str] | None = None) -> Any:
 
 
 def create_app(serving: Serving, **start_options: Any) -> Starlette:
-    """An app that starts ``serving`` (``Serving.start(serving, **start_options)``) for its
+    """An app that starts ``serving`` (``Serving.start_async(serving, **start_options)``) for its
     lifetime and serves ``POST /generate``, ``POST /stream`` and ``GET /stats``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with Serving.start(serving, **start_options) as handle:
+        async with await Serving.start_async(serving, **start_options) as handle:
             app.state.handle = handle
             yield
 

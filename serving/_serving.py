@@ -6,6 +6,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+
 from ._backend import Backend, FunctionBackend, IterativeBackend, is_iterative
 from ._batch import Batch
 from ._client import AsyncStream, Call, EventTransducer, Stream, Transducer
@@ -149,6 +152,28 @@ class Serving:
             raise ValueError(f"batch_size {opts.batch_size} disagrees with the serving's batch_size {self._batch_size}")
         opts = opts.merge(batch_size=opts.batch_size or self._batch_size or 1)
         return ServingHandle(self, name, opts)
+
+    async def start_async(self, name: str | None = None, **options: Any) -> ServingHandle:
+        """``start`` for asyncio/trio: the backend's ``init`` (loading, warming up: seconds on a
+        GPU) runs on a worker thread while the event loop keeps serving. Same options, result
+        and errors as ``start``. Cancelled while ``init`` runs, it waits for ``init`` to end,
+        stops the new handle (so nothing is left running) and re-raises the cancellation.
+        """
+        started: list[ServingHandle] = []
+
+        def run() -> ServingHandle:
+            started.append(self.start(name, **options))
+            return started[0]
+
+        try:
+            handle = await anyio.to_thread.run_sync(run)
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancel that came during init lands here
+            return handle
+        except BaseException:
+            if started:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(started[0].stop)
+            raise
 
     @staticmethod
     def batched_run(name_or_handle: str | ServingHandle, input: Any, *, deadline: float | None = None) -> Any:

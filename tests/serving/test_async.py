@@ -5,7 +5,7 @@ import anyio
 import numpy as np
 import pytest
 
-from serving import DeadlineExceeded, Serving, ServingOverloaded
+from serving import DeadlineExceeded, Serving, ServingOverloaded, ServingStopped
 from serving_fakes import GateBackend, RecordingBackend, rows
 
 pytestmark = pytest.mark.anyio
@@ -126,3 +126,47 @@ async def test_asyncio_wait_for_and_task_cancel_withdraw_queued_requests(anyio_b
         backend.gate.set()
         assert (await running).tolist() == [2]
     assert [b[0] for b in backend.batches] == [[1]]
+
+
+class _SlowInit(RecordingBackend):
+    """A backend whose init takes 0.4 s (loading, warm-up)."""
+
+    def init(self, mode, arg, partitions):
+        time.sleep(0.4)
+        return super().init(mode, arg, partitions)
+
+
+async def _max_gap_while(coro_fn) -> tuple[object, float]:
+    """Run ``coro_fn()`` while a heartbeat ticks every 10 ms; return its result and the largest gap."""
+    gaps, result = [0.0], {}
+
+    async def heartbeat(stop: anyio.Event):
+        last = time.monotonic()
+        while not stop.is_set():
+            await anyio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        stop = anyio.Event()
+        tg.start_soon(heartbeat, stop)
+        result["value"] = await coro_fn()
+        stop.set()
+    return result["value"], max(gaps)
+
+
+async def test_start_async_runs_init_off_the_loop_and_returns_a_working_handle():
+    serving = Serving.new(_SlowInit()).batch_size(4)
+    handle, gap = await _max_gap_while(lambda: Serving.start_async(serving, batch_timeout=0.01))
+    assert gap < 0.2, f"the event loop stalled {gap:.2f} s during init"
+    async with handle:
+        assert (await Serving.batched_run_async(handle, rows(3))).tolist() == [6]
+
+
+async def test_start_async_cancelled_during_init_leaves_nothing_running():
+    backend = _SlowInit()
+    with anyio.move_on_after(0.1):
+        await Serving.new(backend).start_async("cancelled-start")
+    assert len(backend.inits) == 1  # init ran to its end...
+    with pytest.raises(ServingStopped):  # ...and the handle it made was stopped, its name freed
+        await Serving.batched_run_async("cancelled-start", rows(1))
