@@ -84,9 +84,10 @@ class Engine:
     graphs, one per padded row count (and, off the fused path, per attention span rounded
     up to a multiple of ``_KV_BUCKET``); None (default) means on with the fused CUDA decode
     path (model.decode_path), where a traced step saves the host graph building that
-    bounds one-stream decode (bench/gpu_step.py), and off elsewhere. ``bucket_shapes`` pads batches to the shape buckets described in the
-    module docstring; None (default) means on for a GPU, off on the CPU, where a padded
-    row costs as much as a real one and there are no per-shape kernel builds to avoid.
+    bounds one-stream decode (bench/gpu_step.py), and off elsewhere. ``bucket_shapes``
+    pads batches to the shape buckets described in the module docstring; None (default)
+    means on for a GPU, off on the CPU, where a padded row costs as much as a real one and
+    there are no per-shape kernel builds to avoid. :meth:`warm_up` runs every bucket once.
     Raises ValueError when the budget holds no slot at all.
     Not thread-safe: drive it from one thread.
     """
@@ -197,11 +198,12 @@ class Engine:
         n = len(self._slots)
         for hi in sorted({min(n, _pow2(k)) for k in range(1, n + 1)}):
             zeros = np.zeros(hi, dtype=np.int32)
+            span = self._span(1)  # the first span bucket (the fused path ignores it)
             if self._compiled is not None:
-                logits = self._decode_compiled(hi, zeros, zeros, 1)
+                logits = self._decode_compiled(hi, zeros, zeros, span)
             else:
                 logits = forward(self.state, self.cache, Rows(self._tokens[:hi, None], None, mx.array(zeros),
-                                                              mx.array(zeros), 1, mx.array(zeros), dense=hi == 1))
+                                                              mx.array(zeros), span, mx.array(zeros), dense=hi == 1))
             mx.eval(greedy(logits))
         t = min(self.prefill_chunk, 16)
         z = mx.zeros((1,), dtype=mx.int32)
