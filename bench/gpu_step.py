@@ -147,27 +147,6 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     return out
 
 
-def densify(state: Any) -> Any:
-    """A copy of ``state`` whose projections and head are dequantized dense matrices in the
-    activation dtype (the same weights, ~3.3x the bytes; the embedding stays quantized)."""
-    from dataclasses import replace
-
-    from models.qwen3.loader import Fused, Linear
-
-    def dense(lin: Linear) -> Linear:
-        if lin.scales is None:
-            return lin
-        return Linear(mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=lin.spec.group_size,
-                                    bits=lin.spec.bits, mode=lin.spec.mode).astype(state.dtype))
-
-    layers = [replace(l, qkv=Fused(dense(l.qkv.merged), l.qkv.splits, []), o_proj=dense(l.o_proj),
-                      gate_up=Fused(dense(l.gate_up.merged), l.gate_up.splits, []), down_proj=dense(l.down_proj))
-              for l in state.layers]
-    out = replace(state, layers=layers, lm_head=dense(state.lm_head))
-    mx.eval([l.qkv.merged.weight for l in layers], out.lm_head.weight)
-    return out
-
-
 def linear_micro(state: Any, calls: int = 200) -> dict[str, Any]:
     """Per-call wall time (us) of each projection shape of layer 0 and the head, as 4-bit
     ``quantized_matmul`` and as a dequantized bfloat16 matmul, at several row counts
@@ -235,7 +214,8 @@ def main() -> None:
             out[f"parity_{dtype}"] = repr(e)[:2000]
         print(json.dumps(out[f"parity_{dtype}"], indent=1), flush=True)
     results: dict[str, Any] = {}
-    dense_state = densify(state) if any(v.endswith("-dequant") for v in args.variants.split(",")) else None
+    dense_state = (load(args.ckpt, dequantize=True)  # the same weights as dense matrices
+                   if any(v.endswith("-dequant") for v in args.variants.split(",")) else None)
     for b in [int(x) for x in args.batches.split(",")]:
         for variant in args.variants.split(",") + (["dense"] if b == 1 else []):
             try:

@@ -191,7 +191,7 @@ def main() -> None:
     raw = tokenizers.Tokenizer.from_file(str(args.ckpt / "tokenizer.json"))
     tok = Tokenizer(raw, eos_token_ids=())  # EOS ignored: every request generates exactly --new tokens
     state4 = load(args.ckpt)  # 4-bit projections, as stored
-    state = load(args.ckpt, dequantize=args.weights == "dequantized")
+    state = load(args.ckpt, dequantize=True) if args.weights == "dequantized" else state4
     model, mlxlm_tok = mlxlm_load(str(args.ckpt))
     mlxlm_tok.eos_token_ids = set()
     levels = [int(x) for x in args.concurrency.split(",")]

@@ -196,9 +196,9 @@ class Engine:
         if not self._bucket:
             return
         n = len(self._slots)
+        span = self._span(1)  # the first span bucket (the fused path ignores it)
         for hi in sorted({min(n, _pow2(k)) for k in range(1, n + 1)}):
             zeros = np.zeros(hi, dtype=np.int32)
-            span = self._span(1)  # the first span bucket (the fused path ignores it)
             if self._compiled is not None:
                 logits = self._decode_compiled(hi, zeros, zeros, span)
             else:

@@ -1,51 +1,16 @@
 """The fused decode path's wiring (models/qwen3/model.py::_fused_decode) on any device: the three
-CUDA kernels are replaced by pure-MLX implementations of their documented contracts, and whole
-continuous-batching generations must equal the generic path's. The kernels themselves are checked
-against the same contracts on a GPU (test_qwen3_kernels_cuda.py)."""
+CUDA kernels are replaced by pure-MLX implementations of their documented contracts
+(kernel_refs.py), and whole continuous-batching generations must equal the generic path's. The
+kernels themselves are checked against the same references on a GPU (test_qwen3_kernels_cuda.py)."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
+from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from models.qwen3 import Engine, SamplingParams
 from models.qwen3 import model as qmodel
-
-
-def ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta):
-    """kernels.decode_attention's contract in MLX ops; the cache write updates ``keys`` /
-    ``values`` (the caller's array objects) as the kernel's in-place write does."""
-    b = qkv.shape[0]
-    _, hkv, length, d = keys.shape
-    q, k, v = mx.split(qkv, [heads * d, (heads + hkv) * d], axis=-1)
-
-    def rope(x: mx.array) -> mx.array:
-        return mx.fast.rope(x[:, :, None], d, traditional=False, base=rope_theta, scale=1.0, offset=start)[:, :, 0]
-
-    q = rope(mx.fast.rms_norm(q.reshape(b, heads, d), q_norm, eps))
-    k = rope(mx.fast.rms_norm(k.reshape(b, hkv, d), k_norm, eps))
-    pos = mx.where(n_valid > 0, start, length - 1)  # padding rows: the last column, never attended
-    keys[mx.arange(b)[:, None], :, pos[:, None]] = k[:, None]
-    values[mx.arange(b)[:, None], :, pos[:, None]] = v.reshape(b, hkv, d)[:, None]
-    n = start + n_valid
-    kk = mx.repeat(keys[:b], heads // hkv, axis=1)
-    vv = mx.repeat(values[:b], heads // hkv, axis=1)
-    scores = (q[:, :, None] @ kk.swapaxes(-1, -2)) * d**-0.5  # (b, heads, 1, length)
-    open_ = (mx.arange(length)[None, :] < n[:, None])[:, None, None]
-    scores = mx.where(open_, scores, -mx.inf)
-    probs = mx.where(open_, mx.softmax(scores, axis=-1, precise=True), 0.0)
-    return (probs @ vv).reshape(b, heads * d)
-
-
-def ref_add_rms_norm(h, delta, weight, eps):
-    s = h + delta
-    return s, mx.fast.rms_norm(s, weight, eps)
-
-
-def ref_swiglu(gate_up):
-    gate, up = mx.split(gate_up, 2, axis=-1)
-    return gate * mx.sigmoid(gate) * up
 
 
 @pytest.fixture

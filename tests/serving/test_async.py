@@ -21,33 +21,43 @@ async def test_run_async_does_model_work_on_the_servings_executor_thread(recordi
     assert len(recording.inits) == 1
 
 
-async def test_batched_run_async_batches_concurrent_tasks_and_keeps_the_loop_free():
-    backend = RecordingBackend(delay=0.3)
-    results, gaps = {}, []
+async def _max_gap_while(coro_fn) -> tuple[object, float]:
+    """Run ``coro_fn()`` while a heartbeat ticks every 10 ms; return its result and the largest gap."""
+    gaps, result = [0.0], {}
 
     async def heartbeat(stop: anyio.Event):
         last = time.monotonic()
         while not stop.is_set():
             await anyio.sleep(0.01)
-            now = time.monotonic()
-            gaps.append(now - last)
-            last = now
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+
+    async with anyio.create_task_group() as tg:
+        stop = anyio.Event()
+        tg.start_soon(heartbeat, stop)
+        result["value"] = await coro_fn()
+        stop.set()
+    return result["value"], max(gaps)
+
+
+async def test_batched_run_async_batches_concurrent_tasks_and_keeps_the_loop_free():
+    backend = RecordingBackend(delay=0.3)
+    results = {}
 
     async def call(i):
         results[i] = (await Serving.batched_run_async(h, rows(i))).tolist()
 
+    async def calls():
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(call, i)
+
     async with Serving.new(backend).start(batch_size=8, batch_timeout=5) as h:
-        stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(heartbeat, stop)
-            with anyio.fail_after(5):
-                async with anyio.create_task_group() as calls:
-                    for i in range(8):
-                        calls.start_soon(call, i)
-            stop.set()
+        _, gap = await _max_gap_while(calls)
     assert results == {i: [2 * i] for i in range(8)}
     assert len(backend.batches) == 1 and sorted(backend.batches[0][0]) == list(range(8))
-    assert max(gaps) < 0.2  # the loop ticked while the 0.3 s batch ran
+    assert gap < 0.2  # the loop ticked while the 0.3 s batch ran
 
 
 async def test_cancelled_while_queued_never_runs():
@@ -134,25 +144,6 @@ class _SlowInit(RecordingBackend):
     def init(self, mode, arg, partitions):
         time.sleep(0.4)
         return super().init(mode, arg, partitions)
-
-
-async def _max_gap_while(coro_fn) -> tuple[object, float]:
-    """Run ``coro_fn()`` while a heartbeat ticks every 10 ms; return its result and the largest gap."""
-    gaps, result = [0.0], {}
-
-    async def heartbeat(stop: anyio.Event):
-        last = time.monotonic()
-        while not stop.is_set():
-            await anyio.sleep(0.01)
-            gaps.append(time.monotonic() - last)
-            last = time.monotonic()
-
-    async with anyio.create_task_group() as tg:
-        stop = anyio.Event()
-        tg.start_soon(heartbeat, stop)
-        result["value"] = await coro_fn()
-        stop.set()
-    return result["value"], max(gaps)
 
 
 async def test_start_async_runs_init_off_the_loop_and_returns_a_working_handle():
