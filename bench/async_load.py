@@ -41,9 +41,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import text_generation  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from serving import Serving, ServingHandle  # noqa: E402
+from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.serving import Serving, ServingHandle  # noqa: E402
 
 _WORDS = ("river", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "quartz", "ember", "violet")
 

@@ -46,11 +46,11 @@ import anyio  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models import text_generation  # noqa: E402
-from models.qwen3 import State, generate, load  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from serving import Batch, Serving, ServingHandle  # noqa: E402
-from tokenization import Tokenizer  # noqa: E402
+from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.qwen3 import State, generate, load  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.serving import Batch, Serving, ServingHandle  # noqa: E402
+from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rain "
          "and green hills under grey clouds near old stone walls").split()  # one token each

@@ -34,8 +34,8 @@ sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolv
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from models.qwen3 import generate, load  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.qwen3 import generate, load  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 

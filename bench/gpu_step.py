@@ -35,11 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.qwen3 import load  # noqa: E402
-from models.qwen3 import model as qmodel  # noqa: E402
-from models.qwen3.cache import KVCache, init_kv_cache  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from models.qwen3.model import Rows, forward  # noqa: E402
+from mlx_serving.models.qwen3 import load  # noqa: E402
+from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
+from mlx_serving.models.qwen3.cache import KVCache, init_kv_cache  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.qwen3.model import Rows, forward  # noqa: E402
 
 StepFn = Callable[[mx.array], mx.array]
 
@@ -101,7 +101,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     """The "fused" decode path vs the generic "matmul" one: logits of one decode forward
     over ragged rows (random cache contents, a quarter of the rows padding), and the greedy
     tokens of two Engine runs (8 prompts of 5..200 tokens, 32 new tokens each)."""
-    from models.qwen3 import Engine, SamplingParams
+    from mlx_serving.models.qwen3 import Engine, SamplingParams
     state = load(ckpt, dtype=dtype)
     out: dict[str, Any] = {"dtype": dtype}
     cache = init_kv_cache(state, 512, 128)

@@ -37,12 +37,12 @@ import tokenizers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models import text_generation  # noqa: E402
-from models.qwen3 import Engine, SamplingParams, load  # noqa: E402
-from models.qwen3.model import decode_path  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from serving import Serving  # noqa: E402
-from tokenization import Tokenizer  # noqa: E402
+from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.qwen3 import Engine, SamplingParams, load  # noqa: E402
+from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.serving import Serving  # noqa: E402
+from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
 
 def word_prompts(tok: tokenizers.Tokenizer, n: int, length: int, seed: int) -> list[list[int]]:

@@ -39,8 +39,8 @@ import numpy as np
 # off the import path, here and in the spawned workers (they inherit sys.path)
 sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolve().parent]
 
-from serving import Batch, Serving  # noqa: E402
-from serving import ServingPool  # noqa: E402
+from mlx_serving.serving import Batch, Serving  # noqa: E402
+from mlx_serving.serving import ServingPool  # noqa: E402
 
 _SPAWN = multiprocessing.get_context("spawn")  # the peer starts its processes as the pool does
 LOOP = 400_000  # iterations of the pure-Python loop per row (~20 ms on the development machine)
@@ -120,8 +120,8 @@ def throughput(requests: int, rounds: int) -> dict[str, float]:
 
 def qwen3_throughput(requests: int, rounds: int) -> dict[str, float]:
     """Generated tokens/s per path, tiny seeded Qwen3 (best of ``rounds``, paths in turn)."""
-    from models.qwen3.checkpoint import write_checkpoint
-    from models.text_generation import from_mlx4bit
+    from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+    from mlx_serving.models.text_generation import from_mlx4bit
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         factory = functools.partial(from_mlx4bit, write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0),

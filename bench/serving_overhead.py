@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving import Batch, Serving
+from mlx_serving.serving import Batch, Serving
 
 
 def _percentile(values: list[float], q: float) -> float:

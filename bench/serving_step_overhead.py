@@ -26,13 +26,13 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models.text_generation._backend as backend_module  # noqa: E402
-from models import text_generation  # noqa: E402
-from models.qwen3 import SamplingParams, load  # noqa: E402
-from models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from models.qwen3.engine import SeqEvent  # noqa: E402
-from serving import Serving  # noqa: E402
-from tokenization import Tokenizer  # noqa: E402
+import mlx_serving.models.text_generation._backend as backend_module  # noqa: E402
+from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.qwen3 import SamplingParams, load  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.qwen3.engine import SeqEvent  # noqa: E402
+from mlx_serving.serving import Serving  # noqa: E402
+from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
 
 class ZeroCostEngine:

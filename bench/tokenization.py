@@ -38,7 +38,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import tokenizers  # noqa: E402
 
-from tokenization import StreamingDetokenizer, Tokenizer, data_path  # noqa: E402
+from mlx_serving.tokenization import StreamingDetokenizer, Tokenizer, data_path  # noqa: E402
 
 Key = TypeVar("Key")
 RESULTS = Path(__file__).resolve().parent / "results" / "tokenization.json"

@@ -10,7 +10,7 @@ Needs the ``examples`` extra (starlette, uvicorn, httpx)::
 ``POST /stream`` answers ``text/plain`` chunks, one per text piece, as tokens are generated;
 ``POST /generate`` answers the whole result as JSON; ``GET /stats`` the serving's counters. The
 body is one text-generation input (a string, or a dict with ``text`` or ``messages`` and
-per-request options; see ``models.text_generation``) plus an optional ``deadline`` in seconds.
+per-request options; see ``mlx_serving.models.text_generation``) plus an optional ``deadline`` in seconds.
 Concurrent requests are batched together by the serving. A client that disconnects mid-stream
 withdraws its request: its row leaves the running batch before the next decode step and its KV
 slot is freed.
@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from serving import AsyncStream, DeadlineExceeded, Serving, ServingOverloaded
+from mlx_serving import AsyncStream, DeadlineExceeded, Serving, ServingOverloaded
 
 
 async def _input(request: Request) -> tuple[Any, float | None]:
@@ -110,8 +110,8 @@ def create_app(serving: Serving, **start_options: Any) -> Starlette:
 def main() -> None:
     import uvicorn
 
-    from models import text_generation
-    from models._default_checkpoint import default_checkpoint
+    from mlx_serving import text_generation
+    from mlx_serving.models._default_checkpoint import default_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", nargs="?", help="MLX Qwen3 checkpoint directory (default: embedded random one)")

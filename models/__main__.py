@@ -1,4 +1,4 @@
-"""The ``mlx-serving`` command (also ``python -m models``).
+"""The ``mlx-serving`` command (also ``python -m mlx_serving``).
 
 ``mlx-serving generate "prompt" [--model DIR] [--max-new-tokens N] [--sampler S] [--chat] ...``
 runs one generation through a Serving and prints the text and a timing line.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from serving import Serving
+from ..serving import Serving
 
 from . import text_generation
 from ._default_checkpoint import default_checkpoint

@@ -1,6 +1,6 @@
 """Seeded random Qwen3 checkpoints in the exact mlx-community MLX layout.
 
-``python -m models.qwen3.checkpoint DIR --preset tiny|0.6b --seed N [--unquantized]
+``python -m mlx_serving.models.qwen3.checkpoint DIR --preset tiny|0.6b --seed N [--unquantized]
 [--dtype float32|bfloat16] [--shards N]`` writes config.json (with the ``quantization``
 block), model.safetensors (or shards + model.safetensors.index.json),
 generation_config.json and the Qwen3 tokenizer files. Both :func:`models.qwen3.load`
@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tokenization import data_path
+from ...tokenization import data_path
 
 __all__ = ["PRESETS", "write_checkpoint"]
 
@@ -161,7 +161,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, *,
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry point (see the module docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m models.qwen3.checkpoint", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mlx_serving.models.qwen3.checkpoint", description=__doc__.split("\n")[0])
     ap.add_argument("dir", type=Path)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)

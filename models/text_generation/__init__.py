@@ -13,8 +13,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from serving import Serving
-from tokenization import Tokenizer
+from ...serving import Serving
+from ...tokenization import Tokenizer
 
 from ..qwen3 import State, load
 from ..qwen3.cache import budget_slots

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serving import Batch
-from tokenization import Tokenizer
+from ...serving import Batch
+from ...tokenization import Tokenizer
 
 from ..qwen3.sampling import SamplingParams
 from ._options import GenerationOptions, _stop_tuple

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tokenization import StreamingDetokenizer, Tokenizer
+from ...tokenization import StreamingDetokenizer, Tokenizer
 
 from ._backend import TokenEvent
 from ._inputs import RequestInfo

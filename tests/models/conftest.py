@@ -1,4 +1,4 @@
-"""Shared fixtures for the model tests: seeded random Qwen3 checkpoints (session-scoped)."""
+"""Fixtures of the model tests: the tiny checkpoints (tests/conftest.py) loaded once per session."""
 
 from __future__ import annotations
 
@@ -6,23 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from models.qwen3 import State, load
-from models.qwen3.checkpoint import write_checkpoint
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3 in the mlx-community 4-bit layout (bf16 scales), seed 0."""
-    return write_checkpoint(tmp_path_factory.mktemp("qwen3") / "tiny", "tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def tiny32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3, dense float32 weights (exact parity), seed 0."""
-    return write_checkpoint(tmp_path_factory.mktemp("qwen3") / "tiny32", "tiny", seed=0,
-                            quantized=False, dtype="float32")
-
-
+from mlx_serving.models.qwen3 import State, load
 @pytest.fixture(scope="session")
 def tiny(tiny_ckpt: Path) -> State:
     """The 4-bit tiny checkpoint, default compute dtype (float32 on the CPU)."""

@@ -18,10 +18,10 @@ import pytest
 from starlette.requests import ClientDisconnect
 from starlette.testclient import TestClient
 
-from models import text_generation
-from models.qwen3 import State
-from serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded
-from tokenization import Tokenizer
+from mlx_serving.models import text_generation
+from mlx_serving.models.qwen3 import State
+from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded
+from mlx_serving.tokenization import Tokenizer
 
 MAX_LEN = 256
 # Multi-byte output (CJK, Hangul, astral-plane letters) on the seed-0 tiny checkpoint; some of

@@ -18,11 +18,11 @@ from typing import Any
 import anyio
 import pytest
 
-from models import text_generation
-from models.qwen3 import State, generate
-from models.qwen3.cache import kv_bytes_per_token
-from serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded, TelemetryEvent
-from tokenization import Tokenizer
+from mlx_serving.models import text_generation
+from mlx_serving.models.qwen3 import State, generate
+from mlx_serving.models.qwen3.cache import kv_bytes_per_token
+from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded, TelemetryEvent
+from mlx_serving.tokenization import Tokenizer
 
 pytestmark = pytest.mark.timeout(90)
 

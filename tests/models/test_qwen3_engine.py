@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.qwen3 import Engine, SamplingParams, generate
-from models.qwen3.cache import kv_bytes_per_token
+from mlx_serving.models.qwen3 import Engine, SamplingParams, generate
+from mlx_serving.models.qwen3.cache import kv_bytes_per_token
 
 
 def _prompt(seed: int, n: int) -> list[int]:

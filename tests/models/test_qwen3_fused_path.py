@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from models.qwen3 import Engine, SamplingParams
-from models.qwen3 import model as qmodel
+from mlx_serving.models.qwen3 import Engine, SamplingParams
+from mlx_serving.models.qwen3 import model as qmodel
 
 
 @pytest.fixture

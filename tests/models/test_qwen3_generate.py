@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from models.qwen3 import generate, init_kv_cache, load
-from models.qwen3.checkpoint import write_checkpoint
-from models.qwen3.model import Rows, forward
-from models.qwen3.sampling import SamplingParams, top_p_cpu, top_p_gpu
+from mlx_serving.models.qwen3 import generate, init_kv_cache, load
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+from mlx_serving.models.qwen3.model import Rows, forward
+from mlx_serving.models.qwen3.sampling import SamplingParams, top_p_cpu, top_p_gpu
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir."
 PROMPTS = [ELIXIR, [9707, 11, 1879], [int(x) for x in np.random.default_rng(7).integers(0, 151000, 40)]]

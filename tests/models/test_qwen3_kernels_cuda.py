@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from models.qwen3 import Engine, SamplingParams
-from models.qwen3 import model as qmodel
-from models.qwen3.kernels import add_rms_norm, decode_attention, kernels_available, swiglu
+from mlx_serving.models.qwen3 import Engine, SamplingParams
+from mlx_serving.models.qwen3 import model as qmodel
+from mlx_serving.models.qwen3.kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
 

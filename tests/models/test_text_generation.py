@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from models import text_generation
-from models.__main__ import main as cli_main
-from models.qwen3 import State, generate
-from serving import Serving
-from tokenization import Tokenizer
+from mlx_serving.models import text_generation
+from mlx_serving.models.__main__ import main as cli_main
+from mlx_serving.models.qwen3 import State, generate
+from mlx_serving.serving import Serving
+from mlx_serving.tokenization import Tokenizer
 
 PROMPTS = ["Write a short story about a robot who learns to love.", "Hello", "1 2 3 4 5 6 7 8 9"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from serving import Batch, Serving
+from mlx_serving.serving import Batch, Serving
 
 SPAWNED_MARK = "set only in the test process"  # the tests overwrite it; a spawned worker sees this
 

@@ -17,8 +17,8 @@ import numpy as np
 import pool_servings
 import pytest
 
-from serving import DeadlineExceeded, RemoteError, ServingStopped, WorkerCrashed
-from serving import ServingPool
+from mlx_serving.serving import DeadlineExceeded, RemoteError, ServingStopped, WorkerCrashed
+from mlx_serving.serving import ServingPool
 
 
 def child_pids() -> set[int]:

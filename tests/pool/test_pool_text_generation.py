@@ -6,9 +6,9 @@ import functools
 
 import pytest
 
-from models.qwen3.checkpoint import write_checkpoint
-from models.text_generation import from_mlx4bit
-from serving import ServingPool
+from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+from mlx_serving.models.text_generation import from_mlx4bit
+from mlx_serving.serving import ServingPool
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from serving._pool import _wire
+from mlx_serving.serving._pool import _wire
 
 
 @dataclasses.dataclass

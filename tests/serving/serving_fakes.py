@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from serving import Batch
+from mlx_serving.serving import Batch
 
 
 class RecordingBackend:

@@ -5,7 +5,7 @@ import anyio
 import numpy as np
 import pytest
 
-from serving import DeadlineExceeded, Serving, ServingOverloaded, ServingStopped
+from mlx_serving.serving import DeadlineExceeded, Serving, ServingOverloaded, ServingStopped
 from serving_fakes import GateBackend, RecordingBackend, rows
 
 pytestmark = pytest.mark.anyio

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from serving import Batch
+from mlx_serving.serving import Batch
 
 
 def test_stack_adds_leading_axis_and_concatenate_keeps_it():

@@ -6,7 +6,7 @@ from pathlib import Path
 SCRIPT = """
 import sys, threading
 sys.path.insert(0, {fakes!r})
-from serving import Serving
+from mlx_serving.serving import Serving
 from serving_fakes import CountdownBackend, RecordingBackend, countdown, rows
 it = Serving.new(CountdownBackend(step_delay=0.01)).start(batch_size=2, batch_timeout=0)
 st = Serving.new(RecordingBackend()).start(batch_size=4, batch_timeout=60)

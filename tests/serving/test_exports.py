@@ -1,4 +1,4 @@
-import serving
+from mlx_serving import serving
 
 
 def test_all_lists_exactly_the_public_names():

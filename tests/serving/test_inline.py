@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from serving import BackendError, Batch, Serving
+from mlx_serving.serving import BackendError, Batch, Serving
 
 from serving_fakes import RecordingBackend, rows
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import anyio
 import pytest
 
-from serving import BackendError, DeadlineExceeded, Serving, ServingOverloaded
+from mlx_serving.serving import BackendError, DeadlineExceeded, Serving, ServingOverloaded
 from serving_fakes import CountdownBackend, countdown
 
 

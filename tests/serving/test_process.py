@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from serving import (
+from mlx_serving.serving import (
     BackendError,
     Batch,
     DeadlineExceeded,

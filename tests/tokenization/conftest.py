@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenization import Tokenizer, data_path
+from mlx_serving.tokenization import Tokenizer, data_path
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenization import ChatTemplate, ChatTemplateError, InvalidTextError, Tokenizer
+from mlx_serving.tokenization import ChatTemplate, ChatTemplateError, InvalidTextError, Tokenizer
 
 IM_START, IM_END = 151644, 151645
 

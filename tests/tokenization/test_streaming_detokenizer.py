@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenization import InvalidTokenIdError, StreamingDetokenizer, Tokenizer
+from mlx_serving.tokenization import InvalidTokenIdError, StreamingDetokenizer, Tokenizer
 
 VOCAB = 151669
 MODEL_VOCAB = 151936

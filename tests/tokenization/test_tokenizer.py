@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenization import (
+from mlx_serving.tokenization import (
     InvalidTextError,
     InvalidTokenIdError,
     TokenizationError,
