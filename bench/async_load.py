@@ -103,7 +103,7 @@ def run_async(handle: ServingHandle, clients: int, requests: int, n: int, backen
         await go.wait()
         for r in range(requests):
             trace = Trace(time.perf_counter())
-            async for item in Serving.stream_async(handle, {"text": _prompt(c, r), "max_new_tokens": n}):
+            async for item in await Serving.stream_async(handle, {"text": _prompt(c, r), "max_new_tokens": n}):
                 _record(trace, item)
             traces.append(trace)
 

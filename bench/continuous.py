@@ -100,7 +100,7 @@ def static_serving(tokenizer: Tokenizer, state: State) -> Serving:
 
 async def _timed_stream(h: ServingHandle, spec: Spec, t0: float, texts: list[str]) -> Timing:
     first, pieces, final = None, [], {}
-    async for item in Serving.stream_async(h, spec):
+    async for item in await Serving.stream_async(h, spec):
         first = first or time.perf_counter()
         if isinstance(item, str):
             pieces.append(item)

@@ -138,7 +138,7 @@ async def arrival_under_load(handle: Any, background: list[str], probe: str) -> 
     async def bg(text: str) -> None:
         nonlocal first_seen
         last = None
-        async for item in Serving.stream_async(handle, text):
+        async for item in await Serving.stream_async(handle, text):
             now = time.perf_counter()
             if isinstance(item, str):
                 if last is None:
@@ -153,7 +153,7 @@ async def arrival_under_load(handle: Any, background: list[str], probe: str) -> 
         await started.wait()
         await anyio.sleep(0.2)
         t0 = time.perf_counter()
-        async for item in Serving.stream_async(handle, probe):
+        async for item in await Serving.stream_async(handle, probe):
             if isinstance(item, str):
                 result["ttft_ms"] = (time.perf_counter() - t0) * 1e3
                 break

@@ -57,7 +57,7 @@ async def stream(request: Request) -> Response:
     """Text pieces as they are generated. The stream is opened before the response starts, so
     bad input and a full queue still get their status codes."""
     input, deadline = await _input(request)
-    pieces = Serving.stream_async(request.app.state.handle, input, deadline=deadline)
+    pieces = await Serving.stream_async(request.app.state.handle, input, deadline=deadline)
     return StreamingResponse(_text(pieces), media_type="text/plain; charset=utf-8")
 
 

@@ -3,6 +3,7 @@
 from ._backend import Backend, IterativeBackend
 from ._batch import Batch
 from ._client import AsyncStream, Stream, Transducer
+from ._contract import Client
 from ._errors import (
     BackendError,
     DeadlineExceeded,
@@ -24,6 +25,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "Batch",
+    "Client",
     "DeadlineExceeded",
     "IterativeBackend",
     "PoolStats",

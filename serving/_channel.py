@@ -110,12 +110,29 @@ class Channel:
             return self._take()
 
     async def aget(self) -> Any:
-        """Async ``get``: waits without blocking the event loop (asyncio or trio)."""
+        """Async ``get``: waits without blocking the event loop (asyncio or trio). A waiter
+        that is cancelled removes its wake-up callback (as trio's ``abort_fn`` does)."""
         while True:
             with self._cond:
                 if self._ready():
                     return self._take()
                 event = anyio.Event()
                 call = _loop_caller()
-                self._wakers.append(lambda: call(event.set))
-            await event.wait()
+                waker = lambda: call(event.set)  # noqa: E731
+                self._wakers.append(waker)
+            try:
+                await event.wait()
+            finally:
+                self._forget(waker)
+
+    def _forget(self, waker: Callable[[], None]) -> None:
+        with self._cond:
+            try:
+                self._wakers.remove(waker)
+            except ValueError:
+                pass  # already taken by _wake
+
+    def waiters(self) -> int:
+        """Async readers registered for a wake-up (for tests and statistics)."""
+        with self._cond:
+            return len(self._wakers)

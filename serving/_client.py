@@ -1,25 +1,31 @@
-"""Caller side of a request: preprocessing, reading the channel, streams, postprocessing.
+"""Caller side of a request: preprocessing, submitting, reading the channel, streams,
+postprocessing; and ``LocalClient``, the client contract over an in-process runtime.
 
 Everything here runs in the caller's thread (or event loop); the executor threads only run the
-backend. A caller that leaves (exception, cancellation, closed or collected stream) withdraws its
-request; a deadline turns into ``DeadlineExceeded``.
+backend. A caller that leaves (exception, cancellation, closed stream) withdraws its request; a
+deadline turns into ``DeadlineExceeded``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 from ._batch import Batch
 from ._channel import END
+from ._messages import Part, RowEvent
 from ._output import concat_outputs, slice_output
-from ._request import Request, reap_orphans
-from ._telemetry import Callback, timed
+from ._request import Request
+from ._telemetry import ServingStats, timed
 
-__all__ = ["AsyncStream", "Stream", "Transducer"]
+if TYPE_CHECKING:
+    from ._serving import Serving
+
+__all__ = ["AsyncStream", "Consumer", "LocalClient", "Stream", "Transducer"]
 
 
 class Transducer(Protocol):
@@ -55,17 +61,30 @@ class EventTransducer:
         return []
 
 
+class Consumer(Protocol):
+    """Turns a request's channel messages into caller items, and the items into a result."""
+
+    live: bool
+
+    def on_message(self, message: Any) -> list[Any]: ...
+
+    def finish(self) -> list[Any]: ...
+
+    def result(self, items: list[Any]) -> Any: ...
+
+
 class StaticConsumer:
-    """Reads ``part`` messages: each is a slice of a batch output holding this caller's rows."""
+    """Reads ``Part`` messages: each is a slice of a batch output holding this caller's rows."""
+
+    live = True
 
     def __init__(self) -> None:
         self._parts: list[tuple[int, Any, Any]] = []
 
-    def on_message(self, message: tuple[Any, ...]) -> list[Any]:
-        _, offset, output, metadata, start, size = message
-        piece = slice_output(output, start, size)
-        self._parts.append((offset, piece, metadata))
-        return [(piece, metadata)]
+    def on_message(self, message: Part) -> list[Any]:
+        piece = slice_output(message.output, message.start, message.size)
+        self._parts.append((message.offset, piece, message.metadata))
+        return [(piece, message.metadata)]
 
     def finish(self) -> list[Any]:
         return []
@@ -77,18 +96,17 @@ class StaticConsumer:
 
 
 class IterativeConsumer:
-    """Feeds ``event`` messages to the transducer and forwards its stop requests."""
+    """Feeds ``RowEvent`` messages to the transducer and forwards its stop requests."""
 
     def __init__(self, request: Request, transducer: Transducer):
         self._request, self._transducer = request, transducer
         self._stopped: set[int] = set()
         self.live: bool = getattr(transducer, "live", True)
 
-    def on_message(self, message: tuple[Any, ...]) -> list[Any]:
-        _, index, event = message
-        if index in self._stopped:
+    def on_message(self, message: RowEvent) -> list[Any]:
+        if message.row in self._stopped:
             return []
-        items = list(self._transducer.feed(index, event))
+        items = list(self._transducer.feed(message.row, message.event))
         stops = [i for i in self._transducer.stop_rows() if i not in self._stopped]
         if stops:
             self._stopped.update(stops)
@@ -100,9 +118,6 @@ class IterativeConsumer:
 
     def result(self, items: list[Any]) -> tuple[Any, Any]:
         return items, None
-
-
-Consumer = StaticConsumer | IterativeConsumer
 
 
 def _next_message(request: Request) -> Any:
@@ -123,16 +138,46 @@ async def _anext_message(request: Request) -> Any:
     return request.channel.get(0)
 
 
-class Stream:
-    """Sync iterator over one request's items; closing it (or dropping it) cancels the request.
-
-    Raises what the request ended with: ``DeadlineExceeded``, ``BackendError``, ... .
-    """
+class _StreamBase:
+    """State shared by ``Stream`` and ``AsyncStream``: the request, its consumer, pending items."""
 
     def __init__(self, request: Request, consumer: Consumer):
         self._request, self._consumer = request, consumer
         self._pending: deque[Any] = deque()
         self._finished = False
+
+    @property
+    def request_id(self) -> int:
+        """The request's id (also on every ``ServingError`` it ends with)."""
+        return self._request.id
+
+    def _absorb(self, message: Any) -> None:
+        if message is END:
+            self._pending.extend(self._consumer.finish())
+            self._finished = True
+        else:
+            self._pending.extend(self._consumer.on_message(message))
+
+    def close(self) -> None:
+        """Stop reading; the request is withdrawn if it has not finished. Never blocks."""
+        self._request.cancel()
+
+    def __del__(self) -> None:
+        request = getattr(self, "_request", None)
+        if request is not None and not request.done:
+            warnings.warn(f"{type(self).__name__} of request {request.id} was dropped unclosed; close it "
+                          "(or use it as a context manager)", ResourceWarning, stacklevel=1, source=self)
+            request.cancel_later()
+
+
+class Stream(_StreamBase):
+    """Sync iterator over one request's items, submitted when the stream was made.
+
+    Close it (``close()``, ``with``, or iterate to the end): closing early withdraws the request.
+    A stream dropped unclosed warns (``ResourceWarning``) and is withdrawn by its owner at the
+    next scheduling point. Raises what the request ended with: ``DeadlineExceeded``,
+    ``BackendError``, ... (each with ``request_id``).
+    """
 
     def __iter__(self) -> Stream:
         return self
@@ -150,31 +195,21 @@ class Stream:
             raise
         return self._pending.popleft()
 
-    def _absorb(self, message: Any) -> None:
-        if message is END:
-            self._pending.extend(self._consumer.finish())
-            self._finished = True
-        else:
-            self._pending.extend(self._consumer.on_message(message))
-
-    def close(self) -> None:
-        """Stop reading; the request is withdrawn if it has not finished."""
-        self._request.cancel()
-
     def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        request = getattr(self, "_request", None)
-        if request is not None:
-            request.cancel_later()
 
+class AsyncStream(_StreamBase):
+    """Async iterator (asyncio or trio) over one request's items, submitted when the stream was
+    made. ``aclose()``, ``async with``, or the reading task being cancelled withdraws the
+    request. A plain ``for`` over it raises ``TypeError`` (it would block the event loop)."""
 
-class AsyncStream(Stream):
-    """Async iterator twin of ``Stream`` (asyncio or trio); ``aclose()`` or dropping it cancels."""
+    def __iter__(self) -> Any:
+        raise TypeError("AsyncStream is an async iterator: use 'async for' (a blocking 'for' would "
+                        "hold the event loop); use stream() for a sync iterator")
 
     def __aiter__(self) -> AsyncStream:
         return self
@@ -203,17 +238,19 @@ class AsyncStream(Stream):
         self.close()
 
 
-class Call:
-    """One call of a serving: preprocess, submit to ``runtime``, read, postprocess."""
+class Runtime(Protocol):
+    """Where a local client submits requests: a scheduler or the inline runtime."""
 
-    def __init__(self, serving: Any, runtime: Any, input: Any, deadline: float | None,
-                 check_key: Callable[[Batch], None] | None = None):
-        reap_orphans()
-        telemetry: Callback | None = serving._telemetry
-        with timed(telemetry, "preprocessing", 0):
-            batch, self.info = serving._preprocess(input)
-        if check_key is not None:
-            check_key(batch)
+    def submit(self, request: Request, batch: Batch) -> None: ...
+
+    def stats(self) -> ServingStats: ...
+
+
+class Call:
+    """One submitted call of a serving: its request and consumer; reads and postprocesses."""
+
+    def __init__(self, serving: Serving, runtime: Runtime, prepared: tuple[Batch, Any], deadline: float | None):
+        batch, self.info = prepared
         self.serving = serving
         self.request = Request(batch.size, deadline)
         if serving._is_iterative:
@@ -223,27 +260,90 @@ class Call:
         runtime.submit(self.request, batch)
 
     def _hold_unless_live(self) -> None:
-        if isinstance(self.consumer, IterativeConsumer) and not self.consumer.live:
+        if not self.consumer.live:
             self.request.channel.hold_until_close()
 
     def result(self) -> Any:
         """Block until done; the postprocessed result."""
         self._hold_unless_live()
-        items = list(Stream(self.request, self.consumer))
+        with Stream(self.request, self.consumer) as stream:
+            items = list(stream)
         return self._postprocess(items)
 
     async def result_async(self) -> Any:
         """Await completion without blocking the event loop; the postprocessed result."""
         self._hold_unless_live()
-        items = [item async for item in AsyncStream(self.request, self.consumer)]
+        async with AsyncStream(self.request, self.consumer) as stream:
+            items = [item async for item in stream]
         return self._postprocess(items)
 
     def _postprocess(self, items: list[Any]) -> Any:
         with timed(self.serving._telemetry, "postprocessing", self.request.size):
             return self.serving._postprocess(self.consumer.result(items), self.info)
 
-    def stream(self) -> Stream:
-        return Stream(self.request, self.consumer)
 
-    def stream_async(self) -> AsyncStream:
-        return AsyncStream(self.request, self.consumer)
+class LocalClient:
+    """The client contract (see ``Client``) over a runtime in this process.
+
+    Subclasses set ``_serving`` and implement ``_runtime()`` (raising ``ServingStopped`` when
+    closed), ``_check(batch)``, ``stats()`` and ``close()``.
+    """
+
+    _serving: Serving
+
+    def _runtime(self) -> Runtime:
+        raise NotImplementedError
+
+    def _check(self, batch: Batch) -> None:
+        """Refuse a batch this runtime cannot take (e.g. an unknown batch key)."""
+
+    def _prepare(self, input: Any) -> tuple[Batch, Any]:
+        prepared = self._serving._preprocess(input)
+        self._check(prepared[0])
+        return prepared
+
+    async def _prepare_async(self, input: Any) -> tuple[Batch, Any]:
+        if self._serving._offload(input):
+            return await anyio.to_thread.run_sync(self._prepare, input)
+        return self._prepare(input)
+
+    def _call(self, prepared: tuple[Batch, Any], deadline: float | None) -> Call:
+        return Call(self._serving, self._runtime(), prepared, deadline)
+
+    def run(self, input: Any, *, deadline: float | None = None) -> Any:
+        """Run one request; blocks; the postprocessed result."""
+        return self._call(self._prepare(input), deadline).result()
+
+    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
+        """``run`` for asyncio/trio: awaits without blocking the loop; cancelling it withdraws."""
+        return await self._call(await self._prepare_async(input), deadline).result_async()
+
+    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+        """Submit now; a ``Stream`` of items as they arrive (iterative: transducer items;
+        static: ``(output, metadata)`` per executed chunk)."""
+        call = self._call(self._prepare(input), deadline)
+        return Stream(call.request, call.consumer)
+
+    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+        """Submit now (preprocessing off the loop when the serving says so); an ``AsyncStream``."""
+        call = self._call(await self._prepare_async(input), deadline)
+        return AsyncStream(call.request, call.consumer)
+
+    async def aclose(self) -> None:
+        """``close`` off the event loop."""
+        await anyio.to_thread.run_sync(self.close)  # type: ignore[attr-defined]
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+OffloadPredicate = Callable[[Any], bool]

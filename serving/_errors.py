@@ -28,7 +28,13 @@ __all__ = [
 
 
 class ServingError(Exception):
-    """Base class of every error raised by the serving runtime."""
+    """Base class of every error raised by the serving runtime.
+
+    ``request_id``: the id of the request it ended (``Stream.request_id``; ids are unique per
+    process), or None for an error raised before a request existed.
+    """
+
+    request_id: int | None = None
 
 
 class ServingStopped(ServingError):

@@ -9,11 +9,9 @@ import time
 import weakref
 from typing import Any
 
-import anyio
-
 from ._backend import is_iterative
 from ._batch import Batch
-from ._client import AsyncStream, Call, Stream
+from ._client import LocalClient, Runtime
 from ._errors import ServingStopped
 from ._executor import Executor
 from ._iterative import IterativeScheduler
@@ -35,25 +33,22 @@ def _stop_all() -> None:
         handle._stop_now()
 
 
-def lookup(name_or_handle: str | ServingHandle) -> ServingHandle:
-    """The handle itself, or the running serving registered under this name."""
-    if isinstance(name_or_handle, ServingHandle):
-        return name_or_handle
-    if not isinstance(name_or_handle, str):
-        raise TypeError(f"expected a ServingHandle or a serving name, got {type(name_or_handle).__name__}")
+def lookup(name: str) -> ServingHandle:
+    """The running serving registered under ``name`` (``ServingStopped`` if none)."""
     with _registry_lock:
-        handle = _registry.get(name_or_handle)
+        handle = _registry.get(name)
     if handle is None:
-        raise ServingStopped(f"no running serving is named {name_or_handle!r}")
+        raise ServingStopped(f"no running serving is named {name!r}")
     return handle
 
 
-class ServingHandle:
+class ServingHandle(LocalClient):
     """A started serving: batches rows from many callers on its partition threads.
 
-    Use it as a context manager (``with`` or ``async with``) or call ``stop()``. Every method is
-    thread-safe. ``deadline`` (seconds from the call) bounds one request: past it the request is
-    withdrawn and ``DeadlineExceeded`` is raised.
+    Implements the client contract (``Client``: run / run_async / stream / stream_async /
+    stats / close / aclose). Use it as a context manager (``with`` or ``async with``) or call
+    ``close()``. Every method is thread-safe. ``deadline`` (seconds from the call) bounds one
+    request: past it the request is withdrawn and ``DeadlineExceeded`` is raised.
     """
 
     def __init__(self, serving: Any, name: str | None, options: ProcessOptions):
@@ -108,36 +103,21 @@ class ServingHandle:
         """The effective process options."""
         return self._options
 
-    def _check_key(self, batch: Batch) -> None:
+    def _check(self, batch: Batch) -> None:
         if batch.batch_key not in self._options.batch_keys:
             raise ValueError(f"unknown batch key {batch.batch_key!r}; this serving accepts {self._options.batch_keys}")
 
-    def _call(self, input: Any, deadline: float | None) -> Call:
-        return Call(self._serving, self._scheduler, input, deadline, self._check_key)
-
-    def batched_run(self, input: Any, *, deadline: float | None = None) -> Any:
-        """Run ``input`` batched with other callers' rows; blocks; the postprocessed result."""
-        return self._call(input, deadline).result()
-
-    async def batched_run_async(self, input: Any, *, deadline: float | None = None) -> Any:
-        """``batched_run`` for asyncio/trio: awaits without blocking the loop; cancellable."""
-        return await self._call(input, deadline).result_async()
-
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
-        """Iterator over items as they arrive (iterative: transducer items; static: (output, metadata) per chunk)."""
-        return self._call(input, deadline).stream()
-
-    def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
-        """Async iterator twin of ``stream``."""
-        return self._call(input, deadline).stream_async()
+    def _runtime(self) -> Runtime:
+        return self._scheduler
 
     def stats(self) -> ServingStats:
         """Queue depth, running rows, batches/steps run, fill, and request outcome counters."""
         return self._scheduler.stats()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Refuse new calls and fail queued ones with ServingStopped at once; let running work
-        finish for up to ``shutdown_timeout`` seconds, then fail it with ServingStopped. Idempotent."""
+        finish for up to ``shutdown_timeout`` seconds, then fail it with ServingStopped; end the
+        partition threads. Idempotent."""
         if not self._begin_stop():
             return
         self._close_executors()
@@ -146,7 +126,7 @@ class ServingHandle:
             self._scheduler.abort()
 
     def _stop_now(self) -> None:
-        """``stop`` without waiting: running work is failed with ServingStopped too."""
+        """``close`` without waiting: running work is failed with ServingStopped too."""
         if self._begin_stop():
             self._scheduler.abort()
             self._close_executors()
@@ -164,18 +144,6 @@ class ServingHandle:
     def _close_executors(self) -> None:
         for executor in self._executors:
             executor.close()
-
-    def __enter__(self) -> ServingHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> ServingHandle:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await anyio.to_thread.run_sync(self.stop)
 
     def __repr__(self) -> str:
         return f"ServingHandle(name={self._name!r}, stopped={self._stopped})"

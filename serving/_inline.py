@@ -1,4 +1,4 @@
-"""Inline runtime of a ``Serving``: its own executor thread and a state initialized once, lazily.
+"""Inline mode of a ``Serving``: its own executor thread and a state initialized once, lazily.
 
 ``Serving.run`` does not batch across callers: each call's rows run alone (split by
 ``batch_size``), in call order, on the serving's executor thread, so model work always happens on
@@ -8,18 +8,25 @@ the one thread that owns it (MLX streams are thread-local).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._backend import is_iterative
 from ._batch import Batch
-from ._errors import BackendError
+from ._client import LocalClient, Runtime
+from ._counters import Counters
+from ._errors import BackendError, ServingStopped
 from ._executor import Executor
 from ._iterative import IterativeScheduler
+from ._messages import Part
 from ._options import ProcessOptions
 from ._output import output_rows
-from ._request import Request
-from ._telemetry import TelemetryEvent, timed
+from ._request import Request, reap
+from ._telemetry import ServingStats, TelemetryEvent, timed
+
+if TYPE_CHECKING:
+    from ._serving import Serving
 
 _UNSET: Any = object()
 
@@ -31,33 +38,55 @@ class InlineRuntime:
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._arg, self._batch_size, self._telemetry = backend, arg, batch_size, telemetry
         self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.RLock())  # guards the counters (shared by calls)
+        self._c = Counters()
+        self.orphans: deque[Request] = deque()
         self._executor: Executor | None = None
+        self._closed = False
         self._state = _UNSET  # touched only on the executor thread
 
     def close(self) -> None:
-        """End the executor thread after queued runs (called when the Serving is collected)."""
+        """Refuse new runs; the executor thread ends after the queued ones. Idempotent."""
         with self._lock:
+            self._closed = True
             if self._executor is not None:
                 self._executor.close()
 
+    def stats(self) -> ServingStats:
+        with self._cond:
+            return self._c.snapshot()
+
     def submit(self, request: Request, batch: Batch) -> None:
         """Queue one call's rows; the result or events arrive on ``request.channel``."""
+        reap(self.orphans)
         if is_iterative(self._backend):
             size = self._batch_size or batch.size
             scheduler = IterativeScheduler(self._backend, [None], ProcessOptions(batch_timeout=0.0), size,
-                                           self._telemetry)
-            scheduler.submit(request, batch)
+                                           self._telemetry, cond=self._cond, counters=self._c)
             job: Callable[[], None] = lambda: self._run_iterative(request, scheduler)
-        else:
-            request.owner = self
-            job = lambda: self._run_static(request, batch)
+            with self._lock:
+                executor = self._open_executor()
+                scheduler.submit(request, batch)
+                executor.submit(job)
+            return
         with self._lock:
-            if self._executor is None:
-                self._executor = Executor("serving-inline")
-            self._executor.submit(job)
+            executor = self._open_executor()
+            request.owner = self
+            with self._cond:
+                self._c.queued += batch.size
+            executor.submit(lambda: self._run_static(request, batch))
+
+    def _open_executor(self) -> Executor:
+        if self._closed:
+            raise ServingStopped("the serving was closed")
+        if self._executor is None:
+            self._executor = Executor("serving-inline")
+        return self._executor
 
     def withdraw(self, request: Request, error: BaseException) -> None:
-        """Nothing to remove: a queued run sees the request is done and skips it."""
+        """Count the end; a queued run sees the request is done and skips it."""
+        with self._cond:
+            self._c.count_end(error)
 
     def stop_rows(self, request: Request, indices: list[int]) -> None:
         raise TypeError("stop_rows needs an iterative backend")
@@ -78,22 +107,54 @@ class InlineRuntime:
         scheduler.run_partition(0, drain=True)
 
     def _run_static(self, request: Request, batch: Batch) -> None:
-        offset, rest = 0, batch
+        with self._cond:
+            self._c.queued -= batch.size
+            self._c.running += batch.size
         try:
-            state = self._get_state()
-            while rest is not None and not request.done:
-                limit = self._batch_size or rest.size
-                chunk, rest = (rest, None) if rest.size <= limit else rest.split(limit)
-                with timed(self._telemetry, "execute", chunk.size, partition=0, batch_key=chunk.batch_key):
-                    output, metadata = self._backend.handle_batch(chunk, 0, state)
-                if output_rows(output) < chunk.size:
-                    raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {chunk.size}")
-                request.channel.put(("part", offset, output, metadata, 0, chunk.size))
-                offset += chunk.size
+            self._run_chunks(request, batch)
         except Exception as exc:
             request.fail(_backend_error(exc))
-            return
-        request.channel.close()
+        else:
+            if request.channel.close():
+                with self._cond:
+                    self._c.completed += 1
+        finally:
+            with self._cond:
+                self._c.running -= batch.size
+
+    def _run_chunks(self, request: Request, batch: Batch) -> None:
+        offset, rest = 0, batch
+        state = self._get_state()
+        while rest is not None and not request.done:
+            limit = self._batch_size or rest.size
+            chunk, rest = (rest, None) if rest.size <= limit else rest.split(limit)
+            with timed(self._telemetry, "execute", chunk.size, partition=0, batch_key=chunk.batch_key):
+                output, metadata = self._backend.handle_batch(chunk, 0, state)
+            if output_rows(output) < chunk.size:
+                raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {chunk.size}")
+            with self._cond:
+                self._c.batches_run += 1
+                self._c.fill_sum += chunk.size / limit
+            request.channel.put(Part(offset, output, metadata, 0, chunk.size))
+            offset += chunk.size
+
+
+class InlineClient(LocalClient):
+    """The client contract over a serving's inline runtime (what ``Serving.run`` uses)."""
+
+    def __init__(self, serving: Serving, runtime: InlineRuntime):
+        self._serving, self._inline = serving, runtime
+
+    def _runtime(self) -> Runtime:
+        return self._inline
+
+    def stats(self) -> ServingStats:
+        """Counters of the inline runs so far (``queued`` / ``running``: rows of calls now)."""
+        return self._inline.stats()
+
+    def close(self) -> None:
+        """End the executor thread after queued runs; later calls raise ``ServingStopped``."""
+        self._inline.close()
 
 
 def _backend_error(cause: BaseException) -> BackendError:

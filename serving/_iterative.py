@@ -23,7 +23,8 @@ from ._batch import Batch
 from ._counters import Counters
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
-from ._request import Request, reap_orphans
+from ._messages import RowEvent
+from ._request import Request, reap
 from ._telemetry import TelemetryEvent, emit
 
 _log = logging.getLogger("serving")
@@ -51,17 +52,21 @@ class IterativeScheduler:
     """Continuous-batching scheduler (see module docstring); one step loop per partition."""
 
     def __init__(self, backend: IterativeBackend, states: list[Any], options: ProcessOptions, batch_size: int,
-                 telemetry: Callable[[TelemetryEvent], None] | None):
+                 telemetry: Callable[[TelemetryEvent], None] | None, *,
+                 cond: threading.Condition | None = None, counters: Counters | None = None):
+        """``cond`` / ``counters``: share a lock and counters with other schedulers (the inline
+        runtime makes one scheduler per call and reports one set of counters)."""
         self._backend, self._opts, self._batch_size = backend, options, batch_size
         self._telemetry = telemetry
         self._parts = [_Partition(i, s) for i, s in enumerate(states)]
-        self._cond = threading.Condition(threading.RLock())
+        self._cond = cond if cond is not None else threading.Condition(threading.RLock())
+        self.orphans: deque[Request] = deque()
         self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
         self._deadlines: list[tuple[float, int, Request]] = []
         self._ids = itertools.count()
         self._stopping = False
         self._aborting = False
-        self._c = Counters()
+        self._c = counters if counters is not None else Counters()
 
     def bind_state(self, index: int, state: Any) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
@@ -71,6 +76,7 @@ class IterativeScheduler:
     def submit(self, request: Request, batch: Batch) -> None:
         """Queue the batch's rows; raises ServingStopped / ServingOverloaded."""
         payloads = batch.rows()
+        reap(self.orphans)
         with self._cond:
             if self._stopping:
                 raise ServingStopped("the serving is stopped")
@@ -149,7 +155,7 @@ class IterativeScheduler:
     def _iteration(self, part: _Partition, drain: bool) -> bool:
         """Cancel, admit, expire, step once. False when the loop should end."""
         backend = self._backend
-        reap_orphans()
+        reap(self.orphans)
         self._apply_cancels(part)
         active = backend.active(part.state)
         room = min(self._batch_size - active, backend.free_slots(part.state))
@@ -263,7 +269,7 @@ class IterativeScheduler:
                 if row is None:
                     continue
                 request = row.request
-                request.channel.put(("event", row.index, event))
+                request.channel.put(RowEvent(row.index, event))
                 if done:
                     row.done = True
                     del part.active[row_id]

@@ -2,50 +2,56 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Any, Protocol
 
 from ._channel import Channel
-from ._errors import DeadlineExceeded, RequestCancelled
+from ._errors import DeadlineExceeded, RequestCancelled, ServingError
 
-
-# Requests whose stream was garbage-collected. ``__del__`` may run inside any thread at any
-# allocation (cyclic GC), even one holding a scheduler or channel lock, so it only appends here
-# (atomic); schedulers and new calls cancel them at safe points with ``reap_orphans``.
-_orphans: deque[Request] = deque()
-
-
-def reap_orphans() -> None:
-    """Cancel requests whose streams were collected (call holding no scheduler or channel lock)."""
-    while _orphans:
-        try:
-            request = _orphans.popleft()
-        except IndexError:
-            return
-        request.cancel()
+_ids = itertools.count(1)
 
 
 class Owner(Protocol):
-    """The runtime holding a request's rows (a scheduler or the inline runtime)."""
+    """The runtime holding a request's rows (a scheduler, the inline runtime, a pool).
+
+    ``orphans``: requests whose stream was dropped unclosed. A finalizer may run inside any
+    thread at any allocation (cyclic GC), even one holding a scheduler or channel lock, so it
+    only appends there (atomic); the owner cancels them at its next safe point (``reap``).
+    """
+
+    orphans: deque[Request]
 
     def withdraw(self, request: Request, error: BaseException) -> None: ...
 
     def stop_rows(self, request: Request, indices: list[int]) -> None: ...
 
 
+def reap(orphans: deque[Request]) -> None:
+    """Cancel the requests in ``orphans`` (call holding no scheduler or channel lock)."""
+    while orphans:
+        try:
+            request = orphans.popleft()
+        except IndexError:
+            return
+        request.cancel()
+
+
 class Request:
     """Rows of one call, their channel back to the caller, and an optional deadline.
 
+    ``id``: unique in the process, carried by every error the request ends with.
     ``deadline`` is absolute (``time.monotonic()`` seconds) or None. ``fail`` closes the channel
     with an error and withdraws whatever rows are still queued or running.
     """
 
-    __slots__ = ("channel", "size", "deadline", "submitted", "owner", "delivered", "rows", "rows_left")
+    __slots__ = ("id", "channel", "size", "deadline", "submitted", "owner", "delivered", "rows", "rows_left")
 
     def __init__(self, size: int, deadline_s: float | None):
-        if deadline_s is not None and deadline_s <= 0:
+        if deadline_s is not None and not deadline_s > 0:
             raise ValueError(f"deadline must be > 0 seconds, got {deadline_s}")
+        self.id = next(_ids)
         self.channel = Channel()
         self.size = size
         self.submitted = time.monotonic()
@@ -67,7 +73,10 @@ class Request:
         return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
     def fail(self, error: BaseException) -> bool:
-        """Close with ``error`` and withdraw the rest of the rows; False if already done."""
+        """Close with ``error`` (tagged with this request's id) and withdraw the rest of the
+        rows; False if already done."""
+        if isinstance(error, ServingError) and error.request_id is None:
+            error.request_id = self.id
         if not self.channel.close(error):
             return False
         if self.owner is not None:
@@ -76,15 +85,15 @@ class Request:
 
     def cancel(self) -> None:
         """The caller left: withdraw (no-op when the request already finished)."""
-        self.fail(RequestCancelled("the caller cancelled the request"))
+        self.fail(RequestCancelled(f"request {self.id} was cancelled by its caller"))
 
     def cancel_later(self) -> None:
-        """Cancel from a finalizer: queue for ``reap_orphans`` (takes no lock)."""
-        if not self.channel.closed:
-            _orphans.append(self)
+        """Cancel from a finalizer: queue on the owner's orphans (takes no lock)."""
+        if not self.channel.closed and self.owner is not None:
+            self.owner.orphans.append(self)
 
     def expire(self) -> None:
-        self.fail(DeadlineExceeded("the request's deadline passed"))
+        self.fail(DeadlineExceeded(f"request {self.id}'s deadline passed"))
 
     def stop_rows(self, indices: list[int]) -> None:
         """Ask the owner to end these rows now (client-side stop, e.g. a stop string)."""

@@ -11,11 +11,12 @@ import anyio.lowlevel
 
 from ._backend import Backend, FunctionBackend, IterativeBackend, is_iterative
 from ._batch import Batch
-from ._client import AsyncStream, Call, EventTransducer, Stream, Transducer
+from ._client import AsyncStream, EventTransducer, OffloadPredicate, Stream, Transducer
+from ._contract import Client
 from ._handle import ServingHandle, lookup
-from ._inline import InlineRuntime
+from ._inline import InlineClient, InlineRuntime
 from ._options import ProcessOptions
-from ._telemetry import Callback
+from ._telemetry import Callback, ServingStats, timed
 
 _UNSET: Any = object()
 
@@ -40,18 +41,21 @@ class Serving:
     """
 
     __slots__ = ("_backend", "_arg", "_pre", "_post", "_batch_size", "_options", "_factory",
-                 "_telemetry", "_inline", "__weakref__")
+                 "_telemetry", "_offload_fn", "_inline", "__weakref__")
 
     def __init__(self, backend: Backend | IterativeBackend, arg: Any = None, *,
                  preprocessing: Callable[[Any], tuple[Batch, Any]] = _default_preprocessing,
                  postprocessing: Callable[[tuple[Any, Any], Any], Any] = _default_postprocessing,
                  batch_size: int | None = None, options: ProcessOptions = ProcessOptions(),
-                 factory: Callable[[Any], Transducer] | None = None, telemetry: Callback | None = None):
+                 factory: Callable[[Any], Transducer] | None = None, telemetry: Callback | None = None,
+                 offload: OffloadPredicate | None = None):
         self._backend, self._arg = backend, arg
         self._pre, self._post = preprocessing, postprocessing
         self._batch_size, self._options, self._factory, self._telemetry = batch_size, options, factory, telemetry
-        self._inline = InlineRuntime(backend, arg, batch_size, telemetry)
-        weakref.finalize(self, self._inline.close)
+        self._offload_fn = offload
+        runtime = InlineRuntime(backend, arg, batch_size, telemetry)
+        self._inline = InlineClient(self, runtime)
+        weakref.finalize(self, runtime.close)  # a backstop only: close() (or ``with``) is the way
 
     @classmethod
     def new(cls, fn_or_backend: Callable[[Batch], Any] | Backend | IterativeBackend, arg: Any = None) -> Serving:
@@ -70,14 +74,20 @@ class Serving:
 
     def _replace(self, **changes: Any) -> Serving:
         fields = dict(preprocessing=self._pre, postprocessing=self._post, batch_size=self._batch_size,
-                      options=self._options, factory=self._factory, telemetry=self._telemetry)
+                      options=self._options, factory=self._factory, telemetry=self._telemetry,
+                      offload=self._offload_fn)
         fields.update(changes)
         return Serving(self._backend, self._arg, **fields)
 
     # ---- builders ------------------------------------------------------------------------------
-    def client_preprocessing(self, fn: Callable[[Any], tuple[Batch, Any]] | None) -> Serving:
-        """``fn(input) -> (Batch, info)`` runs in the caller; None restores "input is a Batch"."""
-        return self._replace(preprocessing=fn or _default_preprocessing)
+    def client_preprocessing(self, fn: Callable[[Any], tuple[Batch, Any]] | None, *,
+                             offload: OffloadPredicate | None = None) -> Serving:
+        """``fn(input) -> (Batch, info)`` runs in the caller; None restores "input is a Batch".
+
+        ``offload(input) -> bool``: True when ``fn`` may hold the caller for long (more than
+        ~10 ms, e.g. tokenizing a long prompt); async callers (``run_async``,
+        ``stream_async``) then run ``fn`` on a worker thread instead of the event loop."""
+        return self._replace(preprocessing=fn or _default_preprocessing, offload=offload)
 
     def client_postprocessing(self, fn: Callable[[tuple[Any, Any], Any], Any] | None) -> Serving:
         """``fn((output, metadata), info) -> result`` runs in the caller; None returns ``output``."""
@@ -109,10 +119,14 @@ class Serving:
         return is_iterative(self._backend)
 
     def _preprocess(self, input: Any) -> tuple[Batch, Any]:
-        result = self._pre(input)
+        with timed(self._telemetry, "preprocessing", 0):
+            result = self._pre(input)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Batch)):
             raise TypeError("client_preprocessing must return (Batch, info)")
         return result
+
+    def _offload(self, input: Any) -> bool:
+        return self._offload_fn is not None and bool(self._offload_fn(input))
 
     def _postprocess(self, result: tuple[Any, Any], info: Any) -> Any:
         return self._post(result, info)
@@ -120,16 +134,51 @@ class Serving:
     def _transducer_for(self, info: Any) -> Transducer:
         return EventTransducer() if self._factory is None else self._factory(info)
 
-    # ---- inline ----------------------------------------------------------------------------
-    def run(self, input: Any) -> Any:
+    # ---- the client contract, inline (``Serving.run(serving, input)``) -------------------------
+    # Called on the class with another client as the first argument (``Serving.run(handle, x)``,
+    # ``Serving.stream("name", x)``) each verb is a thin call onto that client.
+    def run(self, input: Any, *, deadline: float | None = None) -> Any:
         """Run inline (no batching across callers): preprocess, split by batch_size, execute on
         the serving's executor thread, reassemble, postprocess. Raises ``BackendError`` (cause
         chained) if the backend fails, or what preprocessing raised."""
-        return Call(self, self._inline, input, None).result()
+        return client(self).run(input, deadline=deadline)
 
-    async def run_async(self, input: Any) -> Any:
+    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
         """``run`` for asyncio/trio: model work stays on the serving's executor thread."""
-        return await Call(self, self._inline, input, None).result_async()
+        return await client(self).run_async(input, deadline=deadline)
+
+    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+        """Submit now; a ``Stream`` of items as they arrive; closing it withdraws the request."""
+        return client(self).stream(input, deadline=deadline)
+
+    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+        """Submit now (off the loop when ``offload`` says so); an ``AsyncStream``."""
+        return await client(self).stream_async(input, deadline=deadline)
+
+    def stats(self) -> ServingStats:
+        """``ServingStats`` of the inline runs (of the client, when called on the class)."""
+        return client(self).stats()
+
+    def close(self) -> None:
+        """End the inline executor thread (after queued runs); later inline calls raise
+        ``ServingStopped``. Handles started from this serving are not affected."""
+        client(self).close()
+
+    async def aclose(self) -> None:
+        """``close`` off the event loop."""
+        await client(self).aclose()
+
+    def __enter__(self) -> Serving:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Serving:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
 
     # ---- process mode --------------------------------------------------------------------------
     def start(self, name: str | None = None, *, batch_size: int | None = None, batch_timeout: float | None = None,
@@ -172,30 +221,31 @@ class Serving:
         except BaseException:
             if started:
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(started[0].stop)
+                    await anyio.to_thread.run_sync(started[0].close)
             raise
 
     @staticmethod
-    def batched_run(name_or_handle: str | ServingHandle, input: Any, *, deadline: float | None = None) -> Any:
-        """Blocking, thread-safe call of a started serving (see ``ServingHandle.batched_run``)."""
-        return lookup(name_or_handle).batched_run(input, deadline=deadline)
+    def batched_run(name_or_client: str | Client, input: Any, *, deadline: float | None = None) -> Any:
+        """Blocking, thread-safe call of a started serving (by name) or any client."""
+        return client(name_or_client).run(input, deadline=deadline)
 
     @staticmethod
-    async def batched_run_async(name_or_handle: str | ServingHandle, input: Any, *,
+    async def batched_run_async(name_or_client: str | Client, input: Any, *,
                                 deadline: float | None = None) -> Any:
         """Async twin of ``batched_run`` (asyncio or trio)."""
-        return await lookup(name_or_handle).batched_run_async(input, deadline=deadline)
-
-    @staticmethod
-    def stream(name_or_handle: str | ServingHandle, input: Any, *, deadline: float | None = None) -> Stream:
-        """Sync iterator of items as they arrive; closing or dropping it cancels the request."""
-        return lookup(name_or_handle).stream(input, deadline=deadline)
-
-    @staticmethod
-    def stream_async(name_or_handle: str | ServingHandle, input: Any, *,
-                     deadline: float | None = None) -> AsyncStream:
-        """Async iterator of items; ``aclose()``, breaking out or dropping it cancels the request."""
-        return lookup(name_or_handle).stream_async(input, deadline=deadline)
+        return await client(name_or_client).run_async(input, deadline=deadline)
 
     def __repr__(self) -> str:
         return f"Serving(backend={type(self._backend).__name__}, batch_size={self._batch_size})"
+
+
+def client(target: Serving | Client | str) -> Client:
+    """The client a static entry point calls: a Serving's inline client, a registered name's
+    handle, or the client itself (a handle, a pool). ``TypeError`` for anything else."""
+    if isinstance(target, Serving):
+        return target._inline
+    if isinstance(target, str):
+        return lookup(target)
+    if isinstance(target, Client):
+        return target
+    raise TypeError(f"expected a Serving, a client (handle, pool) or a serving name, got {type(target).__name__}")

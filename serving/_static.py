@@ -21,7 +21,8 @@ from ._counters import Counters
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
 from ._output import output_rows
-from ._request import Request, reap_orphans
+from ._messages import Part
+from ._request import Request, reap
 from ._telemetry import TelemetryEvent, emit
 
 
@@ -52,10 +53,12 @@ class StaticScheduler:
         self._stopping = False
         self._running: dict[int, list[_Entry]] = {}  # batches on partition threads, by id
         self._c = Counters()
+        self.orphans: deque[Request] = deque()
 
     # ---- caller side -------------------------------------------------------------------------
     def submit(self, request: Request, batch: Batch) -> None:
         """Enqueue ``batch`` for ``request``; raises ServingStopped / ServingOverloaded."""
+        reap(self.orphans)
         with self._cond:
             if self._stopping:
                 raise ServingStopped("the serving is stopped")
@@ -139,7 +142,7 @@ class StaticScheduler:
     def run_partition(self, partition: int) -> None:
         """The partition's loop: take the next batch, run it; return once stopped and drained."""
         while True:
-            reap_orphans()  # outside the lock: an orphan may belong to another serving
+            reap(self.orphans)  # outside the lock: cancelling takes it
             entries = self._next(partition)
             if entries is None:
                 return
@@ -211,7 +214,7 @@ class StaticScheduler:
         start = 0
         for entry in entries:
             request, size = entry.request, entry.batch.size
-            request.channel.put(("part", entry.offset, output, metadata, start, size))
+            request.channel.put(Part(entry.offset, output, metadata, start, size))
             start += size
             request.delivered += size
             if request.delivered == request.size and request.channel.close():

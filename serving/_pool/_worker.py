@@ -149,11 +149,12 @@ class _Worker:
         try:
             value = decode_payload(call.payload)
             if call.stream:
-                async for item in self._handle.stream_async(value, deadline=call.deadline):
-                    _send(self._sock, Item(call.id, encode_payload(item)))
+                async with await self._handle.stream_async(value, deadline=call.deadline) as stream:
+                    async for item in stream:
+                        _send(self._sock, Item(call.id, encode_payload(item)))
                 _send(self._sock, End(call.id))
             else:
-                result = await self._handle.batched_run_async(value, deadline=call.deadline)
+                result = await self._handle.run_async(value, deadline=call.deadline)
                 _send(self._sock, Result(call.id, encode_payload(result)))
         except asyncio.CancelledError:
             pass  # the caller left (Cancel) or the worker is stopping (answered by _stop)
@@ -175,4 +176,4 @@ class _Worker:
             for call_id in left:
                 stopped = ServingStopped(f"the pool worker stopped before request {call_id} finished")
                 _send(self._sock, Failed(call_id, error_info(stopped)))
-        await asyncio.to_thread(self._handle.stop)
+        await asyncio.to_thread(self._handle.close)

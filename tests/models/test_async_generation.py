@@ -75,7 +75,7 @@ async def _collect(handle: ServingHandle, input: Any, log: list | None = None,
     """All text pieces of a stream and its final event; ``log`` gets (name, piece number|"final")."""
     pieces: list[str] = []
     final: dict[str, Any] = {}
-    async for item in Serving.stream_async(handle, input):
+    async for item in await Serving.stream_async(handle, input):
         if isinstance(item, str):
             pieces.append(item)
             if log is not None:
@@ -206,12 +206,12 @@ async def test_breaking_out_of_a_stream_after_two_pieces_frees_its_row(
                 tg.start_soon(finish_other)
                 got = []
                 if leave == "break":  # the dropped stream is collected at once and withdrawn
-                    async for item in Serving.stream_async(h, long_input):
+                    async for item in await Serving.stream_async(h, long_input):
                         got.append(item)
                         if len(got) == 2:
                             break
                 else:
-                    async with Serving.stream_async(h, long_input) as stream:
+                    async with await Serving.stream_async(h, long_input) as stream:
                         async for item in stream:
                             got.append(item)
                             if len(got) == 2:
@@ -314,7 +314,7 @@ async def test_max_queue_rejects_at_once_and_queued_work_completes(
                 with pytest.raises(ServingOverloaded):
                     await Serving.batched_run_async(h, "Hello")
                 with pytest.raises(ServingOverloaded):
-                    Serving.stream_async(h, "Hello")
+                    await Serving.stream_async(h, "Hello")
                 stats = h.stats()  # refused while A still runs and B still waits: at once
                 assert (stats.rejected, stats.running, stats.queued, stats.completed) == (2, 1, 1, 0)
             stats = h.stats()
@@ -336,7 +336,7 @@ async def test_deadline_fails_only_that_request(gen: Serving, solo: Callable[[st
 
             async def streamed() -> None:
                 with pytest.raises(DeadlineExceeded):
-                    async for item in Serving.stream_async(h, long_input, deadline=0.6):
+                    async for item in await Serving.stream_async(h, long_input, deadline=0.6):
                         pieces.append(item)
 
             async def awaited() -> None:

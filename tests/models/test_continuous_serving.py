@@ -318,7 +318,7 @@ def test_no_hang_under_200_random_requests_with_cancellations(tokenizer, tiny32,
             with anyio.move_on_after(t):
                 await Serving.batched_run_async(h, req, deadline=60)
         elif mode == "stream_break":
-            async with Serving.stream_async(h, req, deadline=60) as stream:
+            async with await Serving.stream_async(h, req, deadline=60) as stream:
                 async for _ in stream:
                     break
         elif mode == "thread":

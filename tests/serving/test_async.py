@@ -113,7 +113,7 @@ async def test_deadline_and_overload_async():
 
 async def test_static_stream_yields_each_chunk(recording):
     async with Serving.new(recording).start(batch_size=2, batch_timeout=0.01) as h:
-        chunks = [out.tolist() async for out, _meta in Serving.stream_async(h, rows(1, 2, 3))]
+        chunks = [out.tolist() async for out, _meta in await Serving.stream_async(h, rows(1, 2, 3))]
     assert chunks == [[2, 4], [6]]
 
 

@@ -197,15 +197,15 @@ async def test_async_streams_break_aclose_and_share_steps():
         results = {}
 
         async def full():
-            results["full"] = [item async for item in Serving.stream_async(h, countdown(10))]
+            results["full"] = [item async for item in await Serving.stream_async(h, countdown(10))]
 
         async def broken():
-            async for i, _ in _enumerate(Serving.stream_async(h, countdown(10))):
+            async for i, _ in _enumerate(await Serving.stream_async(h, countdown(10))):
                 if i == 1:
                     break
 
         async def closed():
-            stream = Serving.stream_async(h, countdown(10))
+            stream = await Serving.stream_async(h, countdown(10))
             await stream.__anext__()
             await stream.aclose()
 
@@ -248,7 +248,7 @@ async def test_200_random_concurrent_requests_with_random_cancellations_never_ha
             except DeadlineExceeded:
                 outcomes["expired"] += 1
         elif mode == "break":
-            async for _ in Serving.stream_async(h, countdown(n)):
+            async for _ in await Serving.stream_async(h, countdown(n)):
                 break
             outcomes["broken"] += 1
         else:

@@ -1,0 +1,169 @@
+"""The client contract: the inline serving and a started handle answer the same verbs with the
+same semantics (the pool's side is in tests/pool/test_pool_contract.py)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+
+import anyio
+import pytest
+
+from mlx_serving.serving import (
+    AsyncStream,
+    BackendError,
+    Client,
+    DeadlineExceeded,
+    Serving,
+    ServingStats,
+    ServingStopped,
+    Stream,
+)
+from mlx_serving.serving._channel import Channel
+from serving_fakes import CountdownBackend, countdown
+
+
+def wait_for(predicate, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition never became true"
+        time.sleep(0.005)
+
+
+@pytest.fixture(params=["inline", "handle"])
+def client(request):
+    """A Client over a slow countdown backend: the inline serving or a started handle."""
+    serving = Serving.new(CountdownBackend(step_delay=0.01))
+    target = serving if request.param == "inline" else serving.start(batch_size=4, batch_timeout=0.0)
+    with target:
+        yield target
+
+
+def test_both_are_clients_and_answer_alike(client):
+    assert isinstance(client, Client)
+    assert [e for _, e in client.run(countdown(3))] == [2, 1, 0]
+    with client.stream(countdown(2)) as stream:
+        assert isinstance(stream, Stream)
+        assert [e for _, e in stream] == [1, 0]
+    stats = client.stats()
+    assert isinstance(stats, ServingStats)
+    assert (stats.completed, stats.queued, stats.running) == (2, 0, 0)
+
+
+def test_a_stream_is_submitted_when_made(client):
+    stream = client.stream(countdown(50))
+    try:
+        wait_for(lambda: client.stats().running == 1)  # nobody called next() yet
+    finally:
+        stream.close()
+    wait_for(lambda: client.stats().running == 0)
+    assert client.stats().cancelled == 1
+
+
+def test_deadline_and_errors_carry_the_request_id(client):
+    stream = client.stream(countdown(1000), deadline=0.05)
+    with pytest.raises(DeadlineExceeded) as info:
+        list(stream)
+    assert info.value.request_id == stream.request_id
+
+
+def test_closed_clients_refuse(client):
+    client.close()
+    with pytest.raises(ServingStopped):
+        client.run(countdown(1))
+
+
+def test_async_verbs(client):
+    async def main():
+        assert [e for _, e in await client.run_async(countdown(2))] == [1, 0]
+        stream = await client.stream_async(countdown(2))
+        assert isinstance(stream, AsyncStream)
+        async with stream:
+            assert [e async for _, e in stream] == [1, 0]
+        long = await client.stream_async(countdown(1000))
+        with anyio.move_on_after(0.05):  # the reading task is cancelled: the request is withdrawn
+            async for _ in long:
+                pass
+        await anyio.to_thread.run_sync(wait_for, lambda: client.stats().running == 0)
+
+    anyio.run(main)
+    assert client.stats().cancelled == 1
+
+
+def test_a_plain_for_over_an_async_stream_raises_instead_of_blocking():
+    async def main():
+        async with Serving.new(CountdownBackend()).start() as h:
+            stream = await h.stream_async(countdown(2))
+            with pytest.raises(TypeError, match="async for"):
+                for _ in stream:  # noqa: B007
+                    pass
+            await stream.aclose()
+
+    anyio.run(main)
+
+
+def test_static_entry_points_are_thin_calls_onto_the_contract():
+    serving = Serving.new(CountdownBackend())
+    with serving.start(name="contract") as h:
+        assert Serving.batched_run("contract", countdown(2)) == h.run(countdown(2))
+        assert Serving.batched_run(serving, countdown(2)) == serving.run(countdown(2))  # inline
+        with Serving.stream(h, countdown(1)) as s:
+            assert list(s) == [(0, 0)]
+    serving.close()
+
+
+def test_a_dropped_stream_warns_and_is_withdrawn(client):
+    stream = client.stream(countdown(10_000))
+    wait_for(lambda: client.stats().running == 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del stream
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) for w in caught)
+    wait_for(lambda: client.stats().running == 0)
+    assert client.stats().cancelled == 1
+
+
+def test_a_cancelled_async_reader_removes_its_waker():
+    channel = Channel()
+
+    async def main():
+        with anyio.move_on_after(0.01):
+            await channel.aget()
+        assert channel.waiters() == 0
+        for _ in range(100):  # without the removal, wake-up callbacks pile up per cancelled wait
+            with anyio.move_on_after(0):
+                await channel.aget()
+        assert channel.waiters() == 0
+
+    anyio.run(main)
+
+
+def test_offload_runs_long_preprocessing_off_the_event_loop():
+    threads: list[str] = []
+
+    def pre(input):
+        threads.append(threading.current_thread().name)
+        return countdown(input), None
+
+    serving = Serving.new(CountdownBackend()).client_preprocessing(pre, offload=lambda n: n > 2)
+
+    async def main():
+        loop_thread = threading.current_thread().name
+        with serving:
+            await serving.run_async(1)
+            await (await serving.stream_async(3)).aclose()
+        return loop_thread
+
+    loop_thread = anyio.run(main)
+    assert threads[0] == loop_thread and threads[1] != loop_thread
+
+
+def test_backend_errors_carry_the_request_id():
+    with Serving.new(CountdownBackend(fail_on=1)) as serving:
+        stream = serving.stream(countdown(3))
+        with pytest.raises(BackendError) as info:
+            list(stream)
+        assert info.value.request_id == stream.request_id
