@@ -8,7 +8,7 @@ from typing import Any
 __all__ = ["Part", "RowEvent"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Part:
     """A static batch's output holding some of one caller's rows.
 
@@ -23,7 +23,7 @@ class Part:
     size: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RowEvent:
     """One event of an iterative backend for row ``row`` (0-based within the caller's request)."""
 

@@ -85,7 +85,8 @@ class Request:
 
     def cancel(self) -> None:
         """The caller left: withdraw (no-op when the request already finished)."""
-        self.fail(RequestCancelled(f"request {self.id} was cancelled by its caller"))
+        if not self.channel.closed:
+            self.fail(RequestCancelled(f"request {self.id} was cancelled by its caller"))
 
     def cancel_later(self) -> None:
         """Cancel from a finalizer: queue on the owner's orphans (takes no lock)."""
