@@ -43,7 +43,8 @@ class IterativeBackend(Protocol):
     - ``free_slots(state)``: how many more rows may be admitted now (e.g. KV budget).
     - ``step(state)``: one step for all running rows, returning ``[(row_id, event, done)]``;
       ``done=True`` marks a row's last event and the row leaves the running set.
-    - ``cancel(state, row_ids)``: remove these rows now and free their memory.
+    - ``cancel(state, row_ids)``: remove these rows now and free their memory; ids it does not
+      hold are ignored (after an ``admit`` that raised, the scheduler cancels the whole group).
     - ``active(state)``: rows admitted and not finished.
     """
 

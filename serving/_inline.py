@@ -101,7 +101,7 @@ class InlineRuntime:
             return
         try:
             scheduler.bind_state(0, self._get_state())
-        except Exception as exc:
+        except BaseException as exc:
             request.fail(_backend_error(exc))
             return
         scheduler.run_partition(0, drain=True)
@@ -112,7 +112,7 @@ class InlineRuntime:
             self._c.running += batch.size
         try:
             self._run_chunks(request, batch)
-        except Exception as exc:
+        except BaseException as exc:
             request.fail(_backend_error(exc))
         else:
             if request.channel.close():

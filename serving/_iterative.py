@@ -89,8 +89,17 @@ class IterativeScheduler:
             self._waiting.extend(request.rows)
             self._c.queued += len(payloads)
             if request.deadline is not None:
+                self._purge_deadlines()
                 heapq.heappush(self._deadlines, (request.deadline, request.rows[0].id, request))
             self._cond.notify_all()
+
+    def _purge_deadlines(self) -> None:
+        """Drop finished requests from the deadline heap once they are most of it (lock held):
+        its size stays within twice the rows in flight (plus 64), whatever the deadlines."""
+        heap = self._deadlines
+        if len(heap) > 64 and len(heap) > 2 * (self._c.queued + self._c.running):
+            self._deadlines = [entry for entry in heap if not entry[2].done]
+            heapq.heapify(self._deadlines)
 
     def withdraw(self, request: Request, error: BaseException) -> None:
         with self._cond:
@@ -149,7 +158,7 @@ class IterativeScheduler:
             try:
                 if not self._iteration(part, drain):
                     return
-            except Exception as exc:  # a backend bookkeeping call raised: fail, never stop the loop
+            except BaseException as exc:  # a backend call raised (even a BaseException): fail, never stop the loop
                 self._recover(part, exc)
 
     def _iteration(self, part: _Partition, drain: bool) -> bool:
@@ -172,7 +181,7 @@ class IterativeScheduler:
         emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, len(part.active), part.index))
         return True
 
-    def _recover(self, part: _Partition, cause: Exception) -> None:
+    def _recover(self, part: _Partition, cause: BaseException) -> None:
         """Fail the partition's active rows (or, if none, the next waiting request) with ``cause``."""
         with self._cond:
             requests = [r.request for r in part.active.values()]
@@ -182,7 +191,7 @@ class IterativeScheduler:
             request.fail(_backend_error(cause))
         try:
             self._apply_cancels(part)
-        except Exception:
+        except BaseException:
             _log.exception("IterativeBackend.cancel failed while recovering from %r", cause)
 
     def _apply_cancels(self, part: _Partition) -> None:
@@ -231,11 +240,23 @@ class IterativeScheduler:
                 return True
 
     def _admit(self, part: _Partition, rows: list[_Row]) -> None:
+        """Admit ``rows``. If the backend raises for a group, undo it (``cancel``) and admit the
+        rows one by one, so the error fails only the row that caused it."""
         try:
             rejected = self._backend.admit(part.state, [(r.id, r.payload) for r in rows], part.index)
-        except Exception as exc:
-            self._fail_rows(part, rows, exc)
+        except BaseException as exc:
+            if len(rows) == 1:
+                self._fail_rows(part, rows, exc)
+                return
+            self._backend.cancel(part.state, [r.id for r in rows])
+            for row in rows:
+                if not row.done:
+                    self._admit(part, [row])
             return
+        self._reject(part, rejected)
+
+    def _reject(self, part: _Partition, rejected: list[tuple[int, BaseException]]) -> None:
+        """Rows the backend can never fit: each fails its own request with the backend's error."""
         for row_id, error in rejected:
             with self._cond:
                 row = part.active.pop(row_id, None)
@@ -258,7 +279,7 @@ class IterativeScheduler:
     def _step(self, part: _Partition) -> None:
         try:
             events = self._backend.step(part.state)
-        except Exception as exc:
+        except BaseException as exc:
             self._fail_rows(part, list(part.active.values()), exc)
             return
         with self._cond:
@@ -278,7 +299,7 @@ class IterativeScheduler:
                     if request.rows_left == 0 and request.channel.close():
                         self._c.completed += 1
 
-    def _fail_rows(self, part: _Partition, rows: list[_Row], cause: Exception) -> None:
+    def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:
         """A backend call raised: fail the requests of these rows, cancel what it still holds."""
         for request in {id(r.request): r.request for r in rows}.values():
             request.fail(_backend_error(cause))

@@ -195,7 +195,7 @@ class StaticScheduler:
             output, metadata = self._backend.handle_batch(batch, partition, self._state)
             if output_rows(output) < rows:
                 raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {rows}")
-        except Exception as exc:
+        except BaseException as exc:
             error = exc
         duration = time.perf_counter() - start
         with self._cond:
