@@ -19,7 +19,7 @@ from ._batch import Batch
 from ._channel import END
 from ._messages import Part, RowEvent
 from ._output import concat_outputs, slice_output
-from ._request import Request
+from ._request import Request, check_deadline
 from ._telemetry import ServingStats, timed
 
 if TYPE_CHECKING:
@@ -297,36 +297,37 @@ class LocalClient:
     def _check(self, batch: Batch) -> None:
         """Refuse a batch this runtime cannot take (e.g. an unknown batch key)."""
 
-    def _prepare(self, input: Any) -> tuple[Batch, Any]:
+    def _prepare(self, input: Any, deadline: float | None) -> tuple[Batch, Any]:
+        check_deadline(deadline)  # before preprocessing: a bad deadline wastes no tokenization
         prepared = self._serving._preprocess(input)
         self._check(prepared[0])
         return prepared
 
-    async def _prepare_async(self, input: Any) -> tuple[Batch, Any]:
+    async def _prepare_async(self, input: Any, deadline: float | None) -> tuple[Batch, Any]:
         if self._serving._offload(input):
-            return await anyio.to_thread.run_sync(self._prepare, input)
-        return self._prepare(input)
+            return await anyio.to_thread.run_sync(self._prepare, input, deadline)
+        return self._prepare(input, deadline)
 
     def _call(self, prepared: tuple[Batch, Any], deadline: float | None) -> Call:
         return Call(self._serving, self._runtime(), prepared, deadline)
 
     def run(self, input: Any, *, deadline: float | None = None) -> Any:
         """Run one request; blocks; the postprocessed result."""
-        return self._call(self._prepare(input), deadline).result()
+        return self._call(self._prepare(input, deadline), deadline).result()
 
     async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
         """``run`` for asyncio/trio: awaits without blocking the loop; cancelling it withdraws."""
-        return await self._call(await self._prepare_async(input), deadline).result_async()
+        return await self._call(await self._prepare_async(input, deadline), deadline).result_async()
 
     def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
         """Submit now; a ``Stream`` of items as they arrive (iterative: transducer items;
         static: ``(output, metadata)`` per executed chunk)."""
-        call = self._call(self._prepare(input), deadline)
+        call = self._call(self._prepare(input, deadline), deadline)
         return Stream(call.request, call.consumer)
 
     async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
         """Submit now (preprocessing off the loop when the serving says so); an ``AsyncStream``."""
-        call = self._call(await self._prepare_async(input), deadline)
+        call = self._call(await self._prepare_async(input, deadline), deadline)
         return AsyncStream(call.request, call.consumer)
 
     async def aclose(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from typing import Any, Protocol
@@ -38,6 +39,17 @@ def reap(orphans: deque[Request]) -> None:
         request.cancel()
 
 
+def check_deadline(deadline_s: object) -> None:
+    """``ValueError`` unless ``deadline_s`` is None or a finite number of seconds > 0 (not a
+    bool): ``inf`` would overflow the blocking waits, NaN compares false everywhere."""
+    if deadline_s is None:
+        return
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
+        raise ValueError(f"deadline must be a number of seconds or None, got {type(deadline_s).__name__}")
+    if not (math.isfinite(deadline_s) and deadline_s > 0):
+        raise ValueError(f"deadline must be a finite number of seconds > 0, got {deadline_s!r}")
+
+
 class Request:
     """Rows of one call, their channel back to the caller, and an optional deadline.
 
@@ -49,8 +61,7 @@ class Request:
     __slots__ = ("id", "channel", "size", "deadline", "submitted", "owner", "delivered", "rows", "rows_left")
 
     def __init__(self, size: int, deadline_s: float | None):
-        if deadline_s is not None and not deadline_s > 0:
-            raise ValueError(f"deadline must be > 0 seconds, got {deadline_s}")
+        check_deadline(deadline_s)
         self.id = next(_ids)
         self.channel = Channel()
         self.size = size
