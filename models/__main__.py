@@ -1,79 +1,250 @@
 """The ``mlx-serving`` command (also ``python -m mlx_serving``).
 
-``mlx-serving generate "prompt" [--model DIR] [--max-new-tokens N] [--sampler S] [--chat] ...``
-runs one generation through a Serving and prints the text and a timing line.
+``mlx-serving generate PROMPT [options]`` streams one generation to stdout as it is produced
+(``-`` reads the prompt from stdin); ``mlx-serving chat [options]`` is an interactive chat that
+keeps the conversation across turns. Both print a timing line on stderr after each generation:
+prompt tokens and tok/s (prompt tokens / prefill time), generated tokens and decode tok/s
+(tokens after the first / decode time), peak memory (``mx.get_peak_memory()``) and the finish
+reason; a number that cannot be computed prints as ``-``.
+
+Both call the model through the client contract (``serving.stream(request)`` as a context
+manager, ``serving.close()`` at the end). Exit status: 0; 2 for a bad option, input or
+checkpoint (``mlx-serving: error: ...``); 130 on Ctrl-C (the request is withdrawn, one line on
+stderr, no traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import mlx.core as mx
+
+from .. import __version__
 from ..serving import Serving
 
 from . import text_generation
 from ._default_checkpoint import default_checkpoint
-from .qwen3.sampling import SAMPLERS
 
 __all__ = ["main"]
 
+_PROG = "mlx-serving"
 _RANDOM_NOTE = ("note: no --model given, so this uses the embedded default checkpoint: a seeded RANDOM "
                 "Qwen3-0.6B-shaped MLX 4-bit checkpoint. Its text is meaningless; pass --model DIR "
                 "(a real Qwen3 MLX 4-bit checkpoint directory) for real text.")
+_CHAT_HELP = "/reset clears the history, /exit (or Ctrl-D) ends, /help shows this"
+_EXIT, _RESET, _HELP = ("/exit", "/quit"), "/reset", "/help"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option with its default (``None`` defaults are described in the help text itself)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _common_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="MLX checkpoint directory, 4-bit or dense (default: the embedded seeded random "
+                        "Qwen3-0.6B-shaped checkpoint, written on first use; see below)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="most generated tokens per reply (an EOS counts)")
+    p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (1 = plain temperature sampling)")
+    p.add_argument("--seed", type=_seed, default=None,
+                   help="random seed for sampling, an integer >= 0 (default: fresh entropy)")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="stop string, not returned (repeatable)")
+
+
+_EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
+    "The default checkpoint (~335 MB) is written once into $MLX_SERVING_CACHE, else "
+    "$XDG_CACHE_HOME/mlx-serving, else ~/.cache/mlx-serving. Its weights are random, so its text "
+    "is meaningless.",
+    "The timing line (stderr) after each generation: prompt tokens and tok/s (prefill), generated "
+    "tokens and decode tok/s, peak memory, finish reason ('-' where a number cannot be computed). "
+    "Exit status: 0; 2 for a bad option, input or checkpoint; 130 on Ctrl-C."))
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mlx-serving", description="Qwen3 (MLX) text generation through a Serving.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", type=Path, help="MLX checkpoint directory (default: the embedded random one)")
-    gen.add_argument("--max-new-tokens", type=int, default=100)
-    gen.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
-    gen.add_argument("--sampler", choices=SAMPLERS, default="greedy")
-    gen.add_argument("--temperature", type=float, default=0.95)
-    gen.add_argument("--top-p", type=float, default=0.9)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap = argparse.ArgumentParser(prog=_PROG, formatter_class=_HelpFormatter,
+                                 description="Qwen3 (MLX) text generation through a Serving.")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,chat}")
+    gen = sub.add_parser("generate", formatter_class=_HelpFormatter, epilog=_EPILOG,
+                         help="stream the generation for one prompt",
+                         description="Stream the generation for one prompt to stdout.")
+    gen.add_argument("prompt", help="the prompt; '-' reads it from stdin (trailing newlines dropped)")
+    _common_options(gen)
+    gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user message)")
+    gen.set_defaults(run=_generate)
+    chat = sub.add_parser("chat", formatter_class=_HelpFormatter, epilog=_EPILOG,
+                          help="interactive chat (the conversation is kept across turns)",
+                          description=textwrap.fill(f"Interactive chat: one user message per line on stdin; "
+                                                    f"{_CHAT_HELP}. Each reply streams to stdout.", 78))
+    _common_options(chat)
+    chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt (default: none)")
+    chat.add_argument("--no-thinking", action="store_true",
+                      help="render the chat template with enable_thinking=False (Qwen3: no <think> block)")
+    chat.set_defaults(run=_chat)
     return ap
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
     model = args.model
     if model is None:
         print(_RANDOM_NOTE, file=sys.stderr)
         model = default_checkpoint()
-    serving = text_generation.from_mlx4bit(
-        model, max_new_tokens=args.max_new_tokens, max_len=args.max_len, sampler=args.sampler,
-        temperature=args.temperature, top_p=args.top_p, chat=args.chat, stop=args.stop, max_batch=1)
-    request: dict[str, Any] = {"text": args.prompt}
-    if args.seed is not None:
-        request["seed"] = args.seed
-    result = Serving.run(serving, request)["results"][0]
-    print(result["generated_text"])
-    print(_timing_line(result), file=sys.stderr)
-    return 0
+    return text_generation.from_mlx4bit(
+        model, max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
+        top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1)
 
 
-def _timing_line(result: dict[str, Any]) -> str:
-    t = result.get("timing", {})
-    n, decode_ms = result["num_tokens"], t.get("decode_ms", 0.0)
-    tok_s = (n - 1) / decode_ms * 1e3 if n > 1 and decode_ms > 0 else float("nan")
-    return (f"[prompt {result['token_summary']['input']} tokens | prefill {t.get('prefill_ms', float('nan')):.1f} ms"
-            f" | {n} new tokens | decode {tok_s:.2f} tok/s | finish_reason {result['finish_reason']}]")
+def _stream_reply(serving: Serving, request: dict[str, Any], out: IO[str]) -> tuple[str, dict[str, Any]]:
+    """Stream one request's pieces to ``out`` as they come; ``(text, final dict)``. Leaving early
+    (Ctrl-C) closes the stream, which withdraws the request."""
+    pieces: list[str] = []
+    final: dict[str, Any] = {}
+    with serving.stream(request) as stream:
+        try:
+            for item in stream:
+                if isinstance(item, str):
+                    out.write(item)
+                    out.flush()
+                    pieces.append(item)
+                else:
+                    final = item
+        except KeyboardInterrupt:
+            if pieces:
+                print(file=out, flush=True)  # end the partial line
+            raise
+    print(file=out, flush=True)
+    return "".join(pieces), final
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
+    serving = _serving(args, chat=args.chat)
+    try:
+        request: dict[str, Any] = {"text": prompt}
+        if args.seed is not None:
+            request["seed"] = args.seed
+        _, final = _stream_reply(serving, request, sys.stdout)
+        print(_timing_line(final), file=sys.stderr)
+        return 0
+    finally:
+        serving.close()
+
+
+def _chat(args: argparse.Namespace) -> int:
+    serving = _serving(args)
+    try:
+        _chat_loop(serving, args)
+        return 0
+    finally:
+        serving.close()
+
+
+def _chat_loop(serving: Serving, args: argparse.Namespace) -> None:
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+    print(f"{_PROG} chat: {_CHAT_HELP}", file=sys.stderr, flush=True)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    history: list[dict[str, str]] = []
+    turn = 0
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print()
+            return
+        except KeyboardInterrupt:
+            if interactive:
+                print(flush=True)  # the terminal echoed ^C after the prompt
+            raise
+        text = line.strip()
+        if not text:
+            continue
+        if text in _EXIT:
+            return
+        if text == _RESET:
+            history.clear()
+            print("[history cleared]", file=sys.stderr, flush=True)
+            continue
+        if text == _HELP:
+            print(_CHAT_HELP, file=sys.stderr, flush=True)
+            continue
+        user = {"role": "user", "content": text}
+        request: dict[str, Any] = {"messages": [*system, *history, user]}
+        if args.no_thinking:
+            request["enable_thinking"] = False
+        if args.seed is not None:
+            request["seed"] = args.seed + turn  # reproducible session, distinct draws per turn
+        try:
+            reply, final = _stream_reply(serving, request, sys.stdout)
+        except ValueError as e:  # e.g. the conversation outgrew --max-len: this turn is dropped
+            print(f"{_PROG}: error: {e} (/reset clears the history)", file=sys.stderr, flush=True)
+            continue
+        history += [user, {"role": "assistant", "content": reply}]
+        turn += 1
+        print(_timing_line(final), file=sys.stderr, flush=True)
+
+
+def _rate(count: float, ms: float | None) -> str:
+    """``count`` per second over ``ms`` milliseconds, or ``-`` when it cannot be computed."""
+    if ms is None or not ms > 0 or count <= 0:
+        return "-"
+    return f"{count / ms * 1e3:.2f}"
+
+
+def _timing_line(final: dict[str, Any]) -> str:
+    """``[prompt N tokens, X tok/s | M new tokens, decode Y tok/s | peak memory Z GB | finish_reason R]``:
+    prompt tok/s = prompt tokens / prefill time (admission -> first token), decode tok/s =
+    tokens after the first / decode time (first -> last token), as mlx-lm reports them."""
+    timing = final.get("timing") or {}
+    summary = final.get("token_summary") or {}
+    prompt, generated = summary.get("input"), final.get("num_tokens")
+    prompt_rate = _rate(prompt or 0, timing.get("prefill_ms"))
+    decode_rate = _rate((generated or 0) - 1, timing.get("decode_ms"))
+    peak = mx.get_peak_memory() / 1e9
+    return (f"[prompt {_count(prompt)} tokens, {prompt_rate} tok/s | {_count(generated)} new tokens, "
+            f"decode {decode_rate} tok/s | peak memory {f'{peak:.3f}' if peak > 0 else '-'} GB | "
+            f"finish_reason {final.get('finish_reason', '-')}]")
+
+
+def _count(n: Any) -> str:
+    return "-" if n is None else str(n)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``mlx-serving`` console script. Returns the exit status."""
+    """Entry point of the ``mlx-serving`` console script. Returns the exit status: 0, 2 for a bad
+    option, input or checkpoint, 130 when interrupted (Ctrl-C)."""
     args = _parser().parse_args(argv)
     try:
-        return _generate(args)
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"{_PROG}: interrupted", file=sys.stderr, flush=True)
+        return 130
     except (ValueError, FileNotFoundError) as e:
-        print(f"mlx-serving: error: {e}", file=sys.stderr)
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
 
 

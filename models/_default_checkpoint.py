@@ -29,17 +29,40 @@ def cache_dir() -> Path:
 
 
 def default_checkpoint() -> Path:
-    """Path of the default checkpoint, writing it first if absent (about 330 MB, ~20 s on 2 CPU
-    cores). Written into a temporary sibling and renamed, so an interrupted run leaves nothing."""
+    """Path of the embedded default checkpoint, written first if it is not there yet.
+
+    The checkpoint is a seeded RANDOM Qwen3-0.6B-shaped MLX 4-bit checkpoint (the mlx-community
+    layout, with the Qwen3 tokenizer files; same seed, same bytes), so its text is meaningless:
+    it lets the serving run on a machine without a model hub. It lives in
+    ``cache_dir() / "qwen3-0.6b-random-4bit-seed0"``, where ``cache_dir()`` is
+    ``$MLX_SERVING_CACHE`` if set, else ``$XDG_CACHE_HOME/mlx-serving``, else
+    ``~/.cache/mlx-serving``. Writing it (about 335 MB, 5-30 s on CPU) shows a tqdm progress bar
+    on stderr.
+
+    Safe against interruption and concurrency: the checkpoint is written into a temporary
+    sibling directory and renamed into place, so the path only ever holds a complete checkpoint
+    and an interrupted write leaves nothing behind. When several processes call this at once,
+    each writes its own copy; the first rename wins and the others use the winner's copy.
+    Raises OSError if the cache directory cannot be written.
+    """
     target = cache_dir() / f"qwen3-{DEFAULT_PRESET}-random-4bit-seed{DEFAULT_SEED}"
-    if (target / "config.json").is_file():
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".writing-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
     try:
         bar = partial(tqdm, desc=f"writing the default checkpoint to {target}", unit="layer")
         write_checkpoint(tmp, DEFAULT_PRESET, DEFAULT_SEED, progress=bar)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)  # atomic; fails if another process renamed its copy first
+        except OSError:
+            if not _complete(target):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _complete(path: Path) -> bool:
+    """A checkpoint directory only appears by rename once fully written, so config.json marks it."""
+    return (path / "config.json").is_file()

@@ -1,0 +1,399 @@
+"""The ``mlx-serving`` command: generate (streamed), chat (history), Ctrl-C, --version, --help,
+stdin prompts, the timing line; and ``default_checkpoint``'s write-then-rename."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import mlx_serving
+from mlx_serving import text_generation
+from mlx_serving.models import __main__ as cli
+from mlx_serving.models import _default_checkpoint as dc
+
+_TIMING = re.compile(r"\[prompt (\d+) tokens, ([0-9.]+) tok/s \| (\d+) new tokens, decode ([0-9.]+) tok/s"
+                     r" \| peak memory ([0-9.]+) GB \| finish_reason (\w+)\]")
+_SMALL = ["--max-new-tokens", "6", "--max-len", "64"]
+_from_mlx4bit = text_generation.from_mlx4bit  # the real one (the ``recorders`` fixture wraps it)
+
+
+def _greedy_text(ckpt: Path, request: Any, **options: Any) -> str:
+    serving = _from_mlx4bit(ckpt, max_new_tokens=6, max_len=64, **options)
+    try:
+        return serving.run(request)["results"][0]["generated_text"]
+    finally:
+        serving.close()
+
+
+class _Stdout(io.StringIO):
+    """A stdout that records each write and whether a flush followed it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.events.append(s)
+        return super().write(s)
+
+    def flush(self) -> None:
+        self.events.append("<flush>")
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _RecordingStream:
+    def __init__(self, stream: Any, items: list[Any]):
+        self._stream, self._items = stream, items
+
+    def __enter__(self) -> _RecordingStream:
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stream.__exit__(*exc)
+
+    def __iter__(self) -> Any:
+        for item in self._stream:
+            self._items.append(item)
+            yield item
+
+
+class _Recorder:
+    """Wraps the serving the CLI builds: records each request and its stream items."""
+
+    def __init__(self, serving: Any):
+        self.serving = serving
+        self.requests: list[Any] = []
+        self.items: list[list[Any]] = []
+        self.closed = False
+
+    def stream(self, input: Any, **kw: Any) -> _RecordingStream:
+        self.requests.append(copy.deepcopy(input))
+        self.items.append([])
+        return _RecordingStream(self.serving.stream(input, **kw), self.items[-1])
+
+    def close(self) -> None:
+        self.closed = True
+        self.serving.close()
+
+    def reply(self, i: int) -> str:
+        return "".join(x for x in self.items[i] if isinstance(x, str))
+
+    def final(self, i: int) -> dict[str, Any]:
+        return next(x for x in self.items[i] if isinstance(x, dict))
+
+
+@pytest.fixture
+def recorders(monkeypatch: pytest.MonkeyPatch) -> list[_Recorder]:
+    made: list[_Recorder] = []
+    def from_mlx4bit(*args: Any, **kwargs: Any) -> _Recorder:
+        assert "sampler" not in kwargs
+        made.append(_Recorder(_from_mlx4bit(*args, **kwargs)))
+        return made[-1]
+
+    monkeypatch.setattr(text_generation, "from_mlx4bit", from_mlx4bit)
+    return made
+
+
+def _stdin(monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+def test_generate_streams_pieces_equal_to_the_non_streamed_text(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, recorders: list[_Recorder]) -> None:
+    out = _Stdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    expected = _greedy_text(tiny_ckpt, "Hello")
+    assert out.getvalue() == expected + "\n"
+    pieces = [e for e in out.events if e not in ("<flush>", "\n")]
+    assert len(pieces) > 1 and "".join(pieces) == expected  # printed piece by piece
+    for i, e in enumerate(out.events):
+        if e != "<flush>":
+            assert out.events[i + 1] == "<flush>"  # each piece flushed as it came
+    (rec,) = recorders
+    assert rec.closed and rec.requests == [{"text": "Hello"}]
+
+
+def test_generate_dash_reads_the_prompt_from_stdin(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        recorders: list[_Recorder]) -> None:
+    _stdin(monkeypatch, "Hello there\n")
+    assert cli.main(["generate", "-", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    assert recorders[0].requests == [{"text": "Hello there"}]
+    assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hello there") + "\n"
+
+
+def test_generate_passes_sampling_options_and_chat(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], recorders: list[_Recorder]) -> None:
+    args = ["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--chat", "--temperature", "0.8",
+            "--top-p", "0.5", "--seed", "3"]
+    assert cli.main(args) == 0
+    assert recorders[0].requests == [{"text": "Hi", "seed": 3}]
+    first = capsys.readouterr().out
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out == first  # seeded sampling is reproducible
+    assert first == _greedy_text(tiny_ckpt, {"text": "Hi", "seed": 3}, chat=True, temperature=0.8,
+                                 top_p=0.5) + "\n"
+
+
+def test_timing_line_has_prompt_and_decode_rates_and_peak_memory(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    err = capsys.readouterr().err
+    m = _TIMING.search(err)
+    assert m, err
+    assert int(m.group(1)) == 1 and int(m.group(3)) == 6 and m.group(6) == "length"
+    assert float(m.group(2)) > 0 and float(m.group(4)) > 0 and float(m.group(5)) > 0
+    assert "nan" not in err.lower()
+
+
+def test_timing_line_after_a_stop_string(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    full = _greedy_text(tiny_ckpt, "Hello")
+    stop = full[3:6]
+    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL, "--stop", stop]) == 0
+    out, err = capsys.readouterr()
+    assert out == full[: full.index(stop)] + "\n"
+    m = _TIMING.search(err)
+    assert m and m.group(6) == "stop" and float(m.group(2)) > 0, err
+    assert "nan" not in err.lower()
+
+
+@pytest.mark.parametrize("final", [
+    {},
+    {"finish_reason": "stop", "num_tokens": 1, "token_summary": {"input": 3, "output": 1},
+     "timing": {"prefill_ms": 5.0, "decode_ms": 0.0, "total_ms": 5.0}},
+    {"finish_reason": "length", "num_tokens": 4, "token_summary": {"input": 3, "output": 4},
+     "timing": {"prefill_ms": 0.0, "decode_ms": float("nan"), "total_ms": 0.0}},
+    {"finish_reason": "length", "num_tokens": 4, "token_summary": {"input": 3, "output": 4}},
+])
+def test_timing_line_prints_a_dash_for_what_cannot_be_computed(final: dict[str, Any]) -> None:
+    line = cli._timing_line(final)
+    assert "nan" not in line.lower() and "- tok/s" in line
+
+
+def test_bad_input_options_and_checkpoint_exit_2(
+        tiny_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "", "--model", str(tiny_ckpt)]) == 2
+    assert "mlx-serving: error: " in capsys.readouterr().err
+    assert cli.main(["generate", "x", "--model", str(tiny_ckpt), "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+    assert cli.main(["generate", "x", "--model", str(tmp_path / "missing")]) == 2
+    assert "mlx-serving: error: " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "x", "--seed", "-1"])
+    assert e.value.code == 2
+
+
+# ---- --version, --help --------------------------------------------------------------------------
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"mlx-serving {mlx_serving.__version__}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_help_lists_every_option_with_its_default(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    assert isinstance(sub.formatter_class(command), argparse.ArgumentDefaultsHelpFormatter)
+    for action in sub._actions:
+        if action.dest == "help" or not action.option_strings:
+            continue
+        assert action.option_strings[0] in text
+        if action.default is None:
+            assert "(default: " in (action.help or ""), action.dest
+        else:
+            assert f"(default: {action.default})" in text, action.dest
+    assert "sampler" not in text
+    for flag, default in {"--max-new-tokens": 100, "--max-len": 2048, "--temperature": 0.0, "--top-p": 1.0}.items():
+        assert re.search(rf"{flag} \S+ .*?\(default: {default}\)", text)
+
+
+# ---- chat ---------------------------------------------------------------------------------------
+
+def test_chat_keeps_the_history_across_turns(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        recorders: list[_Recorder]) -> None:
+    _stdin(monkeypatch, "Hello\n\nHow are you?\n/exit\nnever read\n")
+    assert cli.main(["chat", "--model", str(tiny_ckpt), *_SMALL, "--system", "Be brief."]) == 0
+    (rec,) = recorders
+    assert rec.closed and len(rec.requests) == 2
+    system = {"role": "system", "content": "Be brief."}
+    user1, user2 = {"role": "user", "content": "Hello"}, {"role": "user", "content": "How are you?"}
+    assert rec.requests[0] == {"messages": [system, user1]}
+    assert rec.requests[1] == {"messages": [system, user1, {"role": "assistant", "content": rec.reply(0)}, user2]}
+    first, second = rec.final(0), rec.final(1)
+    assert second["token_summary"]["input"] > first["token_summary"]["input"] + first["num_tokens"]
+    out, err = capsys.readouterr()
+    assert out == rec.reply(0) + "\n" + rec.reply(1) + "\n"
+    assert len(_TIMING.findall(err)) == 2 and "nan" not in err.lower()
+
+
+def test_chat_reset_clears_the_history_and_eof_ends(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        recorders: list[_Recorder]) -> None:
+    _stdin(monkeypatch, "Hello\n/reset\nHello\n")
+    assert cli.main(["chat", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    (rec,) = recorders
+    assert rec.requests == [{"messages": [{"role": "user", "content": "Hello"}]}] * 2
+    assert rec.reply(0) == rec.reply(1)
+    assert "history cleared" in capsys.readouterr().err
+
+
+def test_chat_no_thinking_changes_the_rendered_prompt(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, recorders: list[_Recorder]) -> None:
+    for flags in ([], ["--no-thinking"]):
+        _stdin(monkeypatch, "Hello\n")
+        assert cli.main(["chat", "--model", str(tiny_ckpt), *_SMALL, *flags]) == 0
+    thinking, plain = recorders
+    assert thinking.requests == [{"messages": [{"role": "user", "content": "Hello"}]}]
+    assert plain.requests == [{"messages": [{"role": "user", "content": "Hello"}], "enable_thinking": False}]
+    # Qwen3's template writes an empty <think></think> block when thinking is off
+    assert plain.final(0)["token_summary"]["input"] > thinking.final(0)["token_summary"]["input"]
+
+
+def test_chat_turn_too_long_for_max_len_is_reported_and_the_chat_goes_on(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        recorders: list[_Recorder]) -> None:
+    _stdin(monkeypatch, ("word " * 80) + "\nHello\n")
+    assert cli.main(["chat", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    (rec,) = recorders
+    assert rec.requests[-1] == {"messages": [{"role": "user", "content": "Hello"}]}  # the long turn was dropped
+    assert "exceeds max_len 64" in capsys.readouterr().err
+
+
+# ---- Ctrl-C (a real process) ----------------------------------------------------------------------
+
+def _chat_child(ckpt: Path, *flags: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "mlx_serving", "chat", "--model", str(ckpt), *flags],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+
+
+def _wait_ready(child: subprocess.Popen[bytes]) -> None:
+    assert child.stderr is not None
+    line = child.stderr.readline().decode()
+    assert line.startswith("mlx-serving chat:"), line
+
+
+def _assert_interrupted(child: subprocess.Popen[bytes], timeout: float) -> None:
+    t0 = time.monotonic()
+    _, err = child.communicate(timeout=timeout)
+    text = err.decode()
+    assert child.returncode == 130, text
+    assert "Traceback" not in text
+    assert text == "mlx-serving: interrupted\n", text  # one line (after the ready line)
+    assert time.monotonic() - t0 < timeout
+
+
+def test_ctrl_c_while_waiting_for_input_exits_130(tiny_ckpt: Path) -> None:
+    child = _chat_child(tiny_ckpt, *_SMALL)
+    try:
+        _wait_ready(child)
+        time.sleep(0.2)
+        child.send_signal(signal.SIGINT)
+        _assert_interrupted(child, 30)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_ctrl_c_while_generating_withdraws_and_exits_130(tiny_ckpt: Path) -> None:
+    # 2000 greedy tokens of the tiny checkpoint take ~20 s on 2 CPU cores (no EOS): the interrupt
+    # must end the process long before that.
+    child = _chat_child(tiny_ckpt, "--max-new-tokens", "2000", "--max-len", "2100")
+    try:
+        _wait_ready(child)
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(b"Hello\n")
+        child.stdin.flush()
+        assert os.read(child.stdout.fileno(), 1)  # the reply has started streaming
+        child.send_signal(signal.SIGINT)
+        _assert_interrupted(child, 10)
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---- default_checkpoint -------------------------------------------------------------------------
+
+def _fake_writer(calls: list[Path], before_rename: Any = None) -> Any:
+    def write(path: Path, preset: str, seed: int, *, progress: Any) -> Path:
+        calls.append(Path(path))
+        assert (preset, seed) == (dc.DEFAULT_PRESET, dc.DEFAULT_SEED)
+        list(progress(range(2), disable=True))
+        (Path(path) / "config.json").write_text(json.dumps({"who": "me"}))
+        if before_rename is not None:
+            before_rename()
+        return Path(path)
+    return write
+
+
+def test_default_checkpoint_docstring_says_what_it_does() -> None:
+    doc = mlx_serving.default_checkpoint.__doc__ or ""
+    for words in ("RANDOM", "0.6B", "MLX_SERVING_CACHE", "XDG_CACHE_HOME", "~/.cache/mlx-serving", "progress",
+                  "renamed", "processes"):
+        assert words in doc
+
+
+def test_default_checkpoint_writes_once_via_a_temporary_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
+    calls: list[Path] = []
+    monkeypatch.setattr(dc, "write_checkpoint", _fake_writer(calls))
+    target = dc.default_checkpoint()
+    assert target == tmp_path / "qwen3-0.6b-random-4bit-seed0"
+    assert json.loads((target / "config.json").read_text()) == {"who": "me"}
+    assert calls[0].parent == tmp_path and calls[0] != target
+    assert dc.default_checkpoint() == target and len(calls) == 1  # the second call finds it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_default_checkpoint_uses_the_copy_of_a_process_that_finished_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
+    target = tmp_path / "qwen3-0.6b-random-4bit-seed0"
+
+    def other_process_finishes() -> None:
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({"who": "them"}))
+        (target / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(dc, "write_checkpoint", _fake_writer([], other_process_finishes))
+    assert dc.default_checkpoint() == target
+    assert json.loads((target / "config.json").read_text()) == {"who": "them"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # our copy removed
+
+
+def test_default_checkpoint_interrupted_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dc, "write_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dc.default_checkpoint()
+    assert list(tmp_path.iterdir()) == []
