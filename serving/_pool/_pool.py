@@ -1,9 +1,9 @@
-"""`ServingPool`: N worker processes, each running its own copy of a Serving, behind one API."""
+"""`ServingPool`: N worker processes, each running its own copy of a Serving, behind the one
+client contract (``Client``: run / run_async / stream / stream_async / stats / close / aclose)."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import multiprocessing
 import os
@@ -11,18 +11,21 @@ import pickle
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 
-from .._channel import END, Channel
-from .._errors import DeadlineExceeded, RequestCancelled, ServingError, ServingStopped, WorkerCrashed
+from .._client import AsyncStream, Stream
+from .._errors import DeadlineExceeded, ServingError, ServingStopped, WorkerCrashed
 from .._options import ProcessOptions
+from .._request import Request, reap
 from .._telemetry import ServingStats
 from ._remote import rebuild_error
+from ._stats import PoolStats, WorkerHealth, WorkerStats, sum_stats
+from ._stderr import StderrRelay, exit_report, start_with_stderr_relay
 from ._wire import (
     Call,
     Cancel,
@@ -45,64 +48,54 @@ from ._wire import (
 )
 from ._worker import Factory, main, resolve_factory
 
-__all__ = ["PoolStats", "ServingPool", "WorkerHealth", "WorkerStats"]
+__all__ = ["ServingPool", "WireConsumer"]
 
 _SPAWN = multiprocessing.get_context("spawn")
-_ENV_LOCK = threading.Lock()  # os.environ is process-wide: one spawn at a time edits it
+_SPAWN_LOCK = threading.Lock()  # os.environ and fd 2 are process-wide: one spawn at a time edits them
 _STATS_TIMEOUT = 5.0  # seconds a worker has to answer pool.stats()
 _POLL = 0.02  # seconds between checks while an async caller waits for a worker to be ready
+_MIN_DEADLINE = 0.001  # the worker refuses a deadline <= 0; the caller enforces the real one anyway
+_TAIL_WAIT = 0.5  # seconds to wait for a dead worker's last stderr output
 
 
-@dataclass(frozen=True)
-class WorkerHealth:
-    """One worker slot. state: "starting" | "ready" | "restarting" | "closing" | "stopped".
+class WireConsumer:
+    """The ``Consumer`` of a pool request: every channel message is one payload the worker sent
+    (a stream item, or a call's result), decoded here in the caller."""
 
-    alive: the process runs and accepts calls. last_progress: Unix time (s) of the last answer,
-    stream item or error the worker sent (its start time before any). in_flight: requests routed
-    to it and not finished. restarts: times the slot's worker was replaced after dying."""
+    live = True
 
-    index: int
-    pid: int | None
-    state: str
-    alive: bool
-    in_flight: int
-    last_progress: float
-    restarts: int
+    def on_message(self, message: msgspec.Raw) -> list[Any]:
+        """The decoded payload; ``ValueError`` if it cannot be decoded."""
+        return [decode_payload(message)]
 
+    def finish(self) -> list[Any]:
+        return []
 
-@dataclass(frozen=True)
-class WorkerStats:
-    """One worker's serving stats (None when it was not ready or did not answer in 5 s)."""
-
-    index: int
-    pid: int | None
-    in_flight: int
-    restarts: int
-    serving: ServingStats | None
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """Pool snapshot: ``total`` sums the workers' counts (``mean_batch_fill`` is weighted by each
-    worker's batches + steps); ``workers`` has one entry per slot."""
-
-    total: ServingStats
-    workers: tuple[WorkerStats, ...]
+    def result(self, items: list[Any]) -> Any:
+        """A non-streamed call's result: its one message."""
+        return items[0]
 
 
 class _Worker:
-    """One incarnation of a slot's worker process and its connection."""
+    """One incarnation of a slot's worker process and its connection; the ``Owner`` (see
+    ``serving._request``) of the requests routed to it."""
 
-    def __init__(self, index: int, process: Any, sock: socket.socket) -> None:
+    def __init__(self, index: int, process: Any, sock: socket.socket, relay: StderrRelay | None,
+                 lock: threading.Condition, orphans: deque[Request]) -> None:
         self.index = index
         self.process = process
         self.pid: int | None = process.pid
         self.sock = sock
+        self.relay = relay
         self.state = "starting"
-        self.pending: dict[int, Channel] = {}
+        self.pending: dict[int, Request] = {}  # by request id, which is also the wire call id
+        self.orphans = orphans  # the pool's: requests whose stream was dropped unclosed
         self.last_progress = time.time()
         self.reader: threading.Thread | None = None
+        self._lock = lock  # the pool's condition: guards ``pending`` and ``state``
         self._send_lock = threading.Lock()
+        self._released = False
+        self._disposed = False
 
     def send(self, message: ToWorker) -> None:
         """Send one message; OSError if the worker is gone (its reader then fails its calls)."""
@@ -110,24 +103,62 @@ class _Worker:
         with self._send_lock:
             send_frame(self.sock, frame)
 
+    def withdraw(self, request: Request, error: BaseException) -> None:
+        """The caller left or its deadline passed: forget the call and tell the worker to drop or
+        stop it (nothing is sent for a call that already finished)."""
+        with self._lock:
+            held = self.pending.pop(request.id, None) is not None
+        if held:
+            with contextlib.suppress(OSError):
+                self.send(Cancel(request.id))
+
+    def stop_rows(self, request: Request, indices: list[int]) -> None:
+        """Raises TypeError: a pool call's transducer runs in the worker, which stops its rows."""
+        raise TypeError("a pool request cannot stop rows from the caller; the worker's serving does")
+
+    def stderr_tail(self, wait: float = 0.0) -> str:
+        """The last output of the process on its stderr ("" when it was not captured)."""
+        return "" if self.relay is None else self.relay.tail(wait)
+
+    def release(self) -> None:
+        """Close the connection and stop relaying stderr (the process has exited or is being
+        replaced). Idempotent; any thread."""
+        with self._send_lock:
+            if self._released:
+                return
+            self._released = True
+            self.sock.close()
+        if self.relay is not None:
+            self.relay.close()
+
+    def dispose(self) -> None:
+        """``release``, then free the process object (its sentinel fd) if the process exited.
+        Call it where no other thread can still use ``process`` (``pid`` stays readable)."""
+        self.release()
+        if not self._disposed and self.process.exitcode is not None:
+            self._disposed = True
+            self.process.close()
+
     def name(self) -> str:
         """How errors name this worker."""
         return f"pool worker {self.index} (pid {self.pid})"
 
 
-@dataclass
 class _Slot:
-    index: int
-    weight: float
-    env: Mapping[str, str]
-    worker: _Worker | None = None
-    restarts: int = 0
-    restarting: bool = False
-    starting: _Worker | None = None  # a replacement worker that has not reported Ready yet
+    def __init__(self, index: int, weight: float, env: Mapping[str, str]) -> None:
+        self.index, self.weight, self.env = index, weight, env
+        self.worker: _Worker | None = None
+        self.restarts = 0
+        self.restarting = False
+        self.starting: _Worker | None = None  # a replacement worker that has not reported Ready yet
 
 
 class ServingPool:
     """Runs ``workers`` processes, each with its own Serving started in process mode.
+
+    Implements the client contract (``Client``): ``run`` / ``run_async`` / ``stream`` /
+    ``stream_async`` / ``stats`` / ``close`` / ``aclose`` with the semantics of a
+    ``ServingHandle``; ``health()`` and ``pool_stats()`` report per worker.
 
     ``factory`` is an import path ``"package.module:function"`` or a picklable callable; each
     worker calls it once (in the worker) and must get a ``Serving``, which it starts with
@@ -144,7 +175,8 @@ class ServingPool:
 
     Raises the worker's exception if a factory or ``Serving.start`` fails in any worker (after
     stopping every started worker), ``TimeoutError`` if one does not start in time,
-    ``WorkerCrashed`` if one dies while starting, ``ValueError`` / ``TypeError`` for bad arguments.
+    ``WorkerCrashed`` if one dies while starting (its message ends with the worker's stderr),
+    ``ValueError`` / ``TypeError`` for bad arguments.
     """
 
     def __init__(
@@ -170,7 +202,7 @@ class ServingPool:
             _Slot(i, w, e) for i, (w, e) in enumerate(zip(_weights(weights, workers), _envs(worker_env, workers)))
         ]
         self._cond = threading.Condition()
-        self._ids = itertools.count()
+        self._orphans: deque[Request] = deque()
         self._turn = 0
         self._closing = False
         self._closed = threading.Event()
@@ -203,14 +235,14 @@ class ServingPool:
             daemon=True,
         )
         try:
-            with _ENV_LOCK, _environment(slot.env):
-                process.start()
+            with _SPAWN_LOCK, _environment(slot.env):
+                relay = start_with_stderr_relay(process.start, f"serving-pool-stderr-{slot.index}")
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        return _Worker(slot.index, process, ours)
+        return _Worker(slot.index, process, ours, relay, self._cond, self._orphans)
 
     def _await_ready(self, worker: _Worker, deadline: float) -> None:
         """Wait for the worker's first message; raise its start error, or on death / timeout."""
@@ -218,13 +250,15 @@ class ServingPool:
         try:
             frame = recv_frame(worker.sock)
         except TimeoutError:
-            raise TimeoutError(f"{worker.name()} did not start within {self._start_timeout} s") from None
+            summary = f"{worker.name()} did not start within {self._start_timeout} s"
+            raise TimeoutError(exit_report(summary, worker.stderr_tail())) from None
         except OSError:
             frame = None
         worker.sock.settimeout(None)
         if frame is None:
             worker.process.join(5.0)
-            raise WorkerCrashed(f"{worker.name()} exited with code {worker.process.exitcode} while starting")
+            summary = f"{worker.name()} exited with code {worker.process.exitcode} while starting"
+            raise WorkerCrashed(exit_report(summary, worker.stderr_tail(_TAIL_WAIT)))
         message = decode_from_worker(frame)
         if isinstance(message, StartFailed):
             worker.process.join(5.0)
@@ -251,22 +285,15 @@ class ServingPool:
         ``ServingStopped``. Idempotent; requests made after it raise ``ServingStopped``."""
         timeout = self._shutdown_timeout if timeout is None else timeout
         with self._cond:
-            if self._closing:
-                first = False
-            else:
-                first = self._closing = True
-                self._cond.notify_all()
+            first = not self._closing
+            self._closing = True
+            self._cond.notify_all()
             workers = [s.worker for s in self._slots if s.worker is not None]
         if not first:
             self._closed.wait()
             return
         for worker in workers:
-            with self._cond:
-                live = worker.state == "ready"
-                worker.state = "closing" if live else worker.state
-            if live:
-                with contextlib.suppress(OSError):
-                    worker.send(Shutdown(timeout))
+            self._shut_down(worker, timeout)
         with self._cond:
             starting = [s.starting for s in self._slots if s.starting is not None]
         for worker in starting:
@@ -278,6 +305,15 @@ class ServingPool:
             if slot.worker is not None:
                 _finish(slot.worker, deadline)
         self._closed.set()
+
+    def _shut_down(self, worker: _Worker, timeout: float) -> None:
+        """Ask a ready worker to finish its calls (up to ``timeout`` s) and exit."""
+        with self._cond:
+            live = worker.state == "ready"
+            worker.state = "closing" if live else worker.state
+        if live:
+            with contextlib.suppress(OSError):
+                worker.send(Shutdown(timeout))
 
     async def aclose(self, timeout: float | None = None) -> None:
         """``close`` without blocking the event loop."""
@@ -301,32 +337,49 @@ class ServingPool:
         try:
             while (frame := recv_frame(worker.sock)) is not None:
                 self._deliver(worker, decode_from_worker(frame))
+                if self._orphans:
+                    reap(self._orphans)
         except (OSError, msgspec.DecodeError):
             pass  # a broken or corrupt connection counts as a dead worker
         self._lost(worker)
 
     def _deliver(self, worker: _Worker, message: Any) -> None:
         if isinstance(message, Item):
-            channel = worker.pending.get(message.id)
-            if channel is not None:
-                channel.put(message.payload)
+            request = worker.pending.get(message.id)
+            if request is not None:
+                request.channel.put(message.payload)
         elif isinstance(message, (Result, End, Failed, StatsReply)):
             with self._cond:
-                channel = worker.pending.pop(message.id, None)
-            if channel is None:
-                return  # its caller left
-            if isinstance(message, Failed):
-                channel.close(rebuild_error(message.error, worker.name()))
-                return
-            if isinstance(message, (Result, StatsReply)):
-                channel.put(message.payload if isinstance(message, Result) else message.stats)
-            channel.close()
+                request = worker.pending.pop(message.id, None)
+            if request is not None:  # else its caller left
+                _answer(request, message, worker.name())
         else:
             return
         worker.last_progress = time.time()
 
     def _lost(self, worker: _Worker) -> None:
-        """The worker's connection ended: fail its calls, and replace it unless closing."""
+        """The worker's connection ended: fail its calls, release it, and replace it unless the
+        pool is closing."""
+        closing, pending = self._detach(worker)
+        worker.process.join(1.0)
+        code = worker.process.exitcode
+        stopped = closing and code == 0
+        tail = "" if stopped or code is None or not pending else worker.stderr_tail(_TAIL_WAIT)
+        for request in pending.values():
+            if stopped:
+                error: ServingError = ServingStopped(f"{worker.name()} stopped before request {request.id} finished")
+            else:
+                summary = f"{worker.name()} exited with code {code} while running request {request.id}"
+                error = WorkerCrashed(exit_report(summary, tail))
+            _fail(request, error)
+        if code is not None:
+            worker.release()
+        elif not closing:
+            _kill(worker)  # alive behind a broken connection: its replacement takes over
+
+    def _detach(self, worker: _Worker) -> tuple[bool, dict[int, Request]]:
+        """Mark the worker stopped and take its calls; start its replacement unless closing.
+        Returns (whether it was closing, its calls)."""
         with self._cond:
             closing = worker.state == "closing"
             worker.state = "stopped"
@@ -341,14 +394,7 @@ class ServingPool:
                 thread.start()
                 self._restarters.append(thread)
             self._cond.notify_all()
-        worker.process.join(1.0)
-        code = worker.process.exitcode
-        for call_id, channel in pending.items():
-            if closing and code == 0:
-                error: Exception = ServingStopped(f"{worker.name()} stopped before request {call_id} finished")
-            else:
-                error = WorkerCrashed(f"{worker.name()} exited with code {code} while running request {call_id}")
-            channel.close(error)
+        return closing, pending
 
     def _restart(self, slot: _Slot) -> None:
         """Start a new worker for ``slot``, retrying with backoff (0.5 s doubling to 30 s)."""
@@ -359,25 +405,10 @@ class ServingPool:
                     self._cond.wait_for(lambda: self._closing, delay)
                 if self._closing:
                     break
-            try:
-                worker = self._spawn(slot)
-            except Exception:
+            worker = self._start_replacement(slot)
+            if worker is None:
                 delay = min(max(delay * 2, 0.5), 30.0)
                 continue
-            with self._cond:
-                slot.starting = worker  # close() kills it rather than wait for its start
-                closing = self._closing
-            try:
-                if closing:
-                    raise ServingStopped("the pool is closing")
-                self._await_ready(worker, time.monotonic() + self._start_timeout)
-            except Exception:
-                _kill(worker)
-                delay = min(max(delay * 2, 0.5), 30.0)
-                continue
-            finally:
-                with self._cond:
-                    slot.starting = None
             with self._cond:
                 if not self._closing:
                     slot.restarts += 1
@@ -390,12 +421,34 @@ class ServingPool:
             slot.restarting = False
             self._cond.notify_all()
 
+    def _start_replacement(self, slot: _Slot) -> _Worker | None:
+        """A new worker for ``slot`` that reported Ready; None if it failed (it is killed)."""
+        try:
+            worker = self._spawn(slot)
+        except Exception:
+            return None
+        with self._cond:
+            slot.starting = worker  # close() kills it rather than wait for its start
+            closing = self._closing
+        try:
+            if closing:
+                raise ServingStopped("the pool is closing")
+            self._await_ready(worker, time.monotonic() + self._start_timeout)
+        except Exception:
+            _kill(worker)
+            return None
+        finally:
+            with self._cond:
+                slot.starting = None
+        return worker
+
     # --- routing and calls --------------------------------------------------------------------
 
-    def _pick(self) -> _Worker | None:
-        """The ready worker with the least (in_flight + 1) / weight; the start rotates for ties."""
+    def _pick(self, request: Request) -> _Worker | None:
+        """The ready worker with the least (in_flight + 1) / weight; the start rotates for ties.
+        Raises ServingStopped (tagged with the request's id) once the pool is closing."""
         if self._closing:
-            raise ServingStopped("the pool is closed")
+            raise _refuse(request, ServingStopped("the pool is closed"))
         best, best_score = None, math.inf
         count = len(self._slots)
         self._turn = (self._turn + 1) % count
@@ -408,130 +461,87 @@ class ServingPool:
                     best, best_score = worker, score
         return best
 
-    def _submit(self, payload: msgspec.Raw, stream: bool, deadline: float | None) -> tuple[_Worker, int, Channel]:
-        start = time.monotonic()
+    def _submit(self, input: Any, stream: bool, deadline: float | None) -> Request:
+        """Send one call to a ready worker (waiting for one if none is); its request."""
+        reap(self._orphans)
+        payload = encode_payload(input)
+        request = Request(1, deadline)
         with self._cond:
-            while (worker := self._pick()) is None:
-                if not self._cond.wait(self._wait_limit(start, deadline)):
-                    raise self._no_worker(start, deadline)
-            call_id, channel = self._register(worker)
-        self._send_call(worker, call_id, payload, stream, _remaining(start, deadline))
-        return worker, call_id, channel
+            while (worker := self._pick(request)) is None:
+                if not self._cond.wait(self._wait_limit(request)):
+                    raise self._no_worker(request)
+            _register(worker, request)
+        _send_call(worker, request, payload, stream)
+        return request
 
-    async def _submit_async(
-        self, payload: msgspec.Raw, stream: bool, deadline: float | None
-    ) -> tuple[_Worker, int, Channel]:
-        start = time.monotonic()
+    async def _submit_async(self, input: Any, stream: bool, deadline: float | None) -> Request:
+        """``_submit`` for asyncio or trio: waits for a ready worker without blocking the loop."""
+        reap(self._orphans)
+        payload = encode_payload(input)
+        request = Request(1, deadline)
         while True:
             with self._cond:
-                worker = self._pick()
+                worker = self._pick(request)
                 if worker is not None:
-                    call_id, channel = self._register(worker)
+                    _register(worker, request)
                     break
-            if self._wait_limit(start, deadline) <= 0:
-                raise self._no_worker(start, deadline)
+            if self._wait_limit(request) <= 0:
+                raise self._no_worker(request)
             await anyio.sleep(_POLL)
-        self._send_call(worker, call_id, payload, stream, _remaining(start, deadline))
-        return worker, call_id, channel
+        _send_call(worker, request, payload, stream)
+        return request
 
-    def _wait_limit(self, start: float, deadline: float | None) -> float:
-        """Seconds a caller may still wait for a ready worker."""
-        limit = self._start_timeout if deadline is None else min(self._start_timeout, deadline)
-        return start + limit - time.monotonic()
+    def _wait_limit(self, request: Request) -> float:
+        """Seconds a request may still wait for a ready worker."""
+        end = request.submitted + self._start_timeout
+        if request.deadline is not None:
+            end = min(end, request.deadline)
+        return end - time.monotonic()
 
-    def _no_worker(self, start: float, deadline: float | None) -> ServingError:
-        if deadline is not None and deadline <= self._start_timeout:
-            return DeadlineExceeded(f"no pool worker became ready within the deadline ({deadline} s)")
-        return WorkerCrashed(f"no pool worker became ready within {self._start_timeout} s")
-
-    def _register(self, worker: _Worker) -> tuple[int, Channel]:
-        """Register a call on ``worker`` (lock held); the caller sends it outside the lock."""
-        call_id = next(self._ids)
-        channel = Channel()
-        worker.pending[call_id] = channel
-        return call_id, channel
-
-    @staticmethod
-    def _send_call(worker: _Worker, call_id: int, payload: msgspec.Raw, stream: bool, deadline: float | None) -> None:
-        try:
-            worker.send(Call(call_id, stream, payload, deadline))
-        except OSError:
-            pass  # the worker died; its reader fails this call with WorkerCrashed
-
-    def _cancel(self, worker: _Worker, call_id: int) -> None:
-        """The caller left: forget the call and tell the worker to drop or stop it."""
-        with self._cond:
-            channel = worker.pending.pop(call_id, None)
-        if channel is None:
-            return  # already finished
-        channel.close(RequestCancelled(f"request {call_id} was cancelled by its caller"))
-        with contextlib.suppress(OSError):
-            worker.send(Cancel(call_id))
+    def _no_worker(self, request: Request) -> ServingError:
+        if request.deadline is not None and request.deadline <= request.submitted + self._start_timeout:
+            return _refuse(request, DeadlineExceeded("no pool worker became ready within the request's deadline"))
+        return _refuse(request, WorkerCrashed(f"no pool worker became ready within {self._start_timeout} s"))
 
     def run(self, input: Any, *, deadline: float | None = None) -> Any:
         """Run one request on the least-loaded worker and return its result (blocks; thread-safe).
 
-        The worker runs ``batched_run`` on its serving: client preprocessing, batching with other
+        The worker runs ``run_async`` on its serving: client preprocessing, batching with other
         requests routed to it, execution and client postprocessing all happen in the worker.
         ``input`` and the result travel as described in the wire format (numpy arrays without
         pickle). Raises what the worker's serving raised (see ``rebuild_error``), ``WorkerCrashed``
         if the worker died holding the request, ``ServingStopped`` once closed, ``TypeError`` /
         ``ValueError`` if the input or the result cannot cross the process boundary,
-        ``DeadlineExceeded`` when ``deadline`` (seconds from this call, enforced by the worker's
-        serving) passes first. An interrupted caller (e.g. ``KeyboardInterrupt``) cancels the
-        request in the worker.
+        ``DeadlineExceeded`` when ``deadline`` (seconds from this call) passes first: the caller
+        enforces it even if the worker never answers. ``ServingError``s carry the request's id.
+        An interrupted caller (e.g. ``KeyboardInterrupt``) withdraws the request in the worker.
         """
-        payload = encode_payload(input)
-        worker, call_id, channel = self._submit(payload, False, deadline)
-        try:
-            result = channel.get()
-        except BaseException:
-            if not channel.closed:
-                self._cancel(worker, call_id)
-            raise
-        return decode_payload(result)
+        consumer = WireConsumer()
+        with Stream(self._submit(input, False, deadline), consumer) as stream:
+            return consumer.result(list(stream))
 
     async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
-        """``run`` for asyncio or trio; cancelling the caller cancels the request in the worker."""
-        payload = encode_payload(input)
-        worker, call_id, channel = await self._submit_async(payload, False, deadline)
-        try:
-            result = await channel.aget()
-        except BaseException:
-            if not channel.closed:
-                self._cancel(worker, call_id)
-            raise
-        return decode_payload(result)
+        """``run`` for asyncio or trio; cancelling the caller withdraws the request."""
+        consumer = WireConsumer()
+        async with AsyncStream(await self._submit_async(input, False, deadline), consumer) as stream:
+            return consumer.result([item async for item in stream])
 
-    def stream(self, input: Any, *, deadline: float | None = None) -> Iterator[Any]:
-        """Iterate the items of one streaming request (``stream_async`` of the worker's handle).
+    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+        """Send the request now; a ``Stream`` of its items (what the worker's ``stream_async``
+        yields). Closing it (``close()``, leaving ``with``, an exception while reading) or the
+        deadline passing withdraws the request in the worker. Raises as ``run``."""
+        return Stream(self._submit(input, True, deadline), WireConsumer())
 
-        The request is sent on the first ``next()``; closing the iterator early (``break``,
-        garbage collection) cancels it in the worker. Raises as ``run``."""
-        payload = encode_payload(input)
-        worker, call_id, channel = self._submit(payload, True, deadline)
-        try:
-            while (item := channel.get()) is not END:
-                yield decode_payload(item)
-        finally:
-            if not channel.closed:
-                self._cancel(worker, call_id)
-
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncIterator[Any]:
-        """``stream`` for asyncio or trio; cancellation or ``aclose()`` cancels the request."""
-        payload = encode_payload(input)
-        worker, call_id, channel = await self._submit_async(payload, True, deadline)
-        try:
-            while (item := await channel.aget()) is not END:
-                yield decode_payload(item)
-        finally:
-            if not channel.closed:
-                self._cancel(worker, call_id)
+    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+        """``stream`` for asyncio or trio (the request is sent when the await returns); the
+        reading task being cancelled, ``aclose()`` or leaving ``async with`` withdraws it."""
+        return AsyncStream(await self._submit_async(input, True, deadline), WireConsumer())
 
     # --- observation --------------------------------------------------------------------------
 
     def health(self) -> list[WorkerHealth]:
         """One `WorkerHealth` per worker slot (no round trip to the workers)."""
+        reap(self._orphans)
         with self._cond:
             return [self._health(slot) for slot in self._slots]
 
@@ -545,50 +555,79 @@ class ServingPool:
             slot.index, worker.pid, state, alive, len(worker.pending), worker.last_progress, slot.restarts
         )
 
-    def stats(self) -> PoolStats:
-        """Ask every ready worker for its serving stats (5 s each at most) and add them up."""
+    def stats(self) -> ServingStats:
+        """The workers' serving stats added up (``pool_stats().total``)."""
+        return self.pool_stats().total
+
+    def pool_stats(self) -> PoolStats:
+        """Ask every ready worker for its serving stats (5 s each at most): the sum and each."""
+        reap(self._orphans)
         queries = []
         with self._cond:
             for slot in self._slots:
                 worker = slot.worker
+                query = None
                 if worker is not None and worker.state == "ready":
-                    queries.append((slot, worker, *self._register(worker)))
-                else:
-                    queries.append((slot, worker, None, None))
-        for _, worker, call_id, _ in queries:
-            if call_id is not None:
+                    query = Request(1, None)
+                    worker.pending[query.id] = query
+                queries.append((slot, worker, query))
+        for _, worker, query in queries:
+            if query is not None:
                 with contextlib.suppress(OSError):
-                    worker.send(StatsQuery(call_id))
+                    worker.send(StatsQuery(query.id))
         deadline = time.monotonic() + _STATS_TIMEOUT
-        per_worker = [self._collect(q, deadline) for q in queries]
-        answered = [w.serving for w in per_worker if w.serving is not None]
-        return PoolStats(_sum_stats(answered), tuple(per_worker))
+        per_worker = [self._collect(*q, deadline) for q in queries]
+        return PoolStats(sum_stats([w.serving for w in per_worker if w.serving is not None]), tuple(per_worker))
 
-    def _collect(self, query: tuple[Any, ...], deadline: float) -> WorkerStats:
-        slot, worker, call_id, channel = query
+    def _collect(self, slot: _Slot, worker: _Worker | None, query: Request | None, deadline: float) -> WorkerStats:
         serving = None
-        if channel is not None:
+        if worker is not None and query is not None:
             try:
-                serving = ServingStats(**channel.get(max(deadline - time.monotonic(), 0.0)))
-            except (TimeoutError, WorkerCrashed, ServingStopped):
-                self._cancel(worker, call_id)
+                serving = ServingStats(**query.channel.get(max(deadline - time.monotonic(), 0.0)))
+            except (TimeoutError, ServingError):
+                with self._cond:
+                    worker.pending.pop(query.id, None)
         pid = worker.pid if worker is not None else None
         in_flight = len(worker.pending) if worker is not None else 0
         return WorkerStats(slot.index, pid, in_flight, slot.restarts, serving)
 
 
-def _remaining(start: float, deadline: float | None) -> float | None:
-    """What is left of a caller's ``deadline`` (seconds from ``start``), at least 0."""
-    return None if deadline is None else max(start + deadline - time.monotonic(), 0.0)
+def _register(worker: _Worker, request: Request) -> None:
+    """Route ``request`` to ``worker`` (pool lock held); it is sent outside the lock."""
+    request.owner = worker
+    worker.pending[request.id] = request
 
 
-def _sum_stats(stats: list[ServingStats]) -> ServingStats:
-    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(ServingStats)}
-    work = [s.batches_run + s.steps_run for s in stats]
-    totals["mean_batch_fill"] = (
-        sum(s.mean_batch_fill * w for s, w in zip(stats, work)) / sum(work) if sum(work) else 0.0
-    )
-    return ServingStats(**totals)
+def _send_call(worker: _Worker, request: Request, payload: msgspec.Raw, stream: bool) -> None:
+    remaining = request.remaining()
+    deadline = None if remaining is None else max(remaining, _MIN_DEADLINE)
+    with contextlib.suppress(OSError):  # the worker died; its reader fails the request
+        worker.send(Call(request.id, stream, payload, deadline))
+
+
+def _answer(request: Request, message: Result | End | Failed | StatsReply, where: str) -> None:
+    """Finish ``request`` with the worker's last message for it."""
+    if isinstance(message, Failed):
+        _fail(request, rebuild_error(message.error, where))
+        return
+    if isinstance(message, Result):
+        request.channel.put(message.payload)
+    elif isinstance(message, StatsReply):
+        request.channel.put(message.stats)
+    request.channel.close()
+
+
+def _fail(request: Request, error: Exception) -> None:
+    """Fail ``request``; a ``ServingError`` gets its id (not the id the worker's request had)."""
+    if isinstance(error, ServingError):
+        error.request_id = request.id
+    request.fail(error)
+
+
+def _refuse(request: Request, error: ServingError) -> ServingError:
+    """``error`` for a request that was never sent, tagged with its id."""
+    request.fail(error)
+    return error
 
 
 def _check_factory(factory: Factory) -> None:
@@ -646,19 +685,27 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 
 
 def _kill(worker: _Worker) -> None:
-    """Kill a worker that holds no calls and reap it."""
+    """Kill a worker that holds no calls, reap it and release it (disposed of when no reader
+    thread was ever started for it)."""
     if worker.process.is_alive():
         worker.process.kill()
     worker.process.join(5.0)
-    worker.sock.close()
+    if worker.reader is None:
+        worker.dispose()
+    else:
+        worker.release()
 
 
 def _finish(worker: _Worker, deadline: float) -> None:
-    """Wait for a stopping worker to exit (kill it at ``deadline``) and for its reader to end."""
+    """Wait for a stopping worker to exit (kill it at ``deadline``) and for its reader to end;
+    dispose of it."""
     worker.process.join(max(deadline - time.monotonic(), 0.0))
     if worker.process.is_alive():
         worker.process.kill()
         worker.process.join(5.0)
     if worker.reader is not None:
         worker.reader.join(5.0)
-    worker.sock.close()
+    if worker.reader is None or not worker.reader.is_alive():
+        worker.dispose()
+    else:
+        worker.release()

@@ -140,7 +140,10 @@ class _Worker:
         elif isinstance(message, Cancel):
             task = self._tasks.pop(message.id, None)
             if task is not None:
-                task.cancel()
+                # after the task's first step, which submits the call to the serving (unless its
+                # preprocessing is offloaded): the serving then counts it as cancelled, even when
+                # the Cancel came right behind the Call
+                asyncio.get_running_loop().call_soon(task.cancel)
         else:
             stats = msgspec.to_builtins(self._handle.stats())
             _send(self._sock, StatsReply(message.id, stats))

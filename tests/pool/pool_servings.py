@@ -156,3 +156,23 @@ def counter() -> Serving:
 def broken() -> Serving:
     """A factory that fails."""
     raise RuntimeError("the factory could not load its model")
+
+
+def _fail_on_negative(batch: Batch) -> Any:
+    if any(n < 0 for n in batch.rows()):
+        raise RuntimeError("negative input")
+    return batch.rows()
+
+
+def failing() -> Serving:
+    """n -> n; a negative n makes the backend raise (``BackendError`` in the caller)."""
+    return Serving.new(_fail_on_negative).client_preprocessing(_one).client_postprocessing(_first)
+
+
+def dies_at_start() -> Serving:
+    """A factory whose process writes to its stderr and exits at once (no Python error)."""
+    import sys
+
+    sys.stderr.write("fatal: the model file is corrupt\n")
+    sys.stderr.flush()
+    os._exit(3)

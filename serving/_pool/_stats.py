@@ -1,0 +1,56 @@
+"""What a `ServingPool` reports about itself: per-worker health and stats, and their sum."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .._telemetry import ServingStats
+
+__all__ = ["PoolStats", "WorkerHealth", "WorkerStats", "sum_stats"]
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    """One worker slot. state: "starting" | "ready" | "restarting" | "closing" | "stopped".
+
+    alive: the process runs and accepts calls. last_progress: Unix time (s) of the last answer,
+    stream item or error the worker sent (its start time before any). in_flight: requests routed
+    to it and not finished. restarts: times the slot's worker was replaced after dying."""
+
+    index: int
+    pid: int | None
+    state: str
+    alive: bool
+    in_flight: int
+    last_progress: float
+    restarts: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker's serving stats (None when it was not ready or did not answer in 5 s)."""
+
+    index: int
+    pid: int | None
+    in_flight: int
+    restarts: int
+    serving: ServingStats | None
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Pool snapshot (``ServingPool.pool_stats()``): ``total`` sums the workers' counts (what
+    ``ServingPool.stats()`` returns); ``workers`` has one entry per slot."""
+
+    total: ServingStats
+    workers: tuple[WorkerStats, ...]
+
+
+def sum_stats(stats: list[ServingStats]) -> ServingStats:
+    """Counts added up; ``mean_batch_fill`` weighted by each one's batches + steps."""
+    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(ServingStats)}
+    work = [s.batches_run + s.steps_run for s in stats]
+    totals["mean_batch_fill"] = (
+        sum(s.mean_batch_fill * w for s, w in zip(stats, work)) / sum(work) if sum(work) else 0.0
+    )
+    return ServingStats(**totals)
