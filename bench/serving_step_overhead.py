@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_serving.models.text_generation._backend as backend_module  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3 import SamplingParams, load  # noqa: E402
+from mlx_serving.models.qwen3 import FinishReason, SamplingParams, SeqEvent, load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.qwen3.engine import SeqEvent  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
@@ -64,7 +63,7 @@ class ZeroCostEngine:
         for seq_id, s in list(self._seqs.items()):
             s[1] += 1
             done = s[1] >= s[0]
-            events.append(SeqEvent(seq_id, 1000 + s[1] % 64, "length" if done else None))
+            events.append(SeqEvent(seq_id, 1000 + s[1] % 64, 0.0, FinishReason.LENGTH if done else None))
             if done:
                 del self._seqs[seq_id]
         return events

@@ -2,17 +2,20 @@
 
 from .cache import KVCache, init_kv_cache
 from .config import QuantSpec, Quantization, Qwen3Config
-from .engine import Engine, SeqEvent
+from .engine import Engine
+from .events import FinishReason, SeqEvent
 from .generate import generate
 from .loader import State, load
-from .sampling import SamplingParams
+from .sampling import SamplerKind, SamplingParams
 
 __all__ = [
     "Engine",
+    "FinishReason",
     "KVCache",
     "QuantSpec",
     "Quantization",
     "Qwen3Config",
+    "SamplerKind",
     "SamplingParams",
     "SeqEvent",
     "State",

@@ -12,16 +12,16 @@ Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA bu
 shape can mean new kernels or plans): a batch of more than one row is padded to a power-of-two
 row count and its attention span rounded up to a multiple of ``_KV_BUCKET``; padding rows and
 tokens have ``n_valid`` 0, write only the scratch column and are never attended, so outputs do
-not change. Sequences using the ``top_p_cpu`` sampler need their logits on the host before their
-next step, so a step holding such rows is read back at once (no pipelining).
+not change.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -29,30 +29,24 @@ import numpy as np
 from .cache import KVCache, budget_slots, init_kv_cache
 from .loader import State
 from .model import Rows, compiled_decode, decode_path, forward
-from .sampling import SamplingParams, greedy, top_p_cpu, top_p_gpu
+from .events import FinishReason, SeqEvent
+from .sampling import SamplerKind, SamplingParams, greedy, sample_top_p
 
-__all__ = ["Engine", "SeqEvent"]
+__all__ = ["Engine"]
 
-FinishReason = Literal["stop", "length"]
 _KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
-
-
-@dataclass(frozen=True)
-class SeqEvent:
-    """One new token of sequence ``seq_id``; ``finish_reason`` is set on its last
-    event ("stop": an EOS id, included as ``token_id``; "length": max_new_tokens)."""
-
-    seq_id: int
-    token_id: int | None
-    finish_reason: FinishReason | None = None
 
 
 @dataclass(eq=False)
 class _Seq:
+    """One added sequence: the engine's only per-sequence record (``admitted``: perf_counter
+    seconds at ``add``)."""
+
     seq_id: int
     prompt: np.ndarray
     params: SamplingParams
     rng: np.random.Generator
+    admitted: float
     slot: int = -1
     prefilled: int = 0  # prompt tokens already in the cache
     scheduled: int = 0  # new tokens whose computation has been enqueued
@@ -70,8 +64,6 @@ class _Flight:
 
     tokens: mx.array
     produced: list[_Seq] = field(default_factory=list)
-    cpu_rows: list[_Seq] = field(default_factory=list)
-    cpu_logits: mx.array | None = None
 
 
 class Engine:
@@ -139,6 +131,7 @@ class Engine:
 
     def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a sequence; it takes a slot at the next step (FIFO when all are busy).
+        Its events' ``elapsed_ms`` count from this call.
 
         Raises ValueError for a duplicate ``seq_id``, an empty prompt, ids outside the
         vocabulary, or ``len(prompt_ids) + max_new_tokens > max_len`` (never fits).
@@ -155,7 +148,7 @@ class Engine:
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed))
+        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed), time.perf_counter())
         self._by_id[seq_id] = seq
         self._waiting.append(seq)
 
@@ -218,10 +211,6 @@ class Engine:
         Events lag the device by one step (pipelining): the first call after an add
         usually returns nothing for that sequence.
         """
-        events: list[SeqEvent] = []
-        if self._flight is not None and self._flight.cpu_rows:
-            events += self._land(self._flight)
-            self._flight = None
         self._admit()
         decoders = [s for s in self._slots if s is not None and s.decoding]
         prefillers = [s for s in self._slots if s is not None and s.prefilled < s.prompt.size]
@@ -233,12 +222,8 @@ class Engine:
         flight.tokens = self._tokens
         if flight.produced:
             mx.async_eval(flight.tokens, *self.cache.keys, *self.cache.values)
-        if self._flight is not None:
-            events += self._land(self._flight)
+        events = self._land(self._flight) if self._flight is not None else []
         self._flight = flight if flight.produced else None
-        if flight.cpu_rows:
-            events += self._land(flight)
-            self._flight = None
         return events
 
     def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
@@ -311,21 +296,16 @@ class Engine:
 
     def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
         """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into
-        the slot token array; ``top_p_cpu`` rows keep their logits for the host."""
+        the slot token array."""
         new = greedy(logits)
-        gpu = [i for i, s in enumerate(seqs) if not s.params.is_greedy and s.params.sampler == "top_p_gpu"]
-        if gpu:
-            idx = mx.array(gpu, dtype=mx.int32)
-            p = [seqs[i].params for i in gpu]
-            u = [seqs[i].rng.random() for i in gpu]
-            new[idx] = top_p_gpu(logits[idx], mx.array([q.temperature for q in p], dtype=mx.float32),
-                                 mx.array([q.top_p for q in p], dtype=mx.float32),
-                                 mx.array(u, dtype=mx.float32))
-        cpu = [i for i, s in enumerate(seqs) if not s.params.is_greedy and s.params.sampler == "top_p_cpu"]
-        if cpu:
-            flight.cpu_rows += [seqs[i] for i in cpu]
-            rows = logits[mx.array(cpu, dtype=mx.int32)]
-            flight.cpu_logits = rows if flight.cpu_logits is None else mx.concatenate([flight.cpu_logits, rows])
+        sampled = [i for i, s in enumerate(seqs) if s.params.kind is SamplerKind.TOP_P]
+        if sampled:
+            idx = mx.array(sampled, dtype=mx.int32)
+            p = [seqs[i].params for i in sampled]
+            u = [seqs[i].rng.random() for i in sampled]
+            new[idx] = sample_top_p(logits[idx], mx.array([q.temperature for q in p], dtype=mx.float32),
+                                    mx.array([q.top_p for q in p], dtype=mx.float32),
+                                    mx.array(u, dtype=mx.float32))
         self._tokens = _put(self._tokens, idx_slots, new)
         for s in seqs:
             s.scheduled += 1
@@ -334,12 +314,7 @@ class Engine:
     def _land(self, flight: _Flight) -> list[SeqEvent]:
         """Read a flight's tokens to the host and turn them into events."""
         host = np.array(flight.tokens)
-        if flight.cpu_rows:
-            logits = np.array(flight.cpu_logits.astype(mx.float32))
-            for s, row in zip(flight.cpu_rows, logits):
-                host[s.slot] = top_p_cpu(row, s.params.temperature, s.params.top_p, s.rng.random())
-            slots = [s.slot for s in flight.cpu_rows]
-            self._tokens = _put(self._tokens, slots, mx.array(host[slots]))
+        now = time.perf_counter()
         events = []
         for s in flight.produced:
             if s.done:
@@ -347,10 +322,10 @@ class Engine:
             token = int(host[s.slot])
             reason: FinishReason | None = None
             if token in s.params.eos_token_ids:
-                reason = "stop"
+                reason = FinishReason.STOP
             elif s.emitted + 1 >= s.params.max_new_tokens:
-                reason = "length"
-            events.append(SeqEvent(s.seq_id, token, reason))
+                reason = FinishReason.LENGTH
+            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason))
             s.emitted += 1
             if reason is not None:
                 self._finish(s)

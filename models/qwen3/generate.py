@@ -8,10 +8,12 @@ stops on its own EOS or ``max_new_tokens``.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 from .cache import KVCache
 from .engine import Engine
+from .events import FinishReason
 from .loader import State
 from .sampling import SamplingParams
 
@@ -23,8 +25,8 @@ def _is_batch(input_ids: Sequence[Any]) -> bool:
 
 
 def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, max_new_tokens: int = 100,
-             max_len: int = 2048, kv_cache: KVCache | None = None, sampler: str = "greedy",
-             temperature: float = 0.95, top_p: float = 0.9, seed: int | None = None,
+             max_len: int = 2048, kv_cache: KVCache | None = None, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int | None = None,
              profile_timing: bool = True, prefill_chunk: int = 2048,
              eos_token_ids: Sequence[int] | None = None) -> tuple[Any, dict[str, Any]]:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
@@ -32,30 +34,31 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     ``input_ids``: one prompt (list of ints) or a batch (list of lists; lengths may
     differ). ``max_len``: cache positions per row (prompt + new tokens must fit);
     ``kv_cache``: a cache from :func:`init_kv_cache` to reuse (its ``max_len`` wins).
-    ``sampler``: "greedy" | "top_p_cpu" | "top_p_gpu"; ``temperature`` 0 means greedy;
-    ``seed``: reproducible sampling (row i of a batch uses ``seed + i``).
+    ``temperature``: 0 (default) is greedy, > 0 samples from the ``top_p`` nucleus at that
+    temperature (``top_p`` 1: plain temperature sampling; see ``sampling``); ``seed``: an int >= 0
+    for reproducible sampling (row i of a batch uses ``seed + i``).
     ``eos_token_ids``: defaults to the checkpoint's (generation_config.json).
 
     Returns ``(token_ids, info)``. For one prompt ``token_ids`` is a list of ints (an
     EOS, when hit, is its last element) and ``info`` is ``{"timing": {"prefill_ms",
     "per_token_ms", "total_ms"}, "finish_reason": "stop" | "length"}``: prefill_ms is
     the time to the first token, per_token_ms the list of later step times (empty when
-    ``profile_timing`` is False). For a batch, ``token_ids`` is a list of lists and
-    ``finish_reason`` a list. Raises ValueError for bad options or a prompt that
-    does not fit (prompt length + max_new_tokens > max_len).
+    ``profile_timing`` is False); ``finish_reason`` is a :class:`FinishReason` (a str). For a
+    batch, ``token_ids`` is a list of lists and ``finish_reason`` a list. Raises ValueError for
+    bad options or a prompt that does not fit (prompt length + max_new_tokens > max_len).
     """
     batch = _is_batch(input_ids)
     prompts = [list(p) for p in input_ids] if batch else [list(input_ids)]
     eos = tuple(state.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    params = [SamplingParams(max_new_tokens, sampler, temperature, top_p,
-                             None if seed is None else seed + i, eos) for i in range(len(prompts))]
+    first = SamplingParams(max_new_tokens, temperature, top_p, seed, eos)  # validates
+    params = [first if seed is None else replace(first, seed=seed + i) for i in range(len(prompts))]
     engine = Engine(state, max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk,
                     kv_cache=kv_cache)
     t0 = time.perf_counter()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add(i, p, sp)
     out: list[list[int]] = [[] for _ in prompts]
-    reasons: list[str | None] = [None] * len(prompts)
+    reasons: list[FinishReason | None] = [None] * len(prompts)
     prefill_ms, per_token, last = None, [], t0
     while engine.num_active:
         events = engine.step()

@@ -1,10 +1,15 @@
 """Text generation as a Serving: Qwen3 (MLX) with continuous batching, streaming and stop strings.
 
 Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat template applied),
-optionally with per-request ``seed``, ``stop``, ``max_new_tokens``, ``sampler``, ``temperature``,
-``top_p``, ``enable_thinking``, ``tools``; or a list of these. Output for one input:
+optionally with per-request ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+``enable_thinking``, ``tools``; or a list of these. Output for one input:
 ``{"results": [{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input",
-"output"}, "timing"}]}``; a list input returns a list of those, in order.
+"output"}, "timing"}]}``; a list input returns a list of those, in order. ``finish_reason`` is
+"stop" (EOS or a stop string) or "length" (max_new_tokens), the values of :class:`FinishReason`.
+
+Sampling (as in mlx-lm and the OpenAI API): ``temperature`` 0 (the default) is greedy decoding;
+``temperature > 0`` samples at that temperature from the ``top_p`` nucleus (default 1.0: plain
+temperature sampling), reproducibly when ``seed`` (an int >= 0) is given.
 """
 
 from __future__ import annotations
@@ -16,14 +21,15 @@ from typing import Any
 from ...serving import Serving
 from ...tokenization import Tokenizer
 
-from ..qwen3 import State, load
+from ..qwen3 import FinishReason, State, load
 from ..qwen3.cache import budget_slots
 from ._backend import GenerationBackend
+from ._events import TokenEvent
 from ._inputs import RequestInfo, preprocess
 from ._options import GenerationOptions
 from ._stream import GenerationTransducer, collect
 
-__all__ = ["GenerationOptions", "from_mlx4bit", "serving"]
+__all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "serving"]
 
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
@@ -32,8 +38,8 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     """A text-generation Serving over a loaded Qwen3 ``state``.
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
-    sampler="greedy", temperature=0.95, top_p=0.9, chat=False, stop=(), profile_timing=True,
-    max_batch=32, prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
+    temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
+    prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
     ``batch_size=max_batch`` and a 5 ms admission window. Raises ValueError for a bad option
     (including a ``kv_cache_bytes`` that holds no sequence of ``max_len``) and TypeError for an
     unknown one. Bad inputs raise ValueError in the caller only.
@@ -43,7 +49,7 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     return (
         Serving.new(GenerationBackend(state, opts))
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts))
-        .streaming(lambda info: GenerationTransducer(tokenizer, info))
+        .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
         .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)
     )

@@ -13,7 +13,7 @@ from ._options import GenerationOptions, _stop_tuple
 
 __all__ = ["Prompt", "RequestInfo", "preprocess"]
 
-_OPTION_KEYS = ("max_new_tokens", "sampler", "temperature", "top_p", "seed")
+_OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed")
 _KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_OPTION_KEYS))
 
 

@@ -15,8 +15,11 @@ class GenerationOptions:
 
     max_new_tokens: most generated tokens per prompt (an EOS counts), >= 1.
     max_len: KV-cache positions per sequence (prompt + new tokens), >= 2.
-    sampler: "greedy" | "top_p_cpu" | "top_p_gpu"; temperature >= 0 (0 = greedy);
-      top_p in (0, 1] (nucleus sampling, Holtzman et al. 2019).
+    temperature: a finite number >= 0; 0 = greedy (argmax), > 0 samples at that temperature
+      (seeded by the request's ``seed``).
+    top_p: in (0, 1]; with temperature > 0, sample from the smallest set of most probable tokens
+      whose mass reaches top_p (nucleus sampling, Holtzman et al. 2020); 1 = plain temperature
+      sampling.
     chat: plain-text inputs become one user message rendered with the chat template.
     stop: stop strings; generation ends when the text contains one (it is not returned).
     profile_timing: add per-request ``timing`` (ms) to results and final stream events.
@@ -30,9 +33,8 @@ class GenerationOptions:
 
     max_new_tokens: int = 100
     max_len: int = 2048
-    sampler: str = "greedy"
-    temperature: float = 0.95
-    top_p: float = 0.9
+    temperature: float = 0.0
+    top_p: float = 1.0
     chat: bool = False
     stop: tuple[str, ...] = field(default=())
     profile_timing: bool = True
@@ -42,7 +44,7 @@ class GenerationOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
-        SamplingParams(self.max_new_tokens, self.sampler, self.temperature, self.top_p)  # validates
+        SamplingParams(self.max_new_tokens, self.temperature, self.top_p)  # validates
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.max_new_tokens >= self.max_len:

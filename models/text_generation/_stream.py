@@ -11,7 +11,8 @@ from typing import Any
 
 from ...tokenization import StreamingDetokenizer, Tokenizer
 
-from ._backend import TokenEvent
+from ..qwen3.events import FinishReason
+from ._events import TokenEvent
 from ._inputs import RequestInfo
 
 __all__ = ["GenerationTransducer", "RowText", "collect"]
@@ -19,22 +20,37 @@ __all__ = ["GenerationTransducer", "RowText", "collect"]
 
 @dataclass
 class RowText:
-    """Text state of one row: its detokenizer, stop strings, held-back tail, token count, finish."""
+    """Text state of one row: its detokenizer, stop strings, held-back tail, token count, the
+    ``elapsed_ms`` of its first and latest events, finish."""
 
     detok: StreamingDetokenizer
     stops: tuple[str, ...]
     held: str = ""
     tokens: int = 0
-    finish_reason: str | None = None
-    timing: dict[str, float] | None = None
+    first_ms: float | None = None
+    last_ms: float = 0.0
+    finish_reason: FinishReason | None = None
+
+    def count(self, event: TokenEvent) -> None:
+        """Count one token event and note its time."""
+        self.tokens += 1
+        if self.first_ms is None:
+            self.first_ms = event.elapsed_ms
+        self.last_ms = event.elapsed_ms
+
+    def timing(self) -> dict[str, float]:
+        """``{"prefill_ms": admission -> first token, "decode_ms": first -> last token,
+        "total_ms": admission -> last token}`` in milliseconds."""
+        first = self.last_ms if self.first_ms is None else self.first_ms
+        return {"prefill_ms": first, "decode_ms": self.last_ms - first, "total_ms": self.last_ms}
 
     def push(self, text: str) -> str:
-        """Add new text; return what is safe to emit. Sets ``finish_reason="stop"`` when a stop
+        """Add new text; return what is safe to emit. Sets ``finish_reason`` to STOP when a stop
         string appears (the text from it on is dropped)."""
         buf = self.held + text
         cut = _first_stop(buf, self.stops)
         if cut is not None:
-            self.held, self.finish_reason = "", "stop"
+            self.held, self.finish_reason = "", FinishReason.STOP
             return buf[:cut]
         keep = _partial_stop_len(buf, self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
@@ -60,34 +76,35 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 class GenerationTransducer:
     """Serving transducer for text generation (see ``serving.Transducer``).
 
-    Items: for a single input, ``str`` pieces then one final ``dict`` with ``finish_reason``,
-    ``num_tokens``, ``token_summary`` (``{"input", "output"}`` tokens) and, when profiled,
-    ``timing`` (ms); for a list input, ``(row_index, item)`` pairs. ``"".join`` of a row's pieces
-    equals its non-streamed ``generated_text``.
+    Items: for a single input, ``str`` pieces then one final ``dict`` with ``finish_reason``
+    ("stop": EOS or a stop string; "length": max_new_tokens), ``num_tokens``, ``token_summary``
+    (``{"input", "output"}`` tokens) and, when ``profile_timing``, ``timing`` (ms, see
+    :meth:`RowText.timing`; the same for every finish reason); for a list input,
+    ``(row_index, item)`` pairs. ``"".join`` of a row's pieces equals its non-streamed
+    ``generated_text``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, info: RequestInfo):
-        self._info = info
+    def __init__(self, tokenizer: Tokenizer, info: RequestInfo, profile_timing: bool = True):
+        self._info, self._profile = info, profile_timing
         self._rows = [RowText(StreamingDetokenizer(tokenizer), stops) for stops in info.stops]
         self._stop: list[int] = []
         self.live = any(info.stops)  # only stop strings need tokens as they arrive
 
-    def feed(self, row_index: int, event: Any) -> list[Any]:
-        """One ``(token_id, finish_reason, timing)`` event of row ``row_index`` -> items."""
-        token_id, finish_reason, timing = event  # type: TokenEvent
+    def feed(self, row_index: int, event: TokenEvent) -> list[Any]:
+        """One :class:`TokenEvent` of row ``row_index`` -> items."""
         row = self._rows[row_index]
         if row.finish_reason is not None:
             return []
-        row.tokens += token_id is not None
-        text = row.detok.add(token_id) if token_id is not None else ""
-        if finish_reason is not None:
+        row.count(event)
+        text = row.detok.add(event.token_id)
+        if event.finish_reason is not None:
             text += row.detok.finalize()
         out = row.push(text)
-        if row.finish_reason == "stop":
+        if row.finish_reason is not None:
             self._stop.append(row_index)
-        elif finish_reason is not None:
+        elif event.finish_reason is not None:
             out += row.held
-            row.held, row.finish_reason, row.timing = "", finish_reason, timing
+            row.held, row.finish_reason = "", event.finish_reason
         return self._items(row_index, out, row)
 
     def stop_rows(self) -> list[int]:
@@ -106,13 +123,14 @@ class GenerationTransducer:
         return [(row_index, it) for it in items] if self._info.is_list else items
 
     def _final(self, row_index: int, row: RowText) -> dict[str, Any]:
+        assert row.finish_reason is not None
         done: dict[str, Any] = {
-            "finish_reason": row.finish_reason,
+            "finish_reason": row.finish_reason.value,
             "num_tokens": row.tokens,
             "token_summary": {"input": self._info.input_tokens[row_index], "output": row.tokens},
         }
-        if row.timing is not None:
-            done["timing"] = row.timing
+        if self._profile:
+            done["timing"] = row.timing()
         return done
 
 

@@ -40,11 +40,11 @@ def text(n_words: int, seed: int) -> str:
 # Mixed lengths and per-request options; REQS[1] is longer than PREFILL_CHUNK (chunked prefill).
 REQS: list[dict[str, Any]] = [
     {"text": text(3, 0), "max_new_tokens": 10},
-    {"text": text(30, 1), "max_new_tokens": 6, "sampler": "top_p_gpu", "temperature": 1.3, "top_p": 0.9, "seed": 11},
-    {"text": text(5, 2), "max_new_tokens": 8, "sampler": "top_p_cpu", "temperature": 0.8, "top_p": 0.95, "seed": 5},
-    {"text": text(12, 3), "max_new_tokens": 4, "sampler": "top_p_gpu", "temperature": 0.0},
-    {"text": text(20, 4), "max_new_tokens": 7, "sampler": "top_p_cpu", "temperature": 1.0, "top_p": 1.0, "seed": 3},
-    {"text": text(2, 5), "max_new_tokens": 5, "sampler": "greedy"},
+    {"text": text(30, 1), "max_new_tokens": 6, "temperature": 1.3, "top_p": 0.9, "seed": 11},
+    {"text": text(5, 2), "max_new_tokens": 8, "temperature": 0.8, "top_p": 0.95, "seed": 5},
+    {"text": text(12, 3), "max_new_tokens": 4, "temperature": 0.0, "top_p": 0.5},
+    {"text": text(20, 4), "max_new_tokens": 7, "temperature": 1.0, "seed": 3},
+    {"text": text(2, 5), "max_new_tokens": 5},
 ]
 
 Outcome = tuple[str, int, str]  # (generated_text, num_tokens, finish_reason)
@@ -294,7 +294,7 @@ def test_request_that_can_never_fit_fails_only_its_caller(tokenizer, tiny32, sol
 def _random_specs(n: int, seed: int) -> list[tuple[dict[str, Any], str, float]]:
     """(request, how the caller behaves, a delay or deadline in seconds)."""
     rng = random.Random(seed)
-    samplers = [{}, {"sampler": "top_p_gpu", "temperature": 1.0}, {"sampler": "top_p_cpu", "temperature": 0.7}]
+    samplers = [{}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}]
     specs = []
     for i in range(n):
         req = {"text": text(rng.randint(1, 20), 100 + i), "max_new_tokens": rng.randint(1, 5),

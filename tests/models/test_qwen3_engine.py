@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlx_serving.models.qwen3 import Engine, SamplingParams, generate
+from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, SeqEvent, generate
 from mlx_serving.models.qwen3.cache import kv_bytes_per_token
 
 
@@ -16,15 +16,15 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 REQUESTS = [  # (prompt, params) with mixed lengths and options
     (_prompt(1, 5), SamplingParams(max_new_tokens=9)),
-    (_prompt(2, 23), SamplingParams(max_new_tokens=4, sampler="top_p_gpu", temperature=1.2, top_p=0.9, seed=3)),
-    (_prompt(3, 1), SamplingParams(max_new_tokens=12, sampler="top_p_cpu", temperature=0.8, top_p=0.95, seed=4)),
-    (_prompt(4, 14), SamplingParams(max_new_tokens=7, sampler="top_p_gpu", temperature=0.0)),
-    (_prompt(5, 9), SamplingParams(max_new_tokens=10, sampler="top_p_gpu", temperature=2.0, top_p=1.0, seed=9)),
+    (_prompt(2, 23), SamplingParams(max_new_tokens=4, temperature=1.2, top_p=0.9, seed=3)),
+    (_prompt(3, 1), SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=4)),
+    (_prompt(4, 14), SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.5)),
+    (_prompt(5, 9), SamplingParams(max_new_tokens=10, temperature=2.0, seed=9)),
 ]
 
 
 def _solo(state, prompt, p: SamplingParams) -> list[int]:
-    ids, _ = generate(prompt, state, max_new_tokens=p.max_new_tokens, sampler=p.sampler,
+    ids, _ = generate(prompt, state, max_new_tokens=p.max_new_tokens,
                       temperature=p.temperature, top_p=p.top_p, seed=p.seed, eos_token_ids=p.eos_token_ids)
     return ids
 
@@ -87,7 +87,7 @@ def test_eos_and_cancel_free_slots(tiny32, solo):
     reasons: dict[int, str] = {}
     while 0 not in reasons:
         _collect(engine.step(), out, reasons)
-    assert out[0] == solo[0][:3] and reasons[0] == "stop"
+    assert out[0] == solo[0][:3] and reasons[0] is FinishReason.STOP
     engine.cancel(1)
     engine.cancel(1)  # idempotent
     assert engine.num_active == 1
@@ -95,6 +95,25 @@ def test_eos_and_cancel_free_slots(tiny32, solo):
     assert 1 not in reasons and len(out.get(1, [])) < 7
     assert out[2] == solo[4]  # joined a freed slot, unaffected
     assert engine.num_active == 0 and engine.free_slots == 2
+
+
+def test_events_are_typed_and_timed_from_each_add(tiny32):
+    engine = Engine(tiny32, max_batch=2, max_len=64)
+    engine.add(0, _prompt(1, 3), SamplingParams(max_new_tokens=6))
+    steps = [engine.step() for _ in range(3)]
+    engine.add(1, _prompt(2, 3), SamplingParams(max_new_tokens=6))
+    while engine.num_active:
+        steps.append(engine.step())
+    events: list[SeqEvent] = [ev for step in steps for ev in step]
+    for i in (0, 1):
+        evs = [ev for ev in events if ev.seq_id == i]
+        assert [ev.finish_reason for ev in evs] == [None] * 5 + [FinishReason.LENGTH]
+        assert all(type(ev.token_id) is int for ev in evs)
+        times = [ev.elapsed_ms for ev in evs]
+        assert 0 < times[0] and times == sorted(times)
+    shared = [{ev.seq_id: ev.elapsed_ms for ev in step} for step in steps]
+    shared = [t for t in shared if len(t) == 2]
+    assert shared and all(t[0] > t[1] for t in shared)  # each timed from its own add
 
 
 def test_cancel_waiting_sequence(tiny32):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mlx_serving.models.qwen3 import generate, init_kv_cache, load
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
 from mlx_serving.models.qwen3.model import Rows, forward
-from mlx_serving.models.qwen3.sampling import SamplingParams, top_p_cpu, top_p_gpu
+from mlx_serving.models.qwen3.sampling import SamplerKind, SamplingParams, sample_top_p
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir."
 PROMPTS = [ELIXIR, [9707, 11, 1879], [int(x) for x in np.random.default_rng(7).integers(0, 151000, 40)]]
@@ -159,12 +159,12 @@ def test_generate_timing_and_cache_reuse(tiny32):
 def test_generate_rejects_bad_options(tiny32):
     with pytest.raises(ValueError, match=r"7 tokens.*max_new_tokens 10.*max_len 12"):
         generate(ELIXIR, tiny32, max_new_tokens=10, max_len=12)
-    with pytest.raises(ValueError, match="sampler"):
-        generate(ELIXIR, tiny32, sampler="beam")
     with pytest.raises(ValueError, match="top_p"):
-        generate(ELIXIR, tiny32, sampler="top_p_gpu", top_p=0)
+        generate(ELIXIR, tiny32, temperature=1.0, top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         generate(ELIXIR, tiny32, temperature=-1)
+    with pytest.raises(ValueError, match="seed"):
+        generate(ELIXIR, tiny32, temperature=1.0, seed="abc")
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(ELIXIR, tiny32, max_new_tokens=0)
     with pytest.raises(ValueError, match="empty"):
@@ -176,17 +176,31 @@ def test_generate_rejects_bad_options(tiny32):
 PROBS = np.array([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
 
-def _gpu_draws(probs: np.ndarray, top_p: float, us: np.ndarray) -> np.ndarray:
+def _ref_top_p(logits: np.ndarray, temperature: float, top_p: float, u: float) -> int:
+    """Reference of ``sample_top_p`` for one row, in float64 numpy."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    sp = p[order]
+    cum = np.cumsum(sp)
+    n_keep = int(np.count_nonzero(cum - sp < top_p))
+    k = int(np.searchsorted(cum[:n_keep], u * cum[n_keep - 1], side="right"))
+    return int(order[min(k, n_keep - 1)])
+
+
+def _device_draws(probs: np.ndarray, top_p: float, us: np.ndarray, temperature: float = 1.0) -> np.ndarray:
     n = len(us)
     logits = mx.array(np.tile(np.log(probs), (n, 1)).astype(np.float32))
-    return np.array(top_p_gpu(logits, mx.ones((n,)), mx.full((n,), top_p), mx.array(us.astype(np.float32))))
+    return np.array(sample_top_p(logits, mx.full((n,), temperature), mx.full((n,), top_p),
+                                 mx.array(us.astype(np.float32))))
 
 
-def _cpu_draws(probs: np.ndarray, top_p: float, us: np.ndarray) -> np.ndarray:
-    return np.array([top_p_cpu(np.log(probs), 1.0, top_p, u) for u in us])
+def _ref_draws(probs: np.ndarray, top_p: float, us: np.ndarray) -> np.ndarray:
+    return np.array([_ref_top_p(np.log(probs), 1.0, top_p, u) for u in us])
 
 
-@pytest.mark.parametrize("draw", [_gpu_draws, _cpu_draws])
+@pytest.mark.parametrize("draw", [_device_draws, _ref_draws])
 @pytest.mark.parametrize("top_p, expected", [
     (0.7, {1: 0.5 / 0.8, 3: 0.3 / 0.8}),           # 0.5 < 0.7; 0.8 crosses: kept
     (0.5, {1: 1.0}),                                # reaching top_p exactly: no more
@@ -202,17 +216,16 @@ def test_nucleus_set_and_renormalized_mass(draw, top_p, expected):
     np.testing.assert_allclose(counts, want, atol=2e-3)
 
 
-def test_temperature_sharpens(tiny32):
-    logits = np.log(PROBS)
+def test_temperature_sharpens():
     us = (np.arange(1000) + 0.5) / 1000
-    cold = np.array([top_p_cpu(logits, 0.25, 1.0, u) for u in us])
-    hot = np.array([top_p_cpu(logits, 4.0, 1.0, u) for u in us])
+    cold = _device_draws(PROBS, 1.0, us, temperature=0.25)
+    hot = _device_draws(PROBS, 1.0, us, temperature=4.0)
     assert (cold == 1).mean() > 0.85 > (hot == 1).mean()
 
 
-@pytest.mark.parametrize("sampler", ["top_p_gpu", "top_p_cpu"])
-def test_seeded_sampling_is_reproducible(tiny32, sampler):
-    kw = dict(max_new_tokens=12, sampler=sampler, temperature=1.5, top_p=0.95, eos_token_ids=[])
+@pytest.mark.parametrize("top_p", [1.0, 0.95])
+def test_seeded_sampling_is_reproducible(tiny32, top_p):
+    kw = dict(max_new_tokens=12, temperature=1.5, top_p=top_p, eos_token_ids=[])
     a, _ = generate(ELIXIR, tiny32, seed=11, **kw)
     b, _ = generate(ELIXIR, tiny32, seed=11, **kw)
     c, _ = generate(ELIXIR, tiny32, seed=12, **kw)
@@ -222,10 +235,24 @@ def test_seeded_sampling_is_reproducible(tiny32, sampler):
     assert zero == greedy  # temperature 0 means greedy
 
 
-def test_sampling_params_validation():
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=1.5)
-    assert SamplingParams(sampler="top_p_gpu", temperature=0).is_greedy
+@pytest.mark.parametrize("kwargs, match", [
+    ({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"top_p": "0.9"}, "top_p"), ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": "1.0"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"max_new_tokens": 2.0}, "max_new_tokens"), ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"),
+])
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_and_kind():
+    assert SamplingParams().kind is SamplerKind.GREEDY
+    assert (SamplingParams().temperature, SamplingParams().top_p) == (0.0, 1.0)
+    p = SamplingParams(temperature=np.float32(0.5), top_p=1, seed=np.int64(3))
+    assert p.kind is SamplerKind.TOP_P
+    assert (type(p.temperature), type(p.top_p), type(p.seed)) == (float, float, int)
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> set[int]:
@@ -243,8 +270,8 @@ def test_nucleus_membership_property(logits, top_p, u):
     probs = np.exp(z.astype(np.float64) - z.max())
     probs /= probs.sum()
     allowed = _nucleus(probs, min(1.0, top_p + 1e-5))  # float32 slack at the boundary
-    cpu = top_p_cpu(z, 1.0, top_p, u)
-    gpu = int(top_p_gpu(mx.array(z[None]), mx.ones((1,)), mx.array([top_p]), mx.array([u]))[0])
+    cpu = _ref_top_p(z, 1.0, top_p, u)
+    gpu = int(sample_top_p(mx.array(z[None]), mx.ones((1,)), mx.array([top_p]), mx.array([u]))[0])
     assert cpu in allowed and gpu in allowed
     if u < 1e-9:  # u = 0 picks a most probable token (ties in float64 probability allowed)
         assert probs[cpu] == probs.max()

@@ -1,14 +1,15 @@
-"""The text-generation Serving: inputs, outputs, stop strings, bad input, the CLI."""
+"""The text-generation Serving: inputs, outputs, sampling options, stop strings, timing, bad input
+(the CLI: tests/models/test_cli.py)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.__main__ import main as cli_main
 from mlx_serving.models.qwen3 import State, generate
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
@@ -49,14 +50,30 @@ def test_dict_and_list_inputs_keep_order(gen: Serving) -> None:
     assert [_one(r)["generated_text"] for r in batch] == solo
 
 
-def test_per_request_max_new_tokens_and_seeded_sampling(gen: Serving) -> None:
+def test_per_request_max_new_tokens(gen: Serving) -> None:
     short = _one(Serving.run(gen, {"text": PROMPTS[0], "max_new_tokens": 3}))
     assert short["num_tokens"] == 3 and short["finish_reason"] == "length"
-    req = {"text": PROMPTS[1], "sampler": "top_p_gpu", "temperature": 1.0, "top_p": 0.95, "seed": 11}
-    a, b = _one(Serving.run(gen, req)), _one(Serving.run(gen, req))
-    assert a["generated_text"] == b["generated_text"]
-    other = [_one(Serving.run(gen, {**req, "seed": s}))["generated_text"] for s in (12, 13, 14)]
-    assert any(t != a["generated_text"] for t in other)
+
+
+def test_temperature_samples_under_the_default_options(gen: Serving) -> None:
+    """Greedy is temperature 0 (the default); temperature > 0 samples, reproducibly per seed."""
+    greedy = _one(Serving.run(gen, PROMPTS[1]))["generated_text"]
+    assert _one(Serving.run(gen, {"text": PROMPTS[1], "seed": 11}))["generated_text"] == greedy
+    sampled = {}
+    for seed in (11, 12, 13):
+        req = {"text": PROMPTS[1], "temperature": 1.0, "seed": seed}
+        sampled[seed] = _one(Serving.run(gen, req))["generated_text"]
+        assert _one(Serving.run(gen, req))["generated_text"] == sampled[seed]
+    assert any(text != greedy for text in sampled.values())
+
+
+def test_serving_default_temperature_samples(tok: Tokenizer, tiny32: State, gen: Serving) -> None:
+    greedy = _one(Serving.run(gen, PROMPTS[1]))["generated_text"]
+    hot = text_generation.serving(tok, tiny32, max_new_tokens=10, max_len=128, temperature=1.0, top_p=0.95)
+    texts = [_one(Serving.run(hot, {"text": PROMPTS[1], "seed": s}))["generated_text"] for s in (11, 12, 13)]
+    assert any(t != greedy for t in texts)
+    assert _one(Serving.run(hot, {"text": PROMPTS[1], "seed": 12}))["generated_text"] == texts[1]
+    assert _one(Serving.run(hot, {"text": PROMPTS[1], "temperature": 0}))["generated_text"] == greedy
 
 
 def test_chat_messages_use_the_template(gen: Serving, tok: Tokenizer, tiny32: State) -> None:
@@ -77,6 +94,34 @@ def test_stop_string_cuts_text_and_finishes_with_stop(gen: Serving) -> None:
     assert r["num_tokens"] < 10
 
 
+def test_stop_string_result_and_final_stream_item_have_timing(gen: Serving) -> None:
+    with Serving.start(gen) as h:  # process mode (see test_profile_timing_false_omits_timing)
+        full = _one(Serving.batched_run(h, PROMPTS[0], deadline=60))["generated_text"]
+        req = {"text": PROMPTS[0], "stop": [full[3:6]]}
+        r = _one(Serving.batched_run(h, req, deadline=60))
+        final = list(Serving.stream(h, req, deadline=60))[-1]
+    for done in (r, final):
+        assert done["finish_reason"] == "stop"
+        assert set(done["timing"]) == {"prefill_ms", "decode_ms", "total_ms"}
+        t = done["timing"]
+        assert t["prefill_ms"] > 0 and t["total_ms"] == pytest.approx(t["prefill_ms"] + t["decode_ms"])
+
+
+def test_profile_timing_false_omits_timing(tok: Tokenizer, tiny32: State) -> None:
+    quiet = text_generation.serving(tok, tiny32, max_new_tokens=10, max_len=128, profile_timing=False)
+    with Serving.start(quiet) as h:  # process mode: an inline run after an inline stop-string run can hang
+        full = _one(Serving.batched_run(h, PROMPTS[0], deadline=60))["generated_text"]
+        for req in (PROMPTS[0], {"text": PROMPTS[0], "stop": [full[3:6]]}):
+            assert "timing" not in _one(Serving.batched_run(h, req, deadline=60))
+            assert "timing" not in list(Serving.stream(h, req, deadline=60))[-1]
+
+
+def test_results_are_plain_json(gen: Serving) -> None:
+    r = _one(Serving.run(gen, PROMPTS[0]))
+    assert type(r["finish_reason"]) is str
+    assert json.loads(json.dumps(r)) == r
+
+
 @pytest.mark.parametrize("bad, match", [
     ("", "empty prompt"),
     ({"messages": []}, "non-empty list"),
@@ -84,9 +129,12 @@ def test_stop_string_cuts_text_and_finishes_with_stop(gen: Serving) -> None:
     ({"text": "hi", "bogus": 1}, "unknown input keys"),
     ({"text": "hi", "messages": []}, "exactly one"),
     (42, "expected a string"),
-    ({"text": "hi", "sampler": "beam"}, "sampler"),
+    ({"text": "hi", "sampler": "greedy"}, r"unknown input keys \['sampler'\]"),
     ({"text": "hi", "top_p": 1.5}, "top_p"),
     ({"text": "hi", "temperature": -1}, "temperature"),
+    ({"text": "hi", "temperature": float("nan")}, "temperature"),
+    ({"text": "hi", "temperature": "hot"}, "temperature"),
+    ({"text": "hi", "temperature": 1.0, "seed": -3}, "seed"),
     ({"text": "hi", "max_new_tokens": 0}, "max_new_tokens"),
     ({"text": "hi", "max_new_tokens": 200}, r"1 tokens \+ max_new_tokens 200 = 201 exceeds max_len 128"),
     (["ok", ""], "input 1: empty prompt"),
@@ -119,7 +167,8 @@ def test_bad_request_fails_only_its_caller_in_process_mode(gen: Serving) -> None
 
 
 @pytest.mark.parametrize("options, match", [
-    ({"sampler": "nope"}, "sampler"), ({"top_p": 0}, "top_p"), ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"temperature": -0.5}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_len": 1}, "max_len"), ({"stop": [""]}, "stop"),
     ({"max_len": 64}, "max_new_tokens 100 must be < max_len 64"),
 ])
@@ -136,16 +185,3 @@ def test_from_mlx4bit_names_missing_file(tiny32_ckpt: Path, tmp_path: Path) -> N
         text_generation.from_mlx4bit(broken)
     with pytest.raises(TypeError, match="unknown text-generation options"):
         text_generation.from_mlx4bit(tiny32_ckpt, max_new_token=3)
-
-
-def test_cli_generate_prints_text_and_timing(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["generate", "Hello", "--model", str(tiny_ckpt), "--max-new-tokens", "5"]) == 0
-    out, err = capsys.readouterr()
-    expected = _one(text_generation.from_mlx4bit(tiny_ckpt, max_new_tokens=5).run("Hello"))["generated_text"]
-    assert out == expected + "\n"
-    assert "prompt 1 tokens" in err and "5 new tokens" in err and "tok/s" in err
-
-
-def test_cli_reports_bad_input_with_exit_status_2(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["generate", "", "--model", str(tiny_ckpt)]) == 2
-    assert "empty prompt" in capsys.readouterr().err

@@ -1,0 +1,24 @@
+"""``TokenEvent``: what the text-generation backend sends to the client-side transducer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..qwen3.events import FinishReason
+
+__all__ = ["TokenEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One new token of a row, from the executor thread (or a pool worker) to the caller.
+
+    ``token_id``: the generated id (an EOS included). ``elapsed_ms``: milliseconds from the row's
+    admission into the engine to the moment this token reached the host. ``finish_reason``: set on
+    the row's last event only (STOP: EOS; LENGTH: max_new_tokens). Picklable (it crosses the
+    ServingPool wire).
+    """
+
+    token_id: int
+    elapsed_ms: float
+    finish_reason: FinishReason | None = None
