@@ -40,12 +40,15 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
-    ``batch_size=max_batch`` and a 5 ms admission window. Raises ValueError for a bad option
-    (including a ``kv_cache_bytes`` that holds no sequence of ``max_len``) and TypeError for an
-    unknown one. Bad inputs raise ValueError in the caller only.
+    ``batch_size=max_batch`` and a 5 ms admission window. The tokenizer's byte table (streaming
+    detokenization) is built here, once per tokenizer, not inside a caller's first request.
+    Raises ValueError for a bad option (including a ``kv_cache_bytes`` that holds no sequence of
+    ``max_len``), TypeError for an unknown one, and TokenizationError (a ValueError) for a
+    tokenizer whose decoder is not byte-level. Bad inputs raise ValueError in the caller only.
     """
     opts = GenerationOptions(**options)
     _check_budget(state, opts)
+    tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
     return (
         Serving.new(GenerationBackend(state, opts))
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts))

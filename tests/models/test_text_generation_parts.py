@@ -1,5 +1,5 @@
 """Parts of the text-generation serving, without a scheduler: the transducer's timing and finish
-reasons from typed events, and the backend adapter."""
+reasons from typed events, the backend adapter, and the byte table built with the serving."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
+from mlx_serving.models import text_generation
 from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, State
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._backend import GenerationBackend
 from mlx_serving.models.text_generation._inputs import Prompt, RequestInfo
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect
-from mlx_serving.tokenization import Tokenizer
+from mlx_serving.tokenization import ByteTable, StreamingDetokenizer, Tokenizer, data_path
 
 TEXT = " alpha beta gamma delta epsilon"
 TIMES = [4.0, 6.5, 9.0, 13.0, 20.0, 30.0]
@@ -97,3 +98,17 @@ def test_backend_is_a_thin_adapter_over_the_engine(tok: Tokenizer, tiny32: State
         assert all(type(ev) is TokenEvent and done == (ev.finish_reason is not None) for _, ev, done in out)
         assert out[-1][2] and out[-1][1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         assert backend.free_slots(engine) == 2
+
+
+def test_serving_builds_the_byte_table_once(tiny32: State, monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = []
+    build = ByteTable.build.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(ByteTable, "build", classmethod(lambda cls, *a: builds.append(1) or build(cls, *a)))
+    tok = Tokenizer.from_dir(data_path("tokenizer.json.gz").parent)  # a fresh instance, no table yet
+    assert builds == []
+    text_generation.serving(tok, tiny32, max_new_tokens=4, max_len=64)
+    assert len(builds) == 1
+    GenerationTransducer(tok, _info()).feed(0, TokenEvent(tok.encode("hi")[0], 1.0))
+    StreamingDetokenizer(tok)
+    text_generation.serving(tok, tiny32, max_new_tokens=4, max_len=64)
+    assert len(builds) == 1
