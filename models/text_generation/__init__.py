@@ -25,7 +25,7 @@ from ..qwen3 import FinishReason, State, load
 from ..qwen3.cache import budget_slots
 from ._backend import GenerationBackend
 from ._events import TokenEvent
-from ._inputs import RequestInfo, preprocess
+from ._inputs import RequestInfo, needs_thread, preprocess
 from ._options import GenerationOptions
 from ._stream import GenerationTransducer, collect
 
@@ -41,7 +41,9 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
     ``batch_size=max_batch`` and a 5 ms admission window. The tokenizer's byte table (streaming
-    detokenization) is built here, once per tokenizer, not inside a caller's first request.
+    detokenization) is built here, once per tokenizer, not inside a caller's first request; async
+    callers tokenize a long input (more than ~3,000 characters, see ``_inputs.needs_thread``) on
+    a worker thread, so no client-side step holds their event loop for more than ~10 ms.
     Raises ValueError for a bad option (including a ``kv_cache_bytes`` that holds no sequence of
     ``max_len``), TypeError for an unknown one, and TokenizationError (a ValueError) for a
     tokenizer whose decoder is not byte-level. Bad inputs raise ValueError in the caller only.
@@ -51,7 +53,7 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
     return (
         Serving.new(GenerationBackend(state, opts))
-        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts))
+        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts), offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
         .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)

@@ -11,10 +11,25 @@ from ...tokenization import Tokenizer
 from ..qwen3.sampling import SamplingParams
 from ._options import GenerationOptions, _stop_tuple
 
-__all__ = ["Prompt", "RequestInfo", "preprocess"]
+__all__ = ["Prompt", "RequestInfo", "needs_thread", "preprocess"]
 
 _OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed")
 _KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_OPTION_KEYS))
+
+# Preprocessing of an input above this size may hold an event loop for more than ~10 ms, so
+# async callers run it on a worker thread (needs_thread). Size: characters of every string in
+# the input, plus _CONTAINER_CHARS per dict or list (a message, a tool, the input list).
+# Measured on the 2-core dev machine, Qwen3 tokenizer, best of 5 (python -m timeit -s "from
+# mlx_serving.tokenization import Tokenizer; t = Tokenizer.qwen3(); import random; r =
+# random.Random(0); s = ''.join(r.choice('0123456789') for _ in range(10_000))" "t.encode(s)"):
+# 10,000 random digits 13.9 ms (the slowest text found: ~7,200 chars per 10 ms), random CJK
+# 11.0 ms, random emoji 11.0 ms, English prose (docs/qwen3.md) 5.2 ms (~19,000 chars per 10 ms);
+# encode_chat of one short message 0.11 ms, of 200 one-character messages 6.7 ms (34 us per
+# message), of one message + 5 tools (~800 chars of JSON) 1.1 ms. 3,000 chars is ~4 ms of the
+# slowest text: a 2x margin under 10 ms for a loaded machine.
+_OFFLOAD_CHARS = 3_000
+_CONTAINER_CHARS = 50
+_END = object()
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,30 @@ def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions) -> tup
         stops.append(stop)
     info = RequestInfo(is_list, tuple(len(p.ids) for p in rows), tuple(stops))
     return Batch.stack(rows), info
+
+
+def needs_thread(input: Any) -> bool:
+    """True when preprocessing ``input`` (tokenization, chat templating) could take more than
+    ~10 ms: its strings (text, message contents, tools; for a list input, all items together)
+    hold more than 3,000 characters, each dict or list counting as 50 more. Never raises; stops
+    walking the input as soon as the budget is spent, so its own cost is bounded."""
+    budget = _OFFLOAD_CHARS
+    stack = [iter((input,))]
+    while stack:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            continue
+        if isinstance(item, str):
+            budget -= len(item) + 1
+        elif isinstance(item, (dict, list, tuple)):
+            budget -= _CONTAINER_CHARS
+            stack.append(iter(item.values() if isinstance(item, dict) else item))
+        else:
+            budget -= 1
+        if budget < 0:
+            return True
+    return False
 
 
 def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions) -> tuple[Prompt, tuple[str, ...]]:

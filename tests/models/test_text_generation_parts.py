@@ -1,10 +1,13 @@
 """Parts of the text-generation serving, without a scheduler: the transducer's timing and finish
-reasons from typed events, the backend adapter, and the byte table built with the serving."""
+reasons from typed events, the backend adapter, the byte table built with the serving, and the
+offload predicate of preprocessing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
+import threading
 from typing import Any
 
 import pytest
@@ -13,8 +16,9 @@ from mlx_serving.models import text_generation
 from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, State
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._backend import GenerationBackend
-from mlx_serving.models.text_generation._inputs import Prompt, RequestInfo
+from mlx_serving.models.text_generation._inputs import Prompt, RequestInfo, needs_thread
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect
+from mlx_serving.serving import Serving
 from mlx_serving.tokenization import ByteTable, StreamingDetokenizer, Tokenizer, data_path
 
 TEXT = " alpha beta gamma delta epsilon"
@@ -112,3 +116,43 @@ def test_serving_builds_the_byte_table_once(tiny32: State, monkeypatch: pytest.M
     StreamingDetokenizer(tok)
     text_generation.serving(tok, tiny32, max_new_tokens=4, max_len=64)
     assert len(builds) == 1
+
+
+@pytest.mark.parametrize("input, expected", [
+    ("Hello", False),
+    ({"text": "x" * 2_000, "max_new_tokens": 5}, False),
+    ({"messages": [{"role": "user", "content": "Hi"}] * 10}, False),
+    ("x" * 3_100, True),
+    ({"text": "x" * 3_100}, True),
+    ([{"text": "x" * 1_000}] * 3 + ["x" * 200], True),  # a list input: the sum
+    ([{"text": "x" * 1_000}] * 2, False),
+    ({"messages": [{"role": "user", "content": "Hi"}] * 60}, True),  # per-message templating
+    ({"messages": [{"role": "user", "content": "Hi"}], "tools": [{"description": "d" * 3_000}]}, True),
+    (42, False), (None, False), ([], False),
+])
+def test_needs_thread(input: Any, expected: bool) -> None:
+    assert needs_thread(input) is expected
+
+
+def test_needs_thread_walks_a_bounded_part_of_huge_inputs() -> None:
+    assert needs_thread([""] * 10_000_000)  # returns after ~3,000 items, not ten million
+    deep: Any = "x"
+    for _ in range(100_000):
+        deep = [deep]
+    assert needs_thread(deep)  # no RecursionError
+
+
+def test_async_callers_tokenize_long_inputs_off_the_event_loop(
+        tok: Tokenizer, tiny32: State, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[int] = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: threads.append(threading.get_ident()) or encode(text, **kw))
+    gen = text_generation.serving(tok, tiny32, max_new_tokens=2, max_len=4096)
+
+    async def main() -> int:
+        await Serving.run_async(gen, "Hello")
+        await Serving.run_async(gen, "word " * 700)  # 3,500 characters
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert threads[0] == loop_thread and threads[1] != loop_thread
