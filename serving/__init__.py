@@ -13,6 +13,7 @@ from ._errors import (
     ServingOverloaded,
     ServingStopped,
     WorkerCrashed,
+    WorkerUnresponsive,
 )
 from ._handle import ServingHandle
 from ._options import ProcessOptions
@@ -45,4 +46,5 @@ __all__ = [
     "WorkerCrashed",
     "WorkerHealth",
     "WorkerStats",
+    "WorkerUnresponsive",
 ]

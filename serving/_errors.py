@@ -10,6 +10,7 @@
     ├── BackendError        executing the batch (or step) holding this request's rows raised;
     │                       the backend's exception is chained as ``__cause__``
     ├── WorkerCrashed       a worker process died (raised by the process pool)
+    │   └── WorkerUnresponsive  a pool worker stopped answering (missed heartbeats); it was killed
     └── RemoteError         an error raised in a worker process, re-raised in the caller
 """
 
@@ -24,6 +25,7 @@ __all__ = [
     "ServingOverloaded",
     "ServingStopped",
     "WorkerCrashed",
+    "WorkerUnresponsive",
 ]
 
 
@@ -62,6 +64,11 @@ class BackendError(ServingError):
 
 class WorkerCrashed(ServingError):
     """A worker process exited while it held this request."""
+
+
+class WorkerUnresponsive(WorkerCrashed):
+    """A pool worker holding this request sent nothing (not even a heartbeat) for the pool's
+    ``liveness_timeout``: it was marked unresponsive, killed and replaced."""
 
 
 class RemoteError(ServingError):

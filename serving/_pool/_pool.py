@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing
 import os
 import pickle
+import select
+import signal
 import socket
 import threading
 import time
@@ -19,11 +20,12 @@ import anyio
 import msgspec
 
 from .._client import AsyncStream, Stream
-from .._errors import DeadlineExceeded, ServingError, ServingStopped, WorkerCrashed
+from .._errors import DeadlineExceeded, ServingError, ServingStopped, WorkerCrashed, WorkerUnresponsive
 from .._options import ProcessOptions
 from .._request import Request, reap
 from .._telemetry import ServingStats
 from ._remote import rebuild_error
+from ._spawn import WorkerProcess
 from ._stats import PoolStats, WorkerHealth, WorkerStats, sum_stats
 from ._stderr import StderrRelay, exit_report, start_with_stderr_relay
 from ._wire import (
@@ -50,12 +52,13 @@ from ._worker import Factory, main, resolve_factory
 
 __all__ = ["ServingPool", "WireConsumer"]
 
-_SPAWN = multiprocessing.get_context("spawn")
 _SPAWN_LOCK = threading.Lock()  # os.environ and fd 2 are process-wide: one spawn at a time edits them
 _STATS_TIMEOUT = 5.0  # seconds a worker has to answer pool.stats()
 _POLL = 0.02  # seconds between checks while an async caller waits for a worker to be ready
 _MIN_DEADLINE = 0.001  # the worker refuses a deadline <= 0; the caller enforces the real one anyway
 _TAIL_WAIT = 0.5  # seconds to wait for a dead worker's last stderr output
+_DUMP_WAIT = 0.5  # seconds an unresponsive worker has to write its stacks (SIGUSR1) before SIGKILL
+_HEARTBEAT = 1.0  # default heartbeat interval (s), or a quarter of liveness_timeout when shorter
 
 
 class WireConsumer:
@@ -91,6 +94,8 @@ class _Worker:
         self.pending: dict[int, Request] = {}  # by request id, which is also the wire call id
         self.orphans = orphans  # the pool's: requests whose stream was dropped unclosed
         self.last_progress = time.time()
+        self.last_heartbeat = time.time()  # Unix time of its last message of any kind
+        self.heard_at = time.monotonic()  # the same, for the liveness check
         self.reader: threading.Thread | None = None
         self._lock = lock  # the pool's condition: guards ``pending`` and ``state``
         self._send_lock = threading.Lock()
@@ -150,6 +155,7 @@ class _Slot:
         self.worker: _Worker | None = None
         self.restarts = 0
         self.restarting = False
+        self.cause = "restarting"  # what health() calls the slot while restarting ("unresponsive")
         self.starting: _Worker | None = None  # a replacement worker that has not reported Ready yet
 
 
@@ -172,6 +178,12 @@ class ServingPool:
       ready worker with the least ``(in_flight + 1) / weight``; ties rotate.
     start_timeout: seconds a worker has to build and start its serving; also the longest a
       request waits for a worker while every worker is restarting.
+    liveness_timeout: seconds a started worker may send nothing, not even a heartbeat, before it
+      is declared unresponsive (default 10; None disables the check). An unresponsive worker
+      gets no new requests, its in-flight requests fail with ``WorkerUnresponsive``, it is sent
+      SIGUSR1 (its threads' stacks go to its stderr), killed with SIGKILL and replaced.
+    heartbeat_interval: seconds between the heartbeats of a worker's event loop (default 1, or a
+      quarter of ``liveness_timeout`` when that is shorter); must be below ``liveness_timeout``.
 
     Raises the worker's exception if a factory or ``Serving.start`` fails in any worker (after
     stopping every started worker), ``TimeoutError`` if one does not start in time,
@@ -187,10 +199,13 @@ class ServingPool:
         worker_env: Sequence[Mapping[str, str]] | Callable[[int], Mapping[str, str]] | None = None,
         weights: Sequence[float] | None = None,
         start_timeout: float = 120.0,
+        liveness_timeout: float | None = 10.0,
+        heartbeat_interval: float | None = None,
         **process_options: Any,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        self._liveness_timeout, self._heartbeat_interval = _liveness(liveness_timeout, heartbeat_interval)
         _check_factory(factory)
         # refuse bad options here rather than in every worker (``name`` is Serving.start's own)
         ProcessOptions().merge(**{k: v for k, v in process_options.items() if k != "name"})
@@ -207,7 +222,14 @@ class ServingPool:
         self._closing = False
         self._closed = threading.Event()
         self._restarters: list[threading.Thread] = []
+        self._monitor_stop = threading.Event()
+        self._monitor: threading.Thread | None = None
         self._start_all()
+        if self._liveness_timeout is not None:
+            self._monitor = threading.Thread(
+                target=self._watch, args=(self._liveness_timeout,), name="serving-pool-monitor", daemon=True
+            )
+            self._monitor.start()
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -228,9 +250,9 @@ class ServingPool:
 
     def _spawn(self, slot: _Slot) -> _Worker:
         ours, theirs = socket.socketpair()
-        process = _SPAWN.Process(
+        process = WorkerProcess(
             target=main,
-            args=(theirs, self._factory, self._process_options),
+            args=(theirs, self._factory, self._process_options, self._heartbeat_interval),
             name=f"serving-pool-worker-{slot.index}",
             daemon=True,
         )
@@ -269,12 +291,14 @@ class ServingPool:
     def _activate(self, slot: _Slot, worker: _Worker) -> None:
         """Route to ``worker`` from now on and start reading its messages."""
         worker.state = "ready"
-        worker.last_progress = time.time()
+        worker.last_progress = worker.last_heartbeat = time.time()
+        worker.heard_at = time.monotonic()
         worker.reader = threading.Thread(
             target=self._read, args=(worker,), name=f"serving-pool-reader-{slot.index}", daemon=True
         )
         with self._cond:
             slot.worker = worker
+            slot.cause = "restarting"
             self._cond.notify_all()
         worker.reader.start()
 
@@ -304,6 +328,9 @@ class ServingPool:
         for slot in self._slots:
             if slot.worker is not None:
                 _finish(slot.worker, deadline)
+        self._monitor_stop.set()  # it watched the closing workers until now
+        if self._monitor is not None:
+            self._monitor.join()
         self._closed.set()
 
     def _shut_down(self, worker: _Worker, timeout: float) -> None:
@@ -336,6 +363,8 @@ class ServingPool:
     def _read(self, worker: _Worker) -> None:
         try:
             while (frame := recv_frame(worker.sock)) is not None:
+                worker.heard_at = time.monotonic()
+                worker.last_heartbeat = time.time()
                 self._deliver(worker, decode_from_worker(frame))
                 if self._orphans:
                     reap(self._orphans)
@@ -378,23 +407,81 @@ class ServingPool:
             _kill(worker)  # alive behind a broken connection: its replacement takes over
 
     def _detach(self, worker: _Worker) -> tuple[bool, dict[int, Request]]:
-        """Mark the worker stopped and take its calls; start its replacement unless closing.
-        Returns (whether it was closing, its calls)."""
+        """Mark the worker stopped and take its calls; start its replacement unless closing (or
+        already started: an unresponsive worker's). Returns (whether it was closing, its calls)."""
         with self._cond:
             closing = worker.state == "closing"
+            replaced = worker.state == "unresponsive"  # by the monitor, which took its calls
             worker.state = "stopped"
             pending, worker.pending = worker.pending, {}
             slot = self._slots[worker.index]
-            restart = not self._closing and slot.worker is worker
-            slot.restarting = restart
-            if restart:
-                thread = threading.Thread(
-                    target=self._restart, args=(slot,), name=f"serving-pool-restart-{slot.index}", daemon=True
-                )
-                thread.start()
-                self._restarters.append(thread)
+            if not replaced and slot.worker is worker:
+                slot.restarting = False
+                if not self._closing:
+                    self._replace(slot)
             self._cond.notify_all()
         return closing, pending
+
+    def _replace(self, slot: _Slot) -> None:
+        """Start the thread that replaces the slot's worker (pool lock held)."""
+        slot.restarting = True
+        thread = threading.Thread(
+            target=self._restart, args=(slot,), name=f"serving-pool-restart-{slot.index}", daemon=True
+        )
+        thread.start()
+        self._restarters.append(thread)
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    def _watch(self, timeout: float) -> None:
+        """The monitor thread: declare unresponsive every ready or closing worker that sent
+        nothing for ``timeout`` (liveness_timeout) s; runs until ``close()`` has stopped every
+        worker."""
+        while True:
+            wait = self._heartbeat_interval
+            with self._cond:
+                watched = [s.worker for s in self._slots if s.worker is not None and s.worker.state in _WATCHED]
+            for worker in watched:
+                silent = time.monotonic() - worker.heard_at
+                if silent < timeout:
+                    wait = min(wait, timeout - silent)
+                elif _has_unread(worker.sock):  # it did speak: this process fell behind reading
+                    wait = min(wait, 0.05)
+                else:
+                    self._unresponsive(worker, silent)
+            if self._monitor_stop.wait(max(wait, 0.005)):
+                return
+
+    def _unresponsive(self, worker: _Worker, silent: float) -> None:
+        """Stop routing to ``worker``, start its replacement, have it dump its stacks, kill it
+        (SIGKILL) and fail its calls with WorkerUnresponsive. Its reader then reaps it."""
+        with self._cond:
+            if worker.state not in _WATCHED:  # its connection ended meanwhile
+                return
+            worker.state = "unresponsive"
+            pending, worker.pending = worker.pending, {}
+            slot = self._slots[worker.index]
+            if not self._closing and slot.worker is worker:
+                slot.cause = "unresponsive"
+                self._replace(slot)
+            self._cond.notify_all()
+        relay = worker.relay
+        if relay is not None and worker.pid is not None and not _is_stopped(worker.pid):
+            written = relay.count
+            with contextlib.suppress(OSError):
+                os.kill(worker.pid, signal.SIGUSR1)  # faulthandler: every thread's stack
+            relay.wait_output(written, _DUMP_WAIT)
+        with contextlib.suppress(ValueError, OSError):  # ValueError: closed by close() meanwhile
+            worker.process.kill()
+        with contextlib.suppress(OSError):  # wakes its reader even if another process holds the peer
+            worker.sock.shutdown(socket.SHUT_RDWR)
+        tail = worker.stderr_tail()
+        for request in pending.values():
+            summary = (
+                f"{worker.name()} sent nothing, not even a heartbeat, for {silent:.1f} s (liveness_timeout "
+                f"{self._liveness_timeout} s) while running request {request.id}; it was killed"
+            )
+            _fail(request, WorkerUnresponsive(exit_report(summary, tail)))
 
     def _restart(self, slot: _Slot) -> None:
         """Start a new worker for ``slot``, retrying with backoff (0.5 s doubling to 30 s)."""
@@ -419,6 +506,7 @@ class ServingPool:
             break
         with self._cond:
             slot.restarting = False
+            slot.cause = "restarting"
             self._cond.notify_all()
 
     def _start_replacement(self, slot: _Slot) -> _Worker | None:
@@ -548,11 +636,13 @@ class ServingPool:
     def _health(self, slot: _Slot) -> WorkerHealth:
         worker = slot.worker
         if worker is None:
-            return WorkerHealth(slot.index, None, "starting", False, 0, time.time(), slot.restarts)
-        state = "restarting" if slot.restarting else worker.state
+            now = time.time()
+            return WorkerHealth(slot.index, None, "starting", False, 0, now, now, slot.restarts)
+        state = slot.cause if slot.restarting else worker.state
         alive = worker.state == "ready" and worker.process.is_alive()
         return WorkerHealth(
-            slot.index, worker.pid, state, alive, len(worker.pending), worker.last_progress, slot.restarts
+            slot.index, worker.pid, state, alive, len(worker.pending), worker.last_progress,
+            worker.last_heartbeat, slot.restarts,
         )
 
     def stats(self) -> ServingStats:
@@ -628,6 +718,50 @@ def _refuse(request: Request, error: ServingError) -> ServingError:
     """``error`` for a request that was never sent, tagged with its id."""
     request.fail(error)
     return error
+
+
+_WATCHED = ("ready", "closing")  # the states in which a worker must keep sending heartbeats
+
+
+def _liveness(liveness_timeout: float | None, heartbeat_interval: float | None) -> tuple[float | None, float]:
+    """Checked (liveness_timeout, heartbeat_interval), the interval defaulted."""
+    for name, value in (("liveness_timeout", liveness_timeout), ("heartbeat_interval", heartbeat_interval)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+        ):
+            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+    if heartbeat_interval is None:
+        heartbeat_interval = _HEARTBEAT if liveness_timeout is None else min(_HEARTBEAT, liveness_timeout / 4)
+    if liveness_timeout is not None and heartbeat_interval >= liveness_timeout:
+        raise ValueError(
+            f"heartbeat_interval ({heartbeat_interval}) must be shorter than liveness_timeout "
+            f"({liveness_timeout}); a quarter of it or less leaves room for late heartbeats"
+        )
+    return (None if liveness_timeout is None else float(liveness_timeout)), float(heartbeat_interval)
+
+
+def _has_unread(sock: socket.socket) -> bool:
+    """Whether a worker's connection has bytes this process has not read yet (or has ended)."""
+    fd = sock.fileno()
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return False
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger), so it cannot dump its stacks now;
+    False where /proc is not available."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")
 
 
 def _check_factory(factory: Factory) -> None:

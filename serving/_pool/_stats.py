@@ -11,11 +11,14 @@ __all__ = ["PoolStats", "WorkerHealth", "WorkerStats", "sum_stats"]
 
 @dataclass(frozen=True)
 class WorkerHealth:
-    """One worker slot. state: "starting" | "ready" | "restarting" | "closing" | "stopped".
+    """One worker slot. state: "starting" | "ready" | "restarting" | "unresponsive" | "closing" |
+    "stopped" ("unresponsive": it missed heartbeats for the pool's liveness_timeout, and is being
+    killed and replaced; "restarting": it died and is being replaced).
 
     alive: the process runs and accepts calls. last_progress: Unix time (s) of the last answer,
-    stream item or error the worker sent (its start time before any). in_flight: requests routed
-    to it and not finished. restarts: times the slot's worker was replaced after dying."""
+    stream item or error the worker sent (its start time before any). last_heartbeat: Unix time
+    of the last message of any kind it sent, heartbeats included. in_flight: requests routed to it
+    and not finished. restarts: times the slot's worker was replaced after dying or hanging."""
 
     index: int
     pid: int | None
@@ -23,6 +26,7 @@ class WorkerHealth:
     alive: bool
     in_flight: int
     last_progress: float
+    last_heartbeat: float
     restarts: int
 
 

@@ -15,8 +15,8 @@ import os
 import select
 import sys
 import threading
+import time
 from collections.abc import Callable
-from multiprocessing import resource_tracker
 
 __all__ = ["TAIL_BYTES", "StderrRelay", "exit_report", "start_with_stderr_relay"]
 
@@ -38,6 +38,7 @@ class StderrRelay:
     def __init__(self, read_fd: int, name: str) -> None:
         self._fd = read_fd
         self._tail = bytearray()
+        self._count = 0  # bytes relayed so far
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ended = threading.Event()
@@ -50,6 +51,23 @@ class StderrRelay:
         self._ended.wait(wait)
         with self._lock:
             return self._tail.decode("utf-8", "replace")
+
+    @property
+    def count(self) -> int:
+        """Bytes the child has written so far."""
+        return self._count
+
+    def wait_output(self, since: int, limit: float, quiet: float = 0.1) -> None:
+        """Wait until the child has written more than ``since`` bytes in all and then nothing
+        for ``quiet`` s (a report written in one go has ended), ``limit`` s at most."""
+        end = time.monotonic() + limit
+        last, last_change = since, time.monotonic()
+        while not self._ended.is_set() and (now := time.monotonic()) < end:
+            if self._count != last:
+                last, last_change = self._count, now
+            elif last != since and now - last_change >= quiet:
+                return
+            time.sleep(0.01)
 
     def close(self, grace: float = 0.5) -> None:
         """Give the pipe ``grace`` s to end (a process still holding it is not waited for), then
@@ -80,6 +98,7 @@ class StderrRelay:
         with self._lock:
             self._tail += data
             del self._tail[:-TAIL_BYTES]
+            self._count += len(data)
         with _FD2_LOCK:
             _write_all(2, data)
         return True
@@ -100,9 +119,6 @@ def start_with_stderr_relay(start: Callable[[], None], name: str) -> StderrRelay
     left open then). Callers serialise spawns (fd 2 is process-wide); other threads writing to
     stderr meanwhile are relayed too, so nothing is lost.
     """
-    # started now, with the real stderr: spawning starts it on first use, and it would keep the
-    # pipe open for ever
-    resource_tracker.ensure_running()
     try:
         saved = os.dup(2)
     except OSError:

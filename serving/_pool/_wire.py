@@ -36,6 +36,7 @@ __all__ = [
     "ErrorInfo",
     "Failed",
     "FromWorker",
+    "Heartbeat",
     "Item",
     "Ready",
     "Result",
@@ -156,7 +157,12 @@ class StatsReply(msgspec.Struct, tag="stats_reply", array_like=True):
     stats: dict[str, Any]
 
 
-FromWorker = Union[Ready, StartFailed, Result, Item, End, Failed, StatsReply]
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """Sent by the worker's event loop every ``heartbeat_interval`` seconds: the loop runs (any
+    message shows that too; this one is for a worker with nothing else to say)."""
+
+
+FromWorker = Union[Ready, StartFailed, Result, Item, End, Failed, StatsReply, Heartbeat]
 
 _message_encoder = msgspec.msgpack.Encoder()
 _to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

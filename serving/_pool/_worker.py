@@ -6,13 +6,23 @@ serves calls on an asyncio loop: one task per call, so concurrent calls batch to
 worker's serving. A `Cancel` cancels the call's task (the serving drops or stops the request); a
 `Shutdown` lets running calls finish, then stops the serving; the parent going away (end of stream)
 cancels everything and exits.
+
+The same loop sends a `Heartbeat` every ``heartbeat_interval`` seconds, from its first turn until
+it exits, so the parent can tell a worker whose loop stopped (the process stopped, a native call
+holding the GIL, the loop thread blocked) from one that is busy: a backend runs on the serving's
+executor threads, and the loop keeps beating meanwhile. SIGUSR1 makes the worker write every
+thread's Python stack to its stderr (``faulthandler``, which works even while another thread holds
+the GIL); the parent sends it to a worker it is about to kill for missing heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import faulthandler
 import importlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -29,6 +39,7 @@ from ._wire import (
     End,
     Failed,
     FromWorker,
+    Heartbeat,
     Item,
     Ready,
     Result,
@@ -68,8 +79,11 @@ def resolve_factory(factory: Factory) -> Callable[[], Any]:
     return factory
 
 
-def main(sock: socket.socket, factory: Factory, process_options: dict[str, Any]) -> None:
+def main(sock: socket.socket, factory: Factory, process_options: dict[str, Any],
+         heartbeat_interval: float = 1.0) -> None:
     """Process entry point: start the serving, report, serve until shutdown or parent exit."""
+    with contextlib.suppress(Exception):  # no usable stderr, or no SIGUSR1 on this platform
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         handle = _start(factory, process_options)
     except BaseException as exc:
@@ -77,7 +91,7 @@ def main(sock: socket.socket, factory: Factory, process_options: dict[str, Any])
         sock.close()
         sys.exit(1)
     _send(sock, Ready(os.getpid()))
-    asyncio.run(_Worker(sock, handle).serve())
+    asyncio.run(_Worker(sock, handle, heartbeat_interval).serve())
     sock.close()
 
 
@@ -101,25 +115,40 @@ def _send(sock: socket.socket, message: FromWorker) -> None:
 class _Worker:
     """Dispatches the parent's messages to one task per call; all sends happen on the loop."""
 
-    def __init__(self, sock: socket.socket, handle: Any) -> None:
+    def __init__(self, sock: socket.socket, handle: Any, heartbeat_interval: float) -> None:
         self._sock = sock
         self._handle = handle
+        self._heartbeat_interval = heartbeat_interval
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     async def serve(self) -> None:
         frames: asyncio.Queue[bytearray | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._read, args=(loop, frames), daemon=True).start()
+        beat = asyncio.create_task(self._beat())
+        try:
+            while True:
+                frame = await frames.get()
+                if frame is None:  # the parent is gone: nobody waits for answers
+                    await self._stop(0.0, report=False)
+                    return
+                message = decode_to_worker(frame)
+                if isinstance(message, Shutdown):
+                    await self._stop(message.timeout, report=True)
+                    return
+                self._dispatch(message)
+        finally:
+            beat.cancel()
+
+    async def _beat(self) -> None:
+        """Tell the parent that this loop runs, until the worker exits (Shutdown included)."""
+        heartbeat = encode_message(Heartbeat())
         while True:
-            frame = await frames.get()
-            if frame is None:  # the parent is gone: nobody waits for answers
-                await self._stop(0.0, report=False)
-                return
-            message = decode_to_worker(frame)
-            if isinstance(message, Shutdown):
-                await self._stop(message.timeout, report=True)
-                return
-            self._dispatch(message)
+            try:
+                send_frame(self._sock, heartbeat)
+            except OSError:
+                return  # the parent is gone; the reader thread reports it
+            await asyncio.sleep(self._heartbeat_interval)
 
     def _read(self, loop: asyncio.AbstractEventLoop, frames: asyncio.Queue[bytearray | None]) -> None:
         while True:

@@ -176,3 +176,48 @@ def dies_at_start() -> Serving:
     sys.stderr.write("fatal: the model file is corrupt\n")
     sys.stderr.flush()
     os._exit(3)
+
+
+class Hazard(Counter):
+    """Iterative backend for the chaos tests. A row ``n >= 0`` emits the worker's pid ``n`` times,
+    one per 20 ms step. Negative rows misbehave in ``step`` (on the serving's executor thread):
+    ``-1`` deadlocks in native code holding the GIL (a default pthread mutex locked twice through
+    ``ctypes.PyDLL``, which keeps the GIL during the call; Linux); ``-2`` runs a regular expression
+    that backtracks for ever (``re`` holds the GIL while it matches); ``-3`` spins in pure Python
+    for 3 s, then emits the pid once (busy, but the GIL is switched, so the loop keeps beating)."""
+
+    def step(self, state: dict[int, list[int]]) -> list[tuple[int, int, bool]]:
+        for _, n in state.values():
+            if n == -1:
+                _native_deadlock()
+            if n == -2:
+                import re
+
+                re.match(r"(a|aa)+$", "a" * 200 + "b")
+            if n == -3:
+                end = time.monotonic() + 3.0
+                while time.monotonic() < end:
+                    pass
+        time.sleep(0.02)
+        events = []
+        for row_id, row in list(state.items()):
+            row[0] += 1
+            done = row[0] >= max(row[1], 1)
+            events.append((row_id, os.getpid(), done))
+            if done:
+                del state[row_id]
+        return events
+
+
+def _native_deadlock() -> None:
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held while the C function runs
+    mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER on glibc
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)  # a normal mutex locked again by its owner: never returns
+
+
+def hazard() -> Serving:
+    """n -> stream of (0, pid) n times; negative n hangs the worker (see ``Hazard``)."""
+    return Serving.new(Hazard()).client_preprocessing(_one)

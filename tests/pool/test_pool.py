@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import sys
@@ -329,3 +330,40 @@ def test_bad_arguments_are_refused_at_once():
         ServingPool("pool_servings:double", workers=1, batch_timeout=-1)
     with pytest.raises(TypeError):
         ServingPool("pool_servings:double", workers=1, batch_sise=4)
+    for bad in (0, -1.0, math.inf, math.nan, True, "10"):
+        with pytest.raises(ValueError, match="liveness_timeout"):
+            ServingPool("pool_servings:double", workers=1, liveness_timeout=bad)
+        with pytest.raises(ValueError, match="heartbeat_interval"):
+            ServingPool("pool_servings:double", workers=1, heartbeat_interval=bad)
+    with pytest.raises(ValueError, match="shorter than liveness_timeout"):
+        ServingPool("pool_servings:double", workers=1, liveness_timeout=2.0, heartbeat_interval=2.0)
+
+
+def test_heartbeats_show_in_health_while_idle():
+    with ServingPool("pool_servings:double", workers=1, liveness_timeout=1.0) as pool:
+        before = pool.health()[0]
+        time.sleep(0.6)  # heartbeats every 0.25 s (a quarter of liveness_timeout)
+        after = pool.health()[0]
+        assert after.last_progress == before.last_progress  # no answers: no progress
+        assert after.last_heartbeat >= before.last_heartbeat + 0.3
+        assert after.state == "ready" and after.restarts == 0
+
+
+def test_liveness_none_disables_the_check():
+    """Without the check a stopped worker looks alive and ready: only deadlines protect its callers."""
+    def monitors():
+        return sum(t.name == "serving-pool-monitor" for t in threading.enumerate())
+
+    others = monitors()  # the module's pools
+    with ServingPool("pool_servings:double", workers=1, liveness_timeout=None) as pool:
+        assert monitors() == others
+        pid = pool.health()[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                pool.run(np.ones(2), deadline=1.0)
+            health = pool.health()[0]
+            assert (health.pid, health.state, health.alive) == (pid, "ready", True)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        np.testing.assert_array_equal(pool.run(np.ones(2)), np.full(2, 2.0))

@@ -211,11 +211,22 @@ def test_a_script_without_a_main_guard_gets_the_childs_traceback(tmp_path: Path)
     assert "bootstrapping phase" in done.stderr  # also relayed as the child wrote it
 
 
-def test_close_leaves_no_thread_or_fd():
-    multiprocessing.resource_tracker.ensure_running()  # started once per process, on first use
+def child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            pids.update(int(pid) for pid in (task / "children").read_text().split())
+        except FileNotFoundError:
+            continue
+    return pids
+
+
+def test_close_leaves_no_thread_fd_or_process():
     gc.collect()
-    fds, threads = set(os.listdir("/proc/self/fd")), pool_threads()
+    fds, threads, children = set(os.listdir("/proc/self/fd")), pool_threads(), child_pids()
+    tracker = multiprocessing.resource_tracker._resource_tracker._pid
     with ServingPool("pool_servings:counter", workers=2) as short:
+        assert {t.name for t in pool_threads() - threads} >= {"serving-pool-monitor"}
         assert short.run(1) == [(0, 1)]
         victim = short.health()[0].pid
         os.kill(victim, signal.SIGKILL)  # a replaced worker is released too
@@ -224,3 +235,38 @@ def test_close_leaves_no_thread_or_fd():
     gc.collect()
     assert pool_threads() <= threads
     assert set(os.listdir("/proc/self/fd")) <= fds
+    assert child_pids() <= children
+    assert multiprocessing.resource_tracker._resource_tracker._pid == tracker
+
+
+def test_no_resource_tracker_is_started(tmp_path: Path):
+    """A stock spawn start launches multiprocessing's resource tracker, a child of the caller that
+    outlives close(); the pool's workers start without one. Checked in a fresh interpreter, where
+    nothing else could have started it: after close() the caller has no child process at all."""
+    script = tmp_path / "tracker.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from multiprocessing import resource_tracker
+        from pathlib import Path
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from mlx_serving.serving import ServingPool
+
+        def children():
+            pids = set()
+            for task in Path(f"/proc/{{os.getpid()}}/task").iterdir():
+                pids.update(int(pid) for pid in (task / "children").read_text().split())
+            return pids
+
+        if __name__ == "__main__":
+            with ServingPool("pool_servings:counter", workers=2, liveness_timeout=1.0) as pool:
+                pids = {{h.pid for h in pool.health()}}
+                assert children() == pids, (children(), pids)  # the workers and nothing else
+                os.kill(pool.health()[0].pid, signal.SIGSTOP)  # unresponsive: killed, replaced
+                while not (pool.health()[0].restarts == 1 and pool.health()[0].alive):
+                    time.sleep(0.02)
+                assert pool.run(2) == [(0, 1), (0, 2)]
+            print("TRACKER", resource_tracker._resource_tracker._pid, "CHILDREN", sorted(children()))
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "TRACKER None CHILDREN []" in done.stdout

@@ -134,3 +134,11 @@ def test_wrong_direction_message_is_rejected():
     with pytest.raises(msgspec.ValidationError):
         _wire.decode_to_worker(frame[8:])
     assert _wire.decode_from_worker(frame[8:]) == _wire.Ready(123)
+
+
+def test_heartbeat_is_a_small_message_from_the_worker():
+    frame = _wire.encode_message(_wire.Heartbeat())
+    assert len(frame) < 24
+    assert _wire.decode_from_worker(frame[8:]) == _wire.Heartbeat()
+    with pytest.raises(msgspec.ValidationError):
+        _wire.decode_to_worker(frame[8:])
