@@ -30,6 +30,11 @@ class Counters:
         else:
             self.failed += 1
 
+    def add(self, other: Counters) -> None:
+        """Add ``other``'s counts into these."""
+        for name, value in vars(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
     def snapshot(self) -> ServingStats:
         runs = self.batches_run + self.steps_run
         return ServingStats(

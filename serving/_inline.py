@@ -38,8 +38,9 @@ class InlineRuntime:
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._arg, self._batch_size, self._telemetry = backend, arg, batch_size, telemetry
         self._lock = threading.Lock()
-        self._cond = threading.Condition(threading.RLock())  # guards the counters (shared by calls)
-        self._c = Counters()
+        self._cond = threading.Condition(threading.RLock())  # guards the counters
+        self._c = Counters()  # static runs, plus the counts of iterative runs that ended
+        self._live: set[IterativeScheduler] = set()  # iterative runs not ended (one scheduler each)
         self.orphans: deque[Request] = deque()
         self._executor: Executor | None = None
         self._closed = False
@@ -53,8 +54,13 @@ class InlineRuntime:
                 self._executor.close()
 
     def stats(self) -> ServingStats:
+        total = Counters()
         with self._cond:
-            return self._c.snapshot()
+            total.add(self._c)
+            live = list(self._live)
+        for scheduler in live:
+            scheduler.add_counts_to(total)
+        return total.snapshot()
 
     def submit(self, request: Request, batch: Batch) -> None:
         """Queue one call's rows; the result or events arrive on ``request.channel``."""
@@ -62,11 +68,13 @@ class InlineRuntime:
         if is_iterative(self._backend):
             size = self._batch_size or batch.size
             scheduler = IterativeScheduler(self._backend, [None], ProcessOptions(batch_timeout=0.0), size,
-                                           self._telemetry, cond=self._cond, counters=self._c)
+                                           self._telemetry)
             job: Callable[[], None] = lambda: self._run_iterative(request, scheduler)
             with self._lock:
                 executor = self._open_executor()
                 scheduler.submit(request, batch)
+                with self._cond:
+                    self._live.add(scheduler)
                 executor.submit(job)
             return
         with self._lock:
@@ -97,14 +105,19 @@ class InlineRuntime:
         return self._state
 
     def _run_iterative(self, request: Request, scheduler: IterativeScheduler) -> None:
-        if request.done:
-            return
         try:
-            scheduler.bind_state(0, self._get_state())
-        except BaseException as exc:
-            request.fail(_backend_error(exc))
-            return
-        scheduler.run_partition(0, drain=True)
+            if request.done:
+                return
+            try:
+                scheduler.bind_state(0, self._get_state())
+            except BaseException as exc:
+                request.fail(_backend_error(exc))
+                return
+            scheduler.run_partition(0, drain=True)
+        finally:
+            with self._cond:  # its counts join the runtime's; a later withdraw changes none
+                self._live.discard(scheduler)
+                scheduler.add_counts_to(self._c)
 
     def _run_static(self, request: Request, batch: Batch) -> None:
         with self._cond:

@@ -52,21 +52,18 @@ class IterativeScheduler:
     """Continuous-batching scheduler (see module docstring); one step loop per partition."""
 
     def __init__(self, backend: IterativeBackend, states: list[Any], options: ProcessOptions, batch_size: int,
-                 telemetry: Callable[[TelemetryEvent], None] | None, *,
-                 cond: threading.Condition | None = None, counters: Counters | None = None):
-        """``cond`` / ``counters``: share a lock and counters with other schedulers (the inline
-        runtime makes one scheduler per call and reports one set of counters)."""
+                 telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._opts, self._batch_size = backend, options, batch_size
         self._telemetry = telemetry
         self._parts = [_Partition(i, s) for i, s in enumerate(states)]
-        self._cond = cond if cond is not None else threading.Condition(threading.RLock())
+        self._cond = threading.Condition(threading.RLock())
         self.orphans: deque[Request] = deque()
         self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
         self._deadlines: list[tuple[float, int, Request]] = []
         self._ids = itertools.count()
         self._stopping = False
         self._aborting = False
-        self._c = counters if counters is not None else Counters()
+        self._c = Counters()
 
     def bind_state(self, index: int, state: Any) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
@@ -131,6 +128,11 @@ class IterativeScheduler:
     def stats(self) -> Any:
         with self._cond:
             return self._c.snapshot()
+
+    def add_counts_to(self, total: Counters) -> None:
+        """Add this scheduler's counters into ``total`` (the inline runtime's sum)."""
+        with self._cond:
+            total.add(self._c)
 
     def stop(self) -> None:
         """Refuse new requests, fail waiting ones with ServingStopped; active rows run on."""

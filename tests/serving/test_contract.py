@@ -167,3 +167,33 @@ def test_backend_errors_carry_the_request_id():
         with pytest.raises(BackendError) as info:
             list(stream)
         assert info.value.request_id == stream.request_id
+
+
+class StopAtTwo:
+    """Transducer: stops every row once it emitted event 2 (a client-side stop, as a stop string)."""
+
+    def __init__(self, info):
+        self.stops = []
+
+    def feed(self, row, event):
+        if event == 2:
+            self.stops.append(row)
+        return [event]
+
+    def stop_rows(self):
+        stops, self.stops = self.stops, []
+        return stops
+
+    def close(self):
+        return []
+
+
+def test_inline_runs_back_to_back_after_a_client_side_stop():
+    """Each inline run has its own scheduler: the next call's rows never reach a run that is
+    still draining (they once made it spin, holding the executor)."""
+    with Serving.new(CountdownBackend(step_delay=0.005)).streaming(StopAtTwo) as serving:
+        for _ in range(10):
+            with serving.stream(countdown(6)) as stopped:
+                assert list(stopped) == [5, 4, 3, 2]
+            assert serving.run(countdown(2)) == [1, 0]
+        assert serving.stats().completed == 20
