@@ -7,6 +7,7 @@ import functools
 import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,42 +23,139 @@ from ._stream import ByteTable, check_id
 _TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
+#: Largest tokenizer.json read, also after decompressing tokenizer.json.gz (Qwen3's: 11.4 MB).
+MAX_TOKENIZER_BYTES = 64 * 2**20
+#: Largest tokenizer_config.json, generation_config.json, config.json or chat_template.jinja read.
+MAX_CONFIG_BYTES = 16 * 2**20
+#: Most added (special and non-special) tokens a tokenizer.json may declare (Qwen3: 26).
+MAX_ADDED_TOKENS = 65_536
+
+
+def _inside(model_dir: Path, name: str) -> Path:
+    """``model_dir / name``, refusing a symlink that resolves outside ``model_dir`` (except, for a
+    Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, into ``<repo>/blobs/``)."""
+    path = model_dir / name
+    try:
+        real, roots = path.resolve(), [model_dir.resolve()]
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise TokenizationError(f"{path} cannot be resolved ({exc})") from None
+    for d in {model_dir.absolute(), roots[0]}:
+        if d.parent.name == "snapshots":
+            roots.append((d.parent.parent / "blobs").resolve())
+    if not any(real == r or real.is_relative_to(r) for r in roots):
+        raise TokenizationError(f"{path} resolves to {real}, outside the tokenizer directory")
+    return path
+
+
+def _regular(path: Path) -> Path:
+    if not path.is_file():
+        raise TokenizationError(f"{path} is not a regular file")
+    return path
+
+
+def _read_bytes(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TokenizationError(f"{path} is larger than the {limit:,} bytes allowed")
+    return data
+
+
+def _utf8(data: bytes, path: Path, error: type[TokenizationError] = TokenizationError) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """A JSON object file of the tokenizer directory (``{}`` when absent). Raises
+    TokenizationError naming the file when it is too large, not UTF-8, not JSON or not an
+    object, or a symlink out of the directory."""
+    if not os.path.lexists(path):
+        return {}
+    path = _regular(_inside(path.parent, path.name))
+    try:
+        value = json.loads(_utf8(_read_bytes(path, MAX_CONFIG_BYTES), path))
+    except (ValueError, RecursionError) as exc:
+        if isinstance(exc, TokenizationError):
+            raise
+        raise TokenizationError(f"{path} is not valid JSON ({str(exc)[:200]})") from None
+    if not isinstance(value, dict):
+        raise TokenizationError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _load_backend(model_dir: Path) -> tokenizers.Tokenizer:
+    """tokenizer.json, or tokenizer.json.gz decompressed: at most ``MAX_TOKENIZER_BYTES`` either
+    way (a gzip bomb stops there, never decompressed whole)."""
     plain, packed = model_dir / "tokenizer.json", model_dir / "tokenizer.json.gz"
-    if plain.is_file():
-        return tokenizers.Tokenizer.from_file(str(plain))
-    if packed.is_file():
-        return tokenizers.Tokenizer.from_str(gzip.decompress(packed.read_bytes()).decode("utf-8"))
-    raise FileNotFoundError(f"{model_dir} has neither tokenizer.json nor tokenizer.json.gz")
+    if os.path.lexists(plain):
+        path = _regular(_inside(model_dir, plain.name))
+        data = _read_bytes(path, MAX_TOKENIZER_BYTES)
+    elif os.path.lexists(packed):
+        path = _regular(_inside(model_dir, packed.name))
+        try:
+            with gzip.open(path, "rb") as f:
+                data = f.read(MAX_TOKENIZER_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise TokenizationError(f"{path} is not a valid gzip file ({exc})") from None
+        if len(data) > MAX_TOKENIZER_BYTES:
+            raise TokenizationError(f"{path} decompresses to more than the {MAX_TOKENIZER_BYTES:,} bytes allowed")
+    else:
+        raise FileNotFoundError(f"{model_dir} has neither tokenizer.json nor tokenizer.json.gz")
+    text = _utf8(data, path)
+    try:
+        backend = tokenizers.Tokenizer.from_str(text)
+    except BaseException as exc:  # noqa: BLE001 - the Rust side may panic (pyo3 PanicException)
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        raise TokenizationError(f"{path} is not a valid tokenizer.json: {str(exc)[:300]}") from None
+    added = len(backend.get_added_tokens_decoder())
+    if added > MAX_ADDED_TOKENS:
+        raise TokenizationError(f"{path} has {added:,} added tokens (at most {MAX_ADDED_TOKENS:,})")
+    return backend
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: Any, name: str = "token") -> str | None:
     """A special-token entry of tokenizer_config.json: a string, or a dict with ``content``."""
-    return value.get("content") if isinstance(value, Mapping) else value
+    text = value.get("content") if isinstance(value, Mapping) else value
+    if text is not None and not isinstance(text, str):
+        raise TokenizationError(
+            f"tokenizer_config.json: {name} must be a string, null or {{\"content\": string}}, got {value!r:.80}"
+        )
+    return text
 
 
-def _as_ids(value: Any) -> list[int]:
-    """``eos_token_id`` of a config: absent, one int, or a list of ints."""
+def _as_ids(value: Any, where: str = "eos_token_id") -> list[int]:
+    """``eos_token_id`` of a config: absent, one int, or a list of ints (each in 0..2**32-1)."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32 for v in items):
+        raise TokenizationError(f"{where} must be a token id or a list of token ids, got {value!r:.80}")
+    return list(items)
 
 
 def _template_source(model_dir: Path, config: Mapping[str, Any]) -> str | None:
     """``chat_template.jinja`` if present, else ``chat_template`` of tokenizer_config.json (a
-    string, or a list of ``{"name", "template"}`` of which the ``default`` one is used)."""
+    string, or a list of ``{"name", "template"}`` of which the ``default`` one is used).
+    Raises ChatTemplateError for anything else."""
     jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+    if os.path.lexists(jinja_file):
+        path = _regular(_inside(model_dir, jinja_file.name))
+        return _utf8(_read_bytes(path, MAX_CONFIG_BYTES), path, ChatTemplateError)
     source = config.get("chat_template")
     if isinstance(source, list):
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
-        source = named.get("default")
-    return source if isinstance(source, str) else None
+        if not all(isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in source):
+            raise ChatTemplateError('tokenizer_config.json: chat_template entries must be {"name": string, '
+                                    '"template": string}')
+        source = {t["name"]: t["template"] for t in source}.get("default")
+    elif source is not None and not isinstance(source, str):
+        raise ChatTemplateError("tokenizer_config.json: chat_template must be a string or a list of named "
+                                f"templates, got {type(source).__name__}")
+    return source
 
 
 def _check_text(text: object, where: str = "text") -> None:
@@ -114,17 +212,25 @@ class Tokenizer:
         ``eos_token_ids`` is the union of ``eos_token_id`` in config.json and
         generation_config.json and of tokenizer_config.json's ``eos_token`` (Qwen3: {151643, 151645}).
 
+        The files are untrusted: each is read with a size cap (``MAX_TOKENIZER_BYTES`` for
+        tokenizer.json, also decompressed; ``MAX_CONFIG_BYTES`` for the others) and must not be a
+        symlink out of ``model_dir``.
+
         Raises:
             FileNotFoundError: no tokenizer.json(.gz) in ``model_dir``.
-            ChatTemplateError: the chat template does not compile.
+            TokenizationError: a file is too large, not UTF-8, not valid JSON / gzip / tokenizer
+                data, a symlink out of the directory, or holds a field of the wrong type (named).
+            ChatTemplateError: the chat template is not a string (or list of named templates),
+                is too long, or does not compile.
         """
         root = Path(model_dir)
         backend = _load_backend(root)
         config = _read_json(root / "tokenizer_config.json")
-        variables = {k: _token_text(config.get(k)) for k in _TEMPLATE_VARIABLES}
+        variables = {k: _token_text(config.get(k), k) for k in _TEMPLATE_VARIABLES}
         eos = {
-            *_as_ids(_read_json(root / "config.json").get("eos_token_id")),
-            *_as_ids(_read_json(root / "generation_config.json").get("eos_token_id")),
+            *_as_ids(_read_json(root / "config.json").get("eos_token_id"), "config.json: eos_token_id"),
+            *_as_ids(_read_json(root / "generation_config.json").get("eos_token_id"),
+                     "generation_config.json: eos_token_id"),
         }
         eos_text = variables["eos_token"]
         if eos_text is not None and backend.token_to_id(eos_text) is not None:
