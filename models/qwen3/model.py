@@ -24,7 +24,7 @@ from .cache import KVCache
 from .kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 from .loader import Layer, State
 
-__all__ = ["Rows", "compiled_decode", "decode_path", "forward"]
+__all__ = ["Rows", "attend", "compiled_decode", "decode_path", "forward", "make_step"]
 
 #: How a decode forward (one token per row, slots ``0..B-1``) runs: "fused" (the custom
 #: CUDA kernels of :mod:`.kernels`: 8 launches per layer, no mask), "matmul" (generic
@@ -121,17 +121,26 @@ class _Step:
     rope: Callable[[mx.array], mx.array]
 
 
-def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
-    c = state.config
-    rows = step.rows
+def make_step(rows: Rows, cache: KVCache, head_dim: int, rope_theta: float) -> _Step:
+    """The per-forward values every layer's :func:`attend` shares (split-half RoPE)."""
     b, t = rows.tokens.shape
-    d = c.head_dim
-    q, k, v = layer.qkv(x)
-    q = q.reshape(b, t, c.num_attention_heads, d)
-    k = k.reshape(b, t, c.num_key_value_heads, d)
-    v = v.reshape(b, t, c.num_key_value_heads, d)
-    q = step.rope(mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
-    k = step.rope(mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
+    return _Step(
+        rows=rows,
+        write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
+        pos=_write_positions(rows, t, cache.max_len),
+        mask=_mask(rows, t),
+        rope=partial(mx.fast.rope, dims=head_dim, traditional=False, base=rope_theta, scale=1.0,
+                     offset=rows.start),
+    )
+
+
+def attend(cache: KVCache, i: int, q: mx.array, k: mx.array, v: mx.array, step: _Step) -> mx.array:
+    """Attention of layer ``i`` over the KV cache: the seam between a model family and the
+    cache. ``q`` (B, H, T, D) and ``k`` (B, Hkv, T, D) already normed and rotated, ``v``
+    (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
+    prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection."""
+    rows = step.rows
+    b, h, t, d = q.shape
     cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
     cache.values[i][step.write_rows, :, step.pos] = v
     if rows.slots is None:
@@ -141,7 +150,20 @@ def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, s
         keys = cache.keys[i][..., : rows.kv_len, :][rows.slots]
         values = cache.values[i][..., : rows.kv_len, :][rows.slots]
     out = _sdpa(q, keys, values, d**-0.5, step.mask)
-    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(b * t, -1))
+    return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
+
+
+def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
+    c = state.config
+    b, t = step.rows.tokens.shape
+    d = c.head_dim
+    q, k, v = layer.qkv(x)
+    q = q.reshape(b, t, c.num_attention_heads, d)
+    k = k.reshape(b, t, c.num_key_value_heads, d)
+    v = v.reshape(b, t, c.num_key_value_heads, d)
+    q = step.rope(mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
+    k = step.rope(mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
+    return layer.o_proj(attend(cache, i, q, k, v, step))
 
 
 def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
@@ -164,14 +186,7 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     c = state.config
     if t == 1 and rows.slots is None and decode_path(state) == "fused":
         return _fused_decode(state, cache, rows, h)
-    step = _Step(
-        rows=rows,
-        write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
-        pos=_write_positions(rows, t, cache.max_len),
-        mask=_mask(rows, t),
-        rope=partial(mx.fast.rope, dims=c.head_dim, traditional=False, base=c.rope_theta, scale=1.0,
-                     offset=rows.start),
-    )
+    step = make_step(rows, cache, c.head_dim, c.rope_theta)
     for i, layer in enumerate(state.layers):
         h = _layer(layer, h, cache, i, step, state)
     if t > 1:
