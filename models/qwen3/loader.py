@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 from pathlib import Path
 
 import mlx.core as mx
@@ -120,8 +121,10 @@ class Layer:
 
 @dataclass
 class State:
-    """A loaded model: config, weights, activation ``dtype`` and checkpoint ``path``."""
+    """A loaded model: config, weights, activation ``dtype`` and checkpoint ``path``.
+    ``family``: the package of its forward pass (see ``models.registry``)."""
 
+    family: ClassVar[str] = "qwen3"
     config: Qwen3Config
     embed_tokens: Linear
     layers: list[Layer]
