@@ -28,7 +28,8 @@ import numpy as np
 
 from .cache import KVCache, budget_slots, init_kv_cache
 from .loader import State
-from .model import Rows, compiled_decode, decode_path, forward
+from ..registry import family_model
+from .model import Rows
 from .events import FinishReason, SeqEvent
 from .sampling import SamplerKind, SamplingParams, greedy, sample_top_p
 
@@ -103,7 +104,8 @@ class Engine:
         self._by_id: dict[int, _Seq] = {}
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
         self._flight: _Flight | None = None
-        self._fused = decode_path(state) == "fused"
+        self._model = family_model(state)  # the family's forward pass
+        self._fused = self._model.decode_path(state) == "fused"
         if compile_decode is None:
             compile_decode = self._fused
         self._compiled: dict[tuple[int, int], Callable[..., tuple]] | None = {} if compile_decode else None
@@ -195,13 +197,14 @@ class Engine:
             if self._compiled is not None:
                 logits = self._decode_compiled(hi, zeros, zeros, span)
             else:
-                logits = forward(self.state, self.cache, Rows(self._tokens[:hi, None], None, mx.array(zeros),
-                                                              mx.array(zeros), span, mx.array(zeros), dense=hi == 1))
+                rows = Rows(self._tokens[:hi, None], None, mx.array(zeros), mx.array(zeros), span,
+                            mx.array(zeros), dense=hi == 1)
+                logits = self._model.forward(self.state, self.cache, rows)
             mx.eval(greedy(logits))
         t = min(self.prefill_chunk, 16)
         z = mx.zeros((1,), dtype=mx.int32)
         rows = Rows(mx.zeros((1, t), dtype=mx.int32), z, z, z, 1, z)
-        mx.eval(forward(self.state, self.cache, rows))
+        mx.eval(self._model.forward(self.state, self.cache, rows))
 
     # ---- the step --------------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class Engine:
                     self._span(kv_len) if self._bucket and not dense else kv_len,
                     mx.array(np.maximum(n_valid - 1, 0)),
                     dense=dense)
-        logits = forward(self.state, self.cache, rows)
+        logits = self._model.forward(self.state, self.cache, rows)
         done = []
         for i, (s, n) in enumerate(zip(seqs, n_valid)):
             s.prefilled += int(n)
@@ -271,7 +274,7 @@ class Engine:
                 kv_len = self._span(kv_len)
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1)
-            logits = forward(self.state, self.cache, rows)
+            logits = self._model.forward(self.state, self.cache, rows)
         else:
             logits = self._decode_compiled(hi, start, n_valid, kv_len)
         for s in seqs:
@@ -288,7 +291,7 @@ class Engine:
         span = 0 if self._fused else self._span(kv_len)
         fn = self._compiled.get((hi, span))
         if fn is None:
-            fn = self._compiled[(hi, span)] = compiled_decode(self.state, self.max_len, span)
+            fn = self._compiled[(hi, span)] = self._model.compiled_decode(self.state, self.max_len, span)
         logits, keys, values = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid),
                                   self.cache.keys, self.cache.values)
         self.cache.keys[:], self.cache.values[:] = keys, values
