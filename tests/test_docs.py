@@ -1,7 +1,7 @@
 """Every code block in README.md and docs/*.md runs as written.
 
 - ```python blocks of one file run in order, in one namespace (a tutorial reads top to bottom),
-  in a fresh interpreter; top-level ``await`` is allowed (the block then runs under asyncio).
+  in a fresh interpreter, as ``__main__`` (as a pasted script would).
 - ```sh / ```bash blocks run with bash (``set -e``) from the repository root, the venv's bin
   first on PATH. README.md's two install commands are what CI itself runs (.ci/run), so they are
   not repeated here.
@@ -29,13 +29,10 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 _LANGS = {"python", "sh", "bash", "text"}
 _RUNNER = r'''
-import ast, asyncio, sys, types
+import sys
 namespace = {"__name__": "__main__"}
 for i, source in enumerate(sys.argv[1:]):
-    code = compile(source, f"<block {i + 1}>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
-    result = eval(code, namespace)
-    if isinstance(result, types.CoroutineType):
-        asyncio.run(result)
+    exec(compile(source, f"<block {i + 1}>", "exec"), namespace)
 '''
 
 
