@@ -2,7 +2,7 @@
 
 from .cache import KVCache, init_kv_cache
 from .config import QuantSpec, Quantization, Qwen3Config
-from .engine import Engine
+from ..generation.engine import Engine
 from .events import FinishReason, SeqEvent
 from .generate import generate
 from .loader import State, load

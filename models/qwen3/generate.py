@@ -1,6 +1,6 @@
 """The seed API: ``generate(input_ids, state, ...)`` for one prompt or a batch.
 
-A thin loop over :class:`~models.qwen3.engine.Engine`: every prompt is added at once,
+A thin loop over :class:`~models.generation.engine.Engine`: every prompt is added at once,
 so a batch shares each forward pass (padding masked, per-row positions) and every row
 stops on its own EOS or ``max_new_tokens``.
 """
@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from .cache import KVCache
-from .engine import Engine
+from ..generation.engine import Engine
 from .events import FinishReason
 from .loader import State
 from .sampling import SamplingParams

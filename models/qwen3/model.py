@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -41,7 +41,7 @@ def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
 
 @dataclass
 class Rows:
-    """Which cache slots a forward call covers, and where each row's tokens go.
+    """Which cache slots (or KV blocks) a forward call covers, and where each row's tokens go.
 
     ``tokens`` (B, T) int32; ``slots`` (B,) int32 cache slot per row, or None for slots
     ``0..B-1``; ``start`` (B,) int32 position of each row's first token (its cache
@@ -50,6 +50,9 @@ class Rows:
     span (max over rows of start + n_valid); ``last`` (B,) int32 index in ``[0, T)`` of
     the token whose logits each row returns; ``dense`` True when B == 1 and the row has
     no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
+    ``block_table`` (B, W) int32, for a paged cache (:class:`~models.generation.kv_cache.PagedKVCache`):
+    the KV blocks of each row in order (W >= ceil(kv_len / block_size); unused entries and
+    padding rows 0, the null block); ``slots`` is ignored then.
     """
 
     tokens: mx.array
@@ -59,6 +62,7 @@ class Rows:
     kv_len: int
     last: mx.array
     dense: bool = False
+    block_table: mx.array | None = None
 
 
 def _mask(rows: Rows, t: int) -> mx.array | str | None:
@@ -119,18 +123,34 @@ class _Step:
     pos: mx.array  # (B, T) cache position of each token (scratch for padding)
     mask: mx.array | str | None
     rope: Callable[[mx.array], mx.array]
+    write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
+    read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
 
 
-def make_step(rows: Rows, cache: KVCache, head_dim: int, rope_theta: float) -> _Step:
-    """The per-forward values every layer's :func:`attend` shares (split-half RoPE)."""
+def make_step(rows: Rows, cache: Any, head_dim: int, rope_theta: float) -> _Step:
+    """The per-forward values every layer's :func:`attend` shares (split-half RoPE).
+
+    ``cache`` is a slot :class:`KVCache`, or a paged cache (then ``rows.block_table`` is set):
+    the block table becomes flat write and read indices once per forward, not per layer."""
     b, t = rows.tokens.shape
+    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=rope_theta, scale=1.0,
+                   offset=rows.start)
+    if rows.block_table is not None:
+        bs, table = cache.block_size, rows.block_table
+        offs = mx.arange(t)[None, :]
+        pos = rows.start[:, None] + offs
+        blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
+        write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
+        j = mx.arange(rows.kv_len)
+        read = table[:, j // bs] * bs + (j % bs)[None, :]
+        return _Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=_mask(rows, t),
+                     rope=rope, write_idx=write.reshape(-1), read_idx=read)
     return _Step(
         rows=rows,
         write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
         pos=_write_positions(rows, t, cache.max_len),
         mask=_mask(rows, t),
-        rope=partial(mx.fast.rope, dims=head_dim, traditional=False, base=rope_theta, scale=1.0,
-                     offset=rows.start),
+        rope=rope,
     )
 
 
@@ -138,9 +158,21 @@ def attend(cache: KVCache, i: int, q: mx.array, k: mx.array, v: mx.array, step: 
     """Attention of layer ``i`` over the KV cache: the seam between a model family and the
     cache. ``q`` (B, H, T, D) and ``k`` (B, Hkv, T, D) already normed and rotated, ``v``
     (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
-    prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection."""
+    prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
+
+    On a paged cache (``step.read_idx`` set by :func:`make_step`) K/V are written at each
+    token's flat block position and each row's blocks are gathered into ``(B, Hkv, kv_len, D)``
+    before the same masked attention."""
     rows = step.rows
     b, h, t, d = q.shape
+    if step.read_idx is not None:
+        hkv = k.shape[1]
+        cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
+        cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
+        keys = cache.keys[i][step.read_idx].transpose(0, 2, 1, 3)
+        values = cache.values[i][step.read_idx].transpose(0, 2, 1, 3)
+        out = _sdpa(q, keys, values, d**-0.5, step.mask)
+        return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
     cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
     cache.values[i][step.write_rows, :, step.pos] = v
     if rows.slots is None:
@@ -184,7 +216,7 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     b, t = rows.tokens.shape
     h = state.embed_tokens.rows(rows.tokens.reshape(-1))
     c = state.config
-    if t == 1 and rows.slots is None and decode_path(state) == "fused":
+    if t == 1 and rows.slots is None and rows.block_table is None and decode_path(state) == "fused":
         return _fused_decode(state, cache, rows, h)
     step = make_step(rows, cache, c.head_dim, c.rope_theta)
     for i, layer in enumerate(state.layers):
@@ -212,20 +244,33 @@ def _fused_decode(state: State, cache: KVCache, rows: Rows, h: mx.array) -> mx.a
     return state.lm_head(x)
 
 
-def compiled_decode(state: State, max_len: int, kv_len: int) -> Callable[..., tuple]:
+def compiled_decode(state: State, max_len: int, kv_len: int, block_size: int = 0) -> Callable[..., tuple]:
     """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``
     (unused by the "fused" path, which reads each row's own length).
 
     Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
     with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the
-    new per-layer buffers (the caller stores them back). Weights are captured as
-    constants. MLX retraces once per new input shape.
+    new per-layer buffers (the caller stores them back). With ``block_size`` > 0 the cache is
+    paged: call as ``fn(tokens, start, n_valid, block_table (B, W) int32, keys, values)``.
+    Weights are captured as constants. MLX retraces once per new input shape. The forward traced
+    is that of ``state``'s family (``models.registry.family_model``): every family shares this
+    function.
     """
+    from ..generation.kv_cache import PagedKVCache
+    from ..registry import family_model
+
+    fwd = family_model(state).forward  # the forward of state's family (qwen3, llama, ...)
 
     def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
              values: list[mx.array]) -> tuple:
         cache = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), max_len)
         rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start))
-        return forward(state, cache, rows), cache.keys, cache.values
+        return fwd(state, cache, rows), cache.keys, cache.values
 
-    return mx.compile(step)
+    def paged_step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
+                   keys: list[mx.array], values: list[mx.array]) -> tuple:
+        cache = PagedKVCache(list(keys), list(values), block_size)
+        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start), block_table=table)
+        return fwd(state, cache, rows), cache.keys, cache.values
+
+    return mx.compile(paged_step if block_size else step)

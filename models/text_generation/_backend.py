@@ -1,4 +1,4 @@
-"""``GenerationBackend``: the Qwen3 continuous-batching Engine behind serving's IterativeBackend.
+"""``GenerationBackend``: the continuous-batching Engine (models/generation) behind serving's IterativeBackend.
 
 A thin adapter with no per-row state: the partition's state is its :class:`Engine`, whose
 per-sequence record (keyed by the serving's row id) is the only one; each engine event becomes a
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..qwen3 import Engine, State
+from ..generation import Engine, KVStats
+from ..qwen3 import State
 from ._events import TokenEvent
 from ._inputs import Prompt
 from ._options import GenerationOptions
@@ -19,14 +20,14 @@ __all__ = ["GenerationBackend"]
 
 
 class GenerationBackend:
-    """IterativeBackend over :class:`models.qwen3.Engine` (one engine, one KV cache per partition)."""
+    """IterativeBackend over :class:`models.generation.Engine` (one engine, one paged KV cache per partition)."""
 
     def __init__(self, state: State, options: GenerationOptions):
         self._model, self._opts = state, options
 
     def init(self, mode: str, arg: Any, partitions: int) -> Engine:
-        """Allocate the partition's engine (``max_batch`` KV slots of ``max_len`` positions)
-        and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
+        """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
+        default one; see docs/generation.md) and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
         o = self._opts
         engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes)
         engine.warm_up()
@@ -45,8 +46,14 @@ class GenerationBackend:
         return rejected
 
     def free_slots(self, engine: Engine) -> int:
-        """KV-cache slots free now (never negative)."""
+        """How many more sequences could start now: free rows bounded by free KV blocks (never negative)."""
         return max(0, engine.free_slots)
+
+    def kv_stats(self, engine: Engine) -> KVStats | None:
+        """The engine's KV block and prefix-cache counters (:class:`KVStats`: blocks used / free /
+        cached, prefix queries / hits / hit tokens, preemptions, evictions) for the serving's stats;
+        None on the slot design (fused CUDA decode path)."""
+        return engine.kv_stats()
 
     def step(self, engine: Engine) -> list[tuple[int, TokenEvent, bool]]:
         """One engine step; returns ``(row_id, TokenEvent, done)``, done on a row's last event."""
@@ -54,7 +61,7 @@ class GenerationBackend:
                 for ev in engine.step()]
 
     def cancel(self, engine: Engine, row_ids: list[int]) -> None:
-        """Drop rows now; their KV slots are free for the next admission."""
+        """Drop rows now; their rows and KV blocks are free for the next admission."""
         for row_id in row_ids:
             engine.cancel(row_id)
 

@@ -255,25 +255,23 @@ def test_stop_string_ends_the_row_and_frees_its_slot(tokenizer, tiny32, solo):
     assert stats.steps_run < 40 and stats.completed == 2 and stats.running == 0
 
 
-def test_kv_budget_admission_queues_and_bounds(tokenizer, tiny32, solo):
+def test_kv_budget_admission_by_blocks(tokenizer, tiny32, solo):
+    """A budget of 2.5 slot-design sequences (15 KV blocks of 16 tokens): the paged cache admits
+    by free blocks, so more than 2 rows run at once; blocks that run out mid-decode preempt the
+    newest sequence (recomputed later): every output still equals its solo run."""
     max_len = 96
     per_seq = kv_bytes_per_token(tiny32) * (max_len + 1)
     rows: list[int] = []
     s = make(tokenizer, tiny32, max_batch=8, max_len=max_len, kv_cache_bytes=2 * per_seq + per_seq // 2)
     s = s.telemetry(step_rows(rows))
-    with s.start(max_queue=8) as h:  # batch_size 8, but the budget holds 2 sequences
+    with s.start(max_queue=16) as h:
         long = [Serving.stream(h, {"text": text(3, 30 + i), "max_new_tokens": 40}, deadline=60) for i in range(2)]
-        wait_for(lambda: h.stats().running == 2)
         queued = [Serving.stream(h, REQS[i % len(REQS)], deadline=60) for i in range(8)]
-        stats = h.stats()
-        assert (stats.running, stats.queued) == (2, 8)
-        with pytest.raises(ServingOverloaded):
-            Serving.stream(h, REQS[0])
         assert [read(x)[1:] for x in long] == [(40, "length")] * 2
         assert [read(x) for x in queued] == [solo[i % len(REQS)] for i in range(8)]
         stats = h.stats()
-    assert stats.completed == 10 and stats.rejected == 1 and stats.running == stats.queued == 0
-    assert max(rows) == 2
+    assert stats.completed == 10 and stats.running == stats.queued == 0
+    assert max(rows) > 2
 
 
 def test_request_that_can_never_fit_fails_only_its_caller(tokenizer, tiny32, solo):

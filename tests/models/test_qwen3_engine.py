@@ -143,7 +143,12 @@ def test_decode_keeps_flowing_during_chunked_prefill(tiny32):
 def test_budget_and_validation(tiny32):
     per_slot = kv_bytes_per_token(tiny32) * (64 + 1)
     engine = Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=3 * per_slot)
-    assert engine.free_slots == 3 and engine.cache.slots == 3
+    # paged: 3 x 65 tokens of budget = 12 blocks of 16; every row may start (1 block each at least)
+    stats = engine.kv_stats()
+    assert (stats.blocks_total, stats.blocks_free, stats.block_size) == (12, 12, 16)
+    assert engine.free_slots == 8 and engine.cache.num_blocks == 13  # + the null block
+    tight = Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=per_slot)
+    assert tight.kv_stats().blocks_total == 4 and tight.free_slots == 4
     assert engine.can_add(10, 54) and not engine.can_add(10, 55)
     with pytest.raises(ValueError, match="exceeds max_len 64"):
         engine.add(0, _prompt(1, 10), SamplingParams(max_new_tokens=55))
@@ -174,7 +179,8 @@ def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo):
     later outputs equal the solo runs; it refuses to run while sequences are active."""
     engine = Engine(tiny32, max_batch=5, max_len=64, bucket_shapes=True, compile_decode=True)
     engine.warm_up()
-    assert engine.cache.lengths.tolist() == [0] * 5
+    stats = engine.kv_stats()
+    assert stats.blocks_used == 0 and stats.blocks_free == stats.blocks_total
     for i, request in enumerate(REQUESTS):
         engine.add(i, *request)
     with pytest.raises(RuntimeError, match="no active sequences"):

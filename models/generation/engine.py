@@ -1,0 +1,517 @@
+"""Continuous (iteration-level) batching over a paged KV cache (or, for the fused CUDA decode
+path, the preallocated slot cache).
+
+Sequences are added to a waiting queue and start between steps on a free row (``max_batch``
+rows) when the KV blocks for their first prefill chunk are free; the blocks of their longest
+cached prefix are reused (automatic prefix caching, :mod:`.kv_manager`). A running sequence takes
+blocks on demand as it grows and returns them at once when it finishes or is cancelled. When a
+step needs blocks that are not free, the newest running sequence is preempted: its blocks are
+freed and it is requeued at the front of the waiting queue, to recompute prompt + generated
+tokens later (its tokens already emitted are not emitted again, and its output does not change).
+
+Each :meth:`Engine.step` builds, for the whole batch, at most one prefill forward (one chunk of
+up to ``prefill_chunk`` tokens for every sequence still reading its prompt) and one decode
+forward (one token for every decoding sequence, over rows ``0..hi``), enqueues them with one
+``mx.async_eval``, and only then reads the previous step's tokens to the host: the device always
+has the next step queued while the host does bookkeeping (mlx-lm's ``generate_step`` pipelines
+the same way). A sequence that ends on EOS therefore costs one wasted decode row. A step that
+must preempt first lands the previous step's tokens (so the preempted sequence's generated tokens
+are all known).
+
+Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA build a new
+shape can mean new kernels or plans): a batch of more than one row is padded to a power-of-two
+row count and its attention span rounded up to a multiple of ``_KV_BUCKET``; padding rows and
+tokens have ``n_valid`` 0, write only the null block (or the slot cache's scratch column) and
+are never attended, so outputs do not change.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..qwen3.cache import KVCache, budget_slots, init_kv_cache
+from ..qwen3.events import FinishReason, SeqEvent
+from ..qwen3.model import Rows
+from ..qwen3.sampling import SamplerKind, SamplingParams, greedy, sample_top_p
+from ..registry import family_model
+from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
+from .kv_manager import KVManager, KVStats, SeqBlocks
+
+__all__ = ["Engine"]
+
+_KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One added sequence: the engine's only per-sequence record (``admitted``: perf_counter
+    seconds at ``add``)."""
+
+    seq_id: int
+    prompt: np.ndarray
+    params: SamplingParams
+    rng: np.random.Generator
+    admitted: float
+    slot: int = -1  # row (and, in slot mode, cache slot); -1 while waiting
+    order: int = 0  # start counter: the newest running sequence is preempted first
+    target: np.ndarray | None = None  # tokens to prefill: the prompt, or prompt + generated after a preemption
+    prefilled: int = 0  # tokens of target in the cache
+    length: int = 0  # positions whose K/V is in the cache (or enqueued)
+    scheduled: int = 0  # new tokens whose computation has been enqueued
+    emitted: int = 0  # tokens returned as events
+    generated: list[int] = field(default_factory=list)  # tokens landed on the host
+    kv: SeqBlocks = field(default_factory=SeqBlocks)
+    done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.target is not None and self.prefilled < len(self.target)
+
+    @property
+    def decoding(self) -> bool:
+        return not self.prefilling and 1 <= self.scheduled < self.params.max_new_tokens
+
+    def stream(self) -> np.ndarray:
+        """Prompt + landed generated tokens."""
+        if not self.generated:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.generated, dtype=np.int32)])
+
+
+@dataclass
+class _Flight:
+    """One enqueued step: the row token array after it, and who got a token."""
+
+    tokens: mx.array
+    produced: list[_Seq] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching generator for one loaded model ``State`` (any registered family).
+
+    ``max_batch`` rows decode at once; ``max_len`` tokens (prompt + new tokens) per sequence;
+    ``prefill_chunk`` prompt tokens per sequence per step. KV memory is a pool of blocks of
+    ``block_size`` (16) tokens allocated up front for a budget: ``kv_cache_bytes`` (absolute), or
+    ``kv_cache_fraction`` of the device's available memory, or a default (1 GiB on the CPU, half
+    the available memory on a GPU), never more than ``max_batch x (max_len + 1)`` tokens (see
+    :mod:`.kv_cache`). ``prefix_caching`` (default on) reuses the blocks of cached prefixes.
+
+    The slot design instead (one preallocated ``max_len`` slot per row, no preemption, no prefix
+    caching) when ``kv_cache`` passes a :class:`KVCache` from ``init_kv_cache`` (its ``max_len``
+    wins), or on the fused CUDA decode path (model.decode_path == "fused"), whose kernel reads
+    contiguous slots; ``kv_cache_bytes`` then caps the slot count.
+
+    ``compile_decode`` runs decode steps through ``mx.compile``d graphs, one per padded row count
+    (and, off the fused path, per attention span rounded up to a multiple of ``_KV_BUCKET``); None
+    (default) means on with the fused path and off elsewhere. ``bucket_shapes`` pads batches to
+    the shape buckets described in the module docstring; None (default) means on for a GPU, off on
+    the CPU. :meth:`warm_up` runs every bucket once. Raises ValueError when the budget holds no
+    sequence of ``max_len``. Not thread-safe: drive it from one thread.
+    """
+
+    def __init__(self, state: Any, max_batch: int, max_len: int, prefill_chunk: int = 512,
+                 kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None,
+                 compile_decode: bool | None = None, bucket_shapes: bool | None = None,
+                 kv_cache_fraction: float | None = None, prefix_caching: bool = True,
+                 block_size: int = BLOCK_SIZE):
+        if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
+            raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
+                             f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
+        self._model = family_model(state)  # the family's forward pass
+        self._fused = self._model.decode_path(state) == "fused"
+        self.state, self.prefill_chunk = state, prefill_chunk
+        self._kv: KVManager | None = None
+        if kv_cache is not None or self._fused:  # slot design
+            slots = max_batch
+            if kv_cache_bytes is not None:
+                slots = min(slots, budget_slots(state, max_len, kv_cache_bytes))
+            if kv_cache is None:
+                kv_cache = init_kv_cache(state, max_len, slots)
+            kv_cache.lengths[:] = 0
+            self.cache: KVCache | PagedKVCache = kv_cache
+            self.max_len = kv_cache.max_len
+            rows = min(slots, kv_cache.slots)
+        else:
+            blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
+            self.cache = init_paged_kv_cache(state, blocks, block_size)
+            self._kv = KVManager(blocks, block_size, prefix_caching)
+            self.max_len = max_len
+            rows = max_batch
+        self._slots: list[_Seq | None] = [None] * rows
+        self._waiting: deque[_Seq] = deque()
+        self._by_id: dict[int, _Seq] = {}
+        self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
+        self._flight: _Flight | None = None
+        self._started = 0
+        if compile_decode is None:
+            compile_decode = self._fused
+        self._compiled: dict[tuple[int, int], Callable[..., tuple]] | None = {} if compile_decode else None
+        self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
+
+    # ---- admission -------------------------------------------------------------------
+
+    @property
+    def paged(self) -> bool:
+        """True on the paged KV cache, False on the slot design."""
+        return self._kv is not None
+
+    @property
+    def num_active(self) -> int:
+        """Sequences added and not yet finished or cancelled (waiting ones included)."""
+        return len(self._by_id)
+
+    @property
+    def free_slots(self) -> int:
+        """How many more sequences could start now: free rows, bounded on the paged cache by
+        the free KV blocks (one each at least), less the sequences already waiting."""
+        free = sum(s is None for s in self._slots)
+        if self._kv is not None:
+            free = min(free, self._kv.pool.available)
+        return max(0, free - len(self._waiting))
+
+    def can_add(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """True when a sequence of this size fits and could start now."""
+        return self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
+
+    def kv_stats(self) -> KVStats | None:
+        """Block and prefix-cache counters (:class:`~.kv_manager.KVStats`); None on the slot design."""
+        return self._kv.stats() if self._kv is not None else None
+
+    def _fits(self, prompt_len: int, max_new_tokens: int) -> bool:
+        return 1 <= prompt_len and prompt_len + max_new_tokens <= self.max_len
+
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a sequence; it starts at a later step (FIFO when rows or blocks are short).
+        Its events' ``elapsed_ms`` count from this call.
+
+        Raises ValueError for a duplicate ``seq_id``, ``params`` that are not a
+        :class:`SamplingParams`, prompt ids that are not integers (bools, floats, strings, ints
+        past int64), an empty prompt, ids outside the vocabulary, or
+        ``len(prompt_ids) + max_new_tokens > max_len`` (never fits). Nothing is queued then.
+        """
+        if seq_id in self._by_id:
+            raise ValueError(f"sequence {seq_id} is already active")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        try:
+            prompt = np.asarray(prompt_ids).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"prompt_ids must be a list of integer token ids ({e})") from None
+        if prompt.size and prompt.dtype.kind not in "iu":
+            raise ValueError(f"prompt_ids must be integer token ids, got {prompt.dtype} values")
+        prompt = prompt.astype(np.int64)
+        if prompt.size == 0:
+            raise ValueError("empty prompt: at least one token id is needed")
+        if not self._fits(prompt.size, params.max_new_tokens):
+            raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens {params.max_new_tokens} "
+                             f"exceeds max_len {self.max_len}")
+        vocab = self.state.config.vocab_size
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed), time.perf_counter())
+        self._by_id[seq_id] = seq
+        self._waiting.append(seq)
+
+    def cancel(self, seq_id: int) -> None:
+        """Drop a sequence now and free its row and blocks; unknown or finished ids are ignored."""
+        seq = self._by_id.get(seq_id)
+        if seq is not None:
+            self._finish(seq)
+
+    def _finish(self, seq: _Seq) -> None:
+        seq.done = True
+        del self._by_id[seq.seq_id]
+        if seq.slot >= 0:
+            self._release(seq)
+        else:
+            self._waiting.remove(seq)
+
+    def _release(self, seq: _Seq) -> None:
+        """Give back a running sequence's row and blocks."""
+        self._slots[seq.slot] = None
+        seq.slot = -1
+        if self._kv is not None:
+            self._kv.free(seq.kv)
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self._slots):
+            if not self._waiting:
+                return
+            if occupant is not None:
+                continue
+            seq = self._waiting[0]
+            if seq.target is None:
+                seq.target = seq.prompt
+            if self._kv is not None:
+                reused = self._kv.admit(seq.kv, seq.target, self.prefill_chunk)
+                if reused is None:
+                    return  # FCFS: the head waits for blocks
+                seq.prefilled = seq.length = reused
+            else:
+                self.cache.lengths[slot] = 0
+            self._waiting.popleft()
+            self._started += 1
+            seq.slot, seq.order, self._slots[slot] = slot, self._started, seq
+
+    def _need(self, seq: _Seq) -> int:
+        """Positions ``seq`` holds after this step's forward."""
+        if seq.prefilling:
+            return seq.prefilled + min(self.prefill_chunk, len(seq.target) - seq.prefilled)
+        return seq.length + (1 if seq.decoding else 0)
+
+    def _reserve(self) -> list[SeqEvent]:
+        """Paged cache: blocks for every running sequence's tokens of this step, oldest first;
+        preempt the newest running sequences when the pool runs dry (landing the previous step
+        first, so every preempted sequence's tokens are known). Returns the events landed."""
+        events: list[SeqEvent] = []
+        running = sorted((s for s in self._slots if s is not None), key=lambda s: s.order)
+        i = 0
+        while i < len(running):
+            s = running[i]
+            if s.done or self._kv.ensure(s.kv, self._need(s)):
+                i += 1
+                continue
+            if self._flight is not None:
+                events += self._land(self._flight)
+                self._flight = None
+                continue
+            while running[-1].done:
+                running.pop()
+            self._preempt(running.pop())
+        return events
+
+    def _preempt(self, seq: _Seq) -> None:
+        assert seq.scheduled == seq.emitted, "preempting a sequence with a token in flight"
+        self._release(seq)
+        seq.target = seq.stream()
+        seq.prefilled = seq.length = 0
+        self._waiting.appendleft(seq)
+        self._kv.preemptions += 1
+
+    def warm_up(self) -> None:
+        """Run every decode shape this engine can use once, plus one small prefill, so that
+        MLX's per-shape work (kernel builds, traces of the compiled decode; seconds each on
+        MLX's CUDA build) happens now and not inside a request's time to first token.
+
+        Only padding rows take part (``n_valid`` 0): no sequence and no valid cache position
+        changes. Does nothing without shape bucketing (the CPU default), where shapes are
+        not a small known set. Raises RuntimeError when sequences are active.
+        """
+        if self._by_id:
+            raise RuntimeError("warm_up() needs an engine with no active sequences")
+        if not self._bucket:
+            return
+        n = len(self._slots)
+        span = self._span(1)  # the first span bucket (the fused path ignores it)
+        for hi in sorted({min(n, _pow2(k)) for k in range(1, n + 1)}):
+            zeros = np.zeros(hi, dtype=np.int32)
+            table = np.zeros((hi, self._width(span)), dtype=np.int32)
+            if self._compiled is not None:
+                logits = self._decode_compiled(hi, zeros, zeros, span, table)
+            else:
+                rows = Rows(self._tokens[:hi, None], None, mx.array(zeros), mx.array(zeros), span,
+                            mx.array(zeros), dense=hi == 1, block_table=self._table_arg(table))
+                logits = self._model.forward(self.state, self.cache, rows)
+            mx.eval(greedy(logits))
+        t = min(self.prefill_chunk, 16)
+        z = mx.zeros((1,), dtype=mx.int32)
+        rows = Rows(mx.zeros((1, t), dtype=mx.int32), z, z, z, 1, z,
+                    block_table=self._table_arg(np.zeros((1, 1), dtype=np.int32)))
+        mx.eval(self._model.forward(self.state, self.cache, rows))
+
+    # ---- the step --------------------------------------------------------------------
+
+    def step(self) -> list[SeqEvent]:
+        """Advance every active sequence by one step; return the new tokens' events.
+
+        Events lag the device by one step (pipelining): the first call after an add
+        usually returns nothing for that sequence.
+        """
+        self._admit()
+        events = self._reserve() if self._kv is not None else []
+        decoders = [s for s in self._slots if s is not None and s.decoding]
+        prefillers = [s for s in self._slots if s is not None and s.prefilling]
+        flight = _Flight(self._tokens)
+        if prefillers:
+            self._prefill(prefillers, flight)
+        if decoders:
+            self._decode(decoders, flight)
+        flight.tokens = self._tokens
+        if flight.produced:
+            mx.async_eval(flight.tokens, *self.cache.keys, *self.cache.values)
+        if self._flight is not None:
+            events += self._land(self._flight)
+        self._flight = flight if flight.produced else None
+        if self._kv is not None and self._kv.prefix_caching:
+            for s in self._slots:
+                if s is not None:
+                    self._commit(s)
+        return events
+
+    def _commit(self, s: _Seq) -> None:
+        known = len(s.prompt) + len(s.generated)
+        n = min(known, s.length) // self._kv.block_size
+        if n > s.kv.committed:
+            self._kv.commit(s.kv, s.stream(), s.length)
+
+    def _width(self, kv_len: int) -> int:
+        """Block-table columns for an attention span of ``kv_len`` (1 on the slot design)."""
+        return -(-kv_len // self._kv.block_size) if self._kv is not None else 1
+
+    def _table(self, seqs: list[_Seq | None], rows: int, kv_len: int) -> np.ndarray:
+        """``(rows, width)`` block table of ``seqs`` (None and missing rows: null block 0)."""
+        width = self._width(kv_len)
+        table = np.zeros((rows, width), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            if s is not None:
+                blocks = s.kv.blocks[:width]
+                table[i, : len(blocks)] = blocks
+        return table
+
+    def _table_arg(self, table: np.ndarray) -> mx.array | None:
+        return mx.array(table) if self._kv is not None else None
+
+    def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
+        chunks = [s.target[s.prefilled : s.prefilled + self.prefill_chunk] for s in seqs]
+        t = max(len(c) for c in chunks)
+        b = len(seqs)
+        dense = b == 1 and len(chunks[0]) == t
+        if not dense and self._bucket:  # padding rows/tokens write the scratch column only
+            t, b = min(self.prefill_chunk, _pow2(t)), _pow2(b)
+        tokens = np.zeros((b, t), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tokens[i, : len(c)] = c
+        start, n_valid = np.zeros(b, dtype=np.int32), np.zeros(b, dtype=np.int32)
+        start[: len(seqs)] = [s.prefilled for s in seqs]
+        n_valid[: len(seqs)] = [len(c) for c in chunks]
+        slots = np.full(b, seqs[0].slot, dtype=np.int32)
+        slots[: len(seqs)] = [s.slot for s in seqs]
+        kv_len = int((start + n_valid).max())
+        span = self._span(kv_len) if self._bucket and not dense else kv_len
+        rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid), span,
+                    mx.array(np.maximum(n_valid - 1, 0)), dense=dense,
+                    block_table=self._table_arg(self._table(seqs, b, span)) if self._kv is not None else None)
+        logits = self._model.forward(self.state, self.cache, rows)
+        done = []
+        for i, (s, n) in enumerate(zip(seqs, n_valid)):
+            s.prefilled += int(n)
+            s.length += int(n)
+            if self._kv is None:
+                self.cache.lengths[s.slot] += int(n)
+            if not s.prefilling:
+                done.append(i)
+        if done:
+            idx = mx.array(done, dtype=mx.int32)
+            finished = [seqs[i] for i in done]
+            self._sample(logits[idx], finished, idx_slots=[s.slot for s in finished], flight=flight)
+
+    def _decode(self, seqs: list[_Seq], flight: _Flight) -> None:
+        hi = max(s.slot for s in seqs) + 1
+        if hi > 1 and self._bucket:  # padding rows have n_valid 0 (scratch write, never read)
+            hi = min(len(self._slots), _pow2(hi))
+        n_valid = np.zeros(hi, dtype=np.int32)
+        n_valid[[s.slot for s in seqs]] = 1
+        if self._kv is None:
+            start = self.cache.lengths[:hi].astype(np.int32)
+        else:
+            start = np.zeros(hi, dtype=np.int32)
+            for s in seqs:
+                start[s.slot] = s.length
+        kv_len = int((start + n_valid)[n_valid == 1].max())
+        members: list[_Seq | None] = [None] * hi
+        for s in seqs:
+            members[s.slot] = s
+        if self._compiled is None:
+            if hi > 1 and self._bucket:
+                kv_len = self._span(kv_len)
+            table = self._table_arg(self._table(members, hi, kv_len)) if self._kv is not None else None
+            rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
+                        mx.zeros((hi,), dtype=mx.int32), dense=hi == 1, block_table=table)
+            logits = self._model.forward(self.state, self.cache, rows)
+        else:
+            span = 0 if self._fused else self._span(kv_len)
+            logits = self._decode_compiled(hi, start, n_valid, kv_len, self._table(members, hi, span))
+        for s in seqs:
+            s.length += 1
+            if self._kv is None:
+                self.cache.lengths[s.slot] += 1
+        slot_ids = [s.slot for s in seqs]
+        self._sample(logits[mx.array(slot_ids)] if len(seqs) < hi else logits, seqs,
+                     idx_slots=slot_ids, flight=flight)
+
+    def _span(self, kv_len: int) -> int:
+        """Attention span rounded up to a multiple of ``_KV_BUCKET`` (at most ``max_len``)."""
+        return min(self.max_len, -(-kv_len // _KV_BUCKET) * _KV_BUCKET)
+
+    def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int,
+                         table: np.ndarray) -> mx.array:
+        span = 0 if self._fused else self._span(kv_len)
+        fn = self._compiled.get((hi, span))
+        block_size = self._kv.block_size if self._kv is not None else 0
+        if fn is None:
+            fn = self._compiled[(hi, span)] = self._model.compiled_decode(self.state, self.max_len, span,
+                                                                          block_size)
+        args = [self._tokens[:hi, None], mx.array(start), mx.array(n_valid)]
+        if self._kv is not None:
+            args.append(mx.array(table))
+        logits, keys, values = fn(*args, self.cache.keys, self.cache.values)
+        self.cache.keys[:], self.cache.values[:] = keys, values
+        return logits
+
+    def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
+        """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into
+        the row token array."""
+        new = greedy(logits)
+        sampled = [i for i, s in enumerate(seqs) if s.params.kind is SamplerKind.TOP_P]
+        if sampled:
+            idx = mx.array(sampled, dtype=mx.int32)
+            p = [seqs[i].params for i in sampled]
+            u = [seqs[i].rng.random() for i in sampled]
+            new[idx] = sample_top_p(logits[idx], mx.array([q.temperature for q in p], dtype=mx.float32),
+                                    mx.array([q.top_p for q in p], dtype=mx.float32),
+                                    mx.array(u, dtype=mx.float32))
+        self._tokens = _put(self._tokens, idx_slots, new)
+        for s in seqs:
+            s.scheduled += 1
+        flight.produced += seqs
+
+    def _land(self, flight: _Flight) -> list[SeqEvent]:
+        """Read a flight's tokens to the host and turn them into events."""
+        host = np.array(flight.tokens)
+        now = time.perf_counter()
+        events = []
+        for s in flight.produced:
+            if s.done:
+                continue
+            token = int(host[s.slot])
+            reason: FinishReason | None = None
+            if token in s.params.eos_token_ids:
+                reason = FinishReason.STOP
+            elif s.emitted + 1 >= s.params.max_new_tokens:
+                reason = FinishReason.LENGTH
+            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason))
+            s.emitted += 1
+            s.generated.append(token)
+            if reason is not None:
+                self._finish(s)
+        return events
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+def _put(tokens: mx.array, slots: list[int], values: mx.array) -> mx.array:
+    """A new row token array with ``values`` at ``slots`` (``tokens`` is untouched:
+    an enqueued step keeps its own snapshot)."""
+    values = values if values.dtype == mx.int32 else values.astype(mx.int32)
+    return mx.put_along_axis(tokens, mx.array(slots, dtype=mx.int32), values, axis=0)
