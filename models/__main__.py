@@ -104,13 +104,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
-    model = args.model
-    if model is None:
-        print(_RANDOM_NOTE, file=sys.stderr)
-        model = default_checkpoint()
-    return text_generation.from_mlx4bit(
-        model, max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
-        top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1)
+    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
+                   top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1)
+    text_generation.GenerationOptions(**options)  # a bad option fails before the note and the loading
+    if args.model is not None:
+        return text_generation.from_mlx4bit(args.model, **options)
+    print(_RANDOM_NOTE, file=sys.stderr)
+    return text_generation.from_mlx4bit(default_checkpoint(), **options)
 
 
 def _stream_reply(serving: Serving, request: dict[str, Any], out: IO[str]) -> tuple[str, dict[str, Any]]:
@@ -225,13 +225,14 @@ def _timing_line(final: dict[str, Any]) -> str:
     prompt_rate = _rate(prompt or 0, timing.get("prefill_ms"))
     decode_rate = _rate((generated or 0) - 1, timing.get("decode_ms"))
     peak = mx.get_peak_memory() / 1e9
-    return (f"[prompt {_count(prompt)} tokens, {prompt_rate} tok/s | {_count(generated)} new tokens, "
+    return (f"[prompt {_tokens(prompt)}, {prompt_rate} tok/s | {_tokens(generated, 'new token')}, "
             f"decode {decode_rate} tok/s | peak memory {f'{peak:.3f}' if peak > 0 else '-'} GB | "
             f"finish_reason {final.get('finish_reason', '-')}]")
 
 
-def _count(n: Any) -> str:
-    return "-" if n is None else str(n)
+def _tokens(n: Any, noun: str = "token") -> str:
+    """``"1 token"``, ``"12 tokens"``, ``"- tokens"`` (unknown)."""
+    return f"{'-' if n is None else n} {noun}{'' if n == 1 else 's'}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from mlx_serving import text_generation
 from mlx_serving.models import __main__ as cli
 from mlx_serving.models import _default_checkpoint as dc
 
-_TIMING = re.compile(r"\[prompt (\d+) tokens, ([0-9.]+) tok/s \| (\d+) new tokens, decode ([0-9.]+) tok/s"
+_TIMING = re.compile(r"\[prompt (\d+) tokens?, ([0-9.]+) tok/s \| (\d+) new tokens?, decode ([0-9.]+) tok/s"
                      r" \| peak memory ([0-9.]+) GB \| finish_reason (\w+)\]")
 _SMALL = ["--max-new-tokens", "6", "--max-len", "64"]
 _from_mlx4bit = text_generation.from_mlx4bit  # the real one (the ``recorders`` fixture wraps it)
@@ -199,6 +199,12 @@ def test_bad_input_options_and_checkpoint_exit_2(
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "x", "--seed", "-1"])
     assert e.value.code == 2
+
+
+def test_a_bad_option_fails_before_the_default_checkpoint_note(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "x", "--max-new-tokens", "0"]) == 2  # no --model: the default one
+    err = capsys.readouterr().err
+    assert "max_new_tokens" in err and "note:" not in err
 
 
 # ---- --version, --help --------------------------------------------------------------------------
