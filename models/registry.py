@@ -4,6 +4,7 @@ A family is a package under ``models/`` with a ``loader.load(path, **options) ->
 ``model`` module providing the forward pass the engine calls (mlx-lm's ``_get_classes`` in
 ``mlx_lm/utils.py`` is the precedent: one module per architecture, picked by config.json's
 ``model_type``). A family's ``State`` names its family in the class attribute ``family``.
+docs/models.md lists the families and how to add one.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .qwen3.config import read_json
+from ._checkpoint import read_json, show
 
 __all__ = ["FAMILIES", "family_model", "load", "model_type"]
 
-#: config.json ``model_type`` -> family package under ``models/``.
-FAMILIES: dict[str, str] = {"qwen3": "qwen3"}
+#: config.json ``model_type`` -> family package under ``models/``. Mistral (7B v0.2+, Nemo) is
+#: the Llama architecture (mlx-lm maps it the same way); its config is checked by the llama family.
+FAMILIES: dict[str, str] = {"qwen3": "qwen3", "llama": "llama", "mistral": "llama"}
 
 
 def model_type(path: str | Path) -> str:
@@ -30,8 +32,8 @@ def model_type(path: str | Path) -> str:
         raise FileNotFoundError(f"checkpoint {root}: missing file config.json ({cfg})")
     raw = read_json(cfg, root)
     kind = raw.get("model_type") if isinstance(raw, dict) else None
-    if kind not in FAMILIES:
-        raise ValueError(f"{cfg}: model_type {kind!r} is not supported (supported: {sorted(FAMILIES)})")
+    if not isinstance(kind, str) or kind not in FAMILIES:  # a list or object is no model_type either
+        raise ValueError(f"{cfg}: model_type {show(kind)} is not supported (supported: {', '.join(sorted(FAMILIES))})")
     return kind
 
 

@@ -1,0 +1,150 @@
+"""Weight matrices every model family shares: :class:`Linear` (dense or quantized, optional
+bias), :class:`Fused` (linears reading the same input, run as one matmul) and :class:`Reader`
+(builds them from a checkpoint's tensors and its quantization block)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ._checkpoint import QuantSpec, Quantization
+
+__all__ = ["Fused", "Linear", "Reader"]
+
+
+@dataclass
+class Linear:
+    """A weight matrix of logical shape ``(out, in)``, dense or quantized, with an optional
+    ``bias`` ``(out,)``.
+
+    Dense: ``weight`` is ``(out, in)`` float; ``weight_t`` is its transposed view, made once
+    (evaluated at load, it is a leaf of every step's graph rather than one more node per
+    call). Quantized: ``weight`` packed uint32, with ``scales``/``biases`` (the quantization's
+    per-group offsets, not the layer's ``bias``) and ``spec``.
+    Call with 2-D ``x`` ``(rows, in)`` -> ``(rows, out)``. The bias is added as mlx-lm's
+    ``nn.Linear`` (``mx.addmm``) and ``nn.QuantizedLinear`` (a sum after the matmul) add it,
+    so the results are the same to the bit.
+    """
+
+    weight: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    spec: QuantSpec | None = None
+    weight_t: mx.array | None = field(default=None, repr=False)
+    bias: mx.array | None = None
+
+    def __post_init__(self) -> None:
+        if self.scales is None and self.weight_t is None:
+            self.weight_t = self.weight.T
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.scales is None:
+            return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
+        y = mx.quantized_matmul(
+            x, self.weight, self.scales, self.biases, transpose=True,
+            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+        )
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self, dtype: mx.Dtype) -> "Linear":
+        """This matrix as a dense ``(out, in)`` Linear in ``dtype`` (itself when dense)."""
+        if self.scales is None:
+            return self
+        return Linear(mx.dequantize(self.weight, self.scales, self.biases, group_size=self.spec.group_size,
+                                    bits=self.spec.bits, mode=self.spec.mode).astype(dtype), bias=self.bias)
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Embedding lookup: rows ``ids`` (any int shape) -> ``ids.shape + (in,)``.
+
+        Quantized tables gather the packed rows and dequantize only those (as mlx-lm's
+        ``QuantizedEmbedding`` does), never the whole table.
+        """
+        if self.scales is None:
+            return self.weight[ids]
+        return mx.dequantize(
+            self.weight[ids], self.scales[ids], self.biases[ids],
+            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+        )
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays this matrix holds (to evaluate at load)."""
+        return [a for a in (self.weight, self.scales, self.biases, self.weight_t, self.bias) if a is not None]
+
+
+@dataclass
+class Fused:
+    """Linears that read the same input (q/k/v, gate/up), run as one matmul.
+
+    When every part is stored alike (all dense in one dtype, or all quantized with one
+    spec; all with a bias or none) their rows are concatenated once at load into ``merged``
+    (exact: each output is the same dot product) and ``splits`` holds the output offsets;
+    otherwise ``parts`` run one by one. Call with ``(rows, in)`` -> list of ``(rows, out_i)``.
+    Fewer, larger matmuls mean fewer kernel launches per decode step.
+    """
+
+    merged: Linear | None
+    splits: list[int]
+    parts: list[Linear]
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if self.merged is None:
+            return [p(x) for p in self.parts]
+        return mx.split(self.merged(x), self.splits, axis=-1)
+
+    @classmethod
+    def of(cls, parts: list[Linear]) -> "Fused":
+        first = parts[0]
+        alike = all((p.scales is None) == (first.scales is None) and p.spec == first.spec
+                    and p.weight.dtype == first.weight.dtype and (p.bias is None) == (first.bias is None)
+                    for p in parts)
+        if not alike:
+            return cls(None, [], parts)
+        cat = [mx.concatenate([getattr(p, f) for p in parts]) if getattr(first, f) is not None else None
+               for f in ("weight", "scales", "biases", "bias")]
+        offsets = [int(x) for x in np.cumsum([p.weight.shape[0] for p in parts])[:-1]]
+        return cls(Linear(cat[0], cat[1], cat[2], first.spec, bias=cat[3]), offsets, [])
+
+    def dequantized(self, dtype: mx.Dtype) -> "Fused":
+        """The same linears stored dense in ``dtype``."""
+        if self.merged is None:
+            return Fused(None, [], [p.dequantized(dtype) for p in self.parts])
+        return Fused(self.merged.dequantized(dtype), self.splits, [])
+
+    def linears(self) -> list[Linear]:
+        """The matrices this holds (the merged one, or the parts)."""
+        return self.parts if self.merged is None else [self.merged]
+
+
+class Reader:
+    """Builds a family's weights from a checkpoint's loaded ``tensors`` (names as stored)."""
+
+    def __init__(self, path: Path, tensors: dict[str, mx.array], quantization: Quantization | None):
+        self.path, self.tensors, self.quantization = path, tensors, quantization
+
+    def tensor(self, name: str) -> mx.array:
+        """Tensor ``name``; KeyError naming it when absent."""
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint {self.path}: missing tensor {name!r}")
+        return self.tensors[name]
+
+    def linear(self, module: str, bias: bool = False) -> Linear:
+        """``module``'s weight matrix: quantized when ``.scales`` is stored (per the
+        quantization block), dense otherwise; with ``module.bias`` when ``bias``."""
+        weight = self.tensor(f"{module}.weight")
+        b = self.tensor(f"{module}.bias") if bias else None
+        if f"{module}.scales" not in self.tensors:
+            return Linear(weight, bias=b)
+        quant = self.quantization
+        spec = quant.spec_for(module) if quant is not None else None
+        if spec is None:
+            raise ValueError(
+                f"checkpoint {self.path}: {module}.scales present but config.json's "
+                f"quantization block does not quantize {module!r}"
+            )
+        biases = self.tensors.get(f"{module}.biases")
+        if biases is None and spec.mode == "affine":
+            raise KeyError(f"checkpoint {self.path}: missing tensor '{module}.biases'")
+        return Linear(weight, self.tensor(f"{module}.scales"), biases, spec, bias=b)
