@@ -135,12 +135,22 @@ class Engine:
         """Queue a sequence; it takes a slot at the next step (FIFO when all are busy).
         Its events' ``elapsed_ms`` count from this call.
 
-        Raises ValueError for a duplicate ``seq_id``, an empty prompt, ids outside the
-        vocabulary, or ``len(prompt_ids) + max_new_tokens > max_len`` (never fits).
+        Raises ValueError for a duplicate ``seq_id``, ``params`` that are not a
+        :class:`SamplingParams`, prompt ids that are not integers (bools, floats, strings, ints
+        past int64), an empty prompt, ids outside the vocabulary, or
+        ``len(prompt_ids) + max_new_tokens > max_len`` (never fits). Nothing is queued then.
         """
         if seq_id in self._by_id:
             raise ValueError(f"sequence {seq_id} is already active")
-        prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        try:
+            prompt = np.asarray(prompt_ids).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ValueError(f"prompt_ids must be a list of integer token ids ({e})") from None
+        if prompt.size and prompt.dtype.kind not in "iu":
+            raise ValueError(f"prompt_ids must be integer token ids, got {prompt.dtype} values")
+        prompt = prompt.astype(np.int64)
         if prompt.size == 0:
             raise ValueError("empty prompt: at least one token id is needed")
         if not self._fits(prompt.size, params.max_new_tokens):

@@ -7,9 +7,10 @@ optionally with per-request ``max_new_tokens``, ``temperature``, ``top_p``, ``se
 "output"}, "timing"}]}``; a list input returns a list of those, in order. ``finish_reason`` is
 "stop" (EOS or a stop string) or "length" (max_new_tokens), the values of :class:`FinishReason`.
 
-Sampling (as in mlx-lm and the OpenAI API): ``temperature`` 0 (the default) is greedy decoding;
-``temperature > 0`` samples at that temperature from the ``top_p`` nucleus (default 1.0: plain
-temperature sampling), reproducibly when ``seed`` (an int >= 0) is given.
+Sampling (as in mlx-lm and the OpenAI API): ``temperature`` 0 (the default; anything below 1e-5
+too) is greedy decoding; a larger one samples at that temperature from the ``top_p`` nucleus
+(default 1.0: plain temperature sampling), reproducibly when ``seed`` (an int in [0, 2**64)) is
+given. Types and ranges of every option: ``_inputs.preprocess`` and docs/qwen3.md.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..qwen3 import FinishReason, State, load
 from ..qwen3.cache import budget_slots
 from ._backend import GenerationBackend
 from ._events import TokenEvent
-from ._inputs import RequestInfo, needs_thread, preprocess
+from ._inputs import RequestInfo, max_bytes_per_token, needs_thread, preprocess
 from ._options import GenerationOptions
 from ._stream import GenerationTransducer, collect
 
@@ -46,14 +47,19 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     a worker thread, so no client-side step holds their event loop for more than ~10 ms.
     Raises ValueError for a bad option (including a ``kv_cache_bytes`` that holds no sequence of
     ``max_len``), TypeError for an unknown one, and TokenizationError (a ValueError) for a
-    tokenizer whose decoder is not byte-level. Bad inputs raise ValueError in the caller only.
+    tokenizer whose decoder is not byte-level. Bad inputs raise ValueError in the caller only
+    (every per-request option is checked there: ``_inputs.preprocess``), and a prompt too long
+    for ``max_len`` whatever its tokenization (more UTF-8 bytes than ``max_len`` times the
+    tokenizer's longest token, x3 for NFC; see ``_inputs.max_bytes_per_token``) is refused before
+    it is tokenized.
     """
     opts = GenerationOptions(**options)
     _check_budget(state, opts)
     tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
+    per_token = max_bytes_per_token(tokenizer)  # prompts longer than this x max_len never fit
     return (
         Serving.new(GenerationBackend(state, opts))
-        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts), offload=needs_thread)
+        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts, per_token), offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
         .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)
@@ -69,10 +75,8 @@ def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequan
     ``models.qwen3.load``). Raises FileNotFoundError naming a missing file, ValueError for an
     unsupported checkpoint or option.
     """
-    from ..registry import load as load_family  # the family by config.json's model_type (qwen3, llama, ...)
-
     _check_option_names(options)
-    state = load_family(path, dequantize=dequantize)
+    state = load(path, dequantize=dequantize)
     return serving(tokenizer or Tokenizer.from_dir(path), state, **options)
 
 

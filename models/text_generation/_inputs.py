@@ -1,20 +1,42 @@
-"""Client preprocessing: parse, validate and tokenize text-generation inputs (caller side)."""
+"""Client preprocessing: parse, validate and tokenize text-generation inputs (caller side).
+
+Every per-request option is checked here, in the caller, before anything is tokenized or queued, so
+a bad request fails alone with a ValueError naming the option and never reaches the executor (where
+it could fail a step shared with other requests). The accepted types and ranges are listed in
+:func:`preprocess` and docs/qwen3.md ("Request options").
+"""
 
 from __future__ import annotations
 
+import json
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from ...serving import Batch
 from ...tokenization import Tokenizer
 
-from ..qwen3.sampling import SamplingParams
+from ..qwen3.sampling import SamplingParams, _show
 from ._options import GenerationOptions, _stop_tuple
 
-__all__ = ["Prompt", "RequestInfo", "needs_thread", "preprocess"]
+__all__ = ["ROLES", "Prompt", "RequestInfo", "max_bytes_per_token", "needs_thread", "preprocess"]
 
 _OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed")
 _KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_OPTION_KEYS))
+
+#: Chat roles a message may have (the Qwen3 template renders these four and silently drops any other).
+ROLES = ("system", "user", "assistant", "tool")
+_MESSAGE_KEYS = frozenset(("role", "content", "reasoning_content", "thinking", "reasoning", "tool_calls", "name",
+                           "tool_call_id"))
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+#: Nesting depth of the JSON values in ``tools`` and tool-call arguments (JSON Schemas of real tools
+#: nest ~10 deep; the chat template's ``tojson`` and copy are recursive, so depth must be bounded).
+MAX_JSON_DEPTH = 32
+# Unicode NFC can shrink UTF-8 text by up to 3x (U+0390 is 6 bytes decomposed, 2 composed; a
+# Hangul L+V+T jamo triple is 9 bytes, the syllable 3; U+212A KELVIN SIGN 3 bytes -> "K"). Checked
+# over every code point (decomposed and single) with unicodedata; a tokenizer that normalizes NFC
+# may therefore turn N bytes of prompt into N / 3 bytes of tokens.
+_NFC_SHRINK = 3
 
 # Preprocessing of an input above this size may hold an event loop for more than ~10 ms, so
 # async callers run it on a worker thread (needs_thread). Size: characters of every string in
@@ -50,10 +72,28 @@ class RequestInfo:
     stops: tuple[tuple[str, ...], ...]
 
 
-def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions) -> tuple[Batch, RequestInfo]:
+def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
+               bytes_per_token: int | None = None) -> tuple[Batch, RequestInfo]:
     """Turn an input (a string, ``{"text": ...}``, ``{"messages": [...]}`` or a list of them) into a
-    Batch of :class:`Prompt` rows. Raises ValueError (naming the item for lists) for an empty
-    input, an unknown key, a bad option, or a prompt + max_new_tokens longer than max_len."""
+    Batch of :class:`Prompt` rows.
+
+    Per-request keys (None, JSON null, means the serving's default): ``max_new_tokens`` an int >= 1;
+    ``temperature`` a finite real >= 0; ``top_p`` a real in (0, 1]; ``seed`` an int in [0, 2**64)
+    (bool is never a number); ``stop`` a non-empty string or a list of at most 16 of them, each at
+    most 256 characters; ``messages`` a non-empty list of message dicts (``role`` one of
+    :data:`ROLES`, ``content`` a string; optional ``reasoning_content`` string, ``name`` /
+    ``tool_call_id`` strings, and on assistant messages ``tool_calls``: a list of ``{"function":
+    {"name": str, "arguments": str | dict}}`` or ``{"name", "arguments"}`` dicts); ``tools`` a list
+    of JSON-object dicts; ``enable_thinking`` a bool (``tools`` and ``enable_thinking`` need a chat
+    input: ``messages``, or a serving built with ``chat=True``); ``text`` a non-empty string.
+
+    ``bytes_per_token`` (from :func:`max_bytes_per_token`): when given, a prompt whose UTF-8 size is
+    more than ``bytes_per_token * (max_len - max_new_tokens)`` bytes is refused before it is
+    tokenized (no tokenization of it could fit); a chat input's strings are summed, and when they
+    come near the bound the template is rendered (cheap) and the rendered prompt measured.
+
+    Raises ValueError (naming the item for lists, and the option) for an empty input, an unknown
+    key, a bad option, or a prompt + max_new_tokens longer than max_len."""
     is_list = isinstance(input, list)
     items = input if is_list else [input]
     if not items:
@@ -61,13 +101,80 @@ def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions) -> tup
     rows, stops = [], []
     for i, item in enumerate(items):
         try:
-            prompt, stop = _one(item, tokenizer, opts)
+            prompt, stop = _one(item, tokenizer, opts, bytes_per_token)
         except ValueError as e:
             raise ValueError(f"input {i}: {e}" if is_list else str(e)) from None
         rows.append(prompt)
         stops.append(stop)
     info = RequestInfo(is_list, tuple(len(p.ids) for p in rows), tuple(stops))
     return Batch.stack(rows), info
+
+
+def max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """Most bytes of UTF-8 prompt text that one token of ``tokenizer`` can stand for, or None when
+    its pipeline is not one this bound is proven for. Computed once per tokenizer (~40 ms for
+    Qwen3 once its byte table exists) and cached.
+
+    A byte-level BPE tokenizer turns text into tokens whose byte strings concatenate to the
+    (normalized) text, so ``n`` bytes need at least ``n / longest_token_bytes`` tokens; NFC
+    normalization may first shrink the text up to 3x. Qwen3: the longest token is 128 bytes (a run
+    of spaces; special and added tokens included), so 384 bytes per token. The bound holds when
+    every byte has its own token (nothing is unknown or dropped), the pre-tokenizer only splits
+    (``Split`` without ``Removed``, ``ByteLevel``), no added token strips the whitespace around it,
+    and the normalizer is none or NFC; otherwise
+    this returns None and prompts are only measured after tokenization.
+    """
+    try:
+        return _PER_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    per_token = _max_bytes_per_token(tokenizer)
+    try:
+        _PER_TOKEN[tokenizer] = per_token
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return per_token
+
+
+_PER_TOKEN: weakref.WeakKeyDictionary[Tokenizer, int | None] = weakref.WeakKeyDictionary()
+
+
+def _max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    backend = getattr(tokenizer, "_backend", None)  # the tokenizers.Tokenizer (no public accessor)
+    try:
+        shrink = _normalizer_shrink(backend.normalizer)
+        if shrink is None or not _pre_tokenizer_keeps_text(backend.pre_tokenizer):
+            return None
+        if type(backend.model).__name__ != "BPE":
+            return None
+        if any(t.lstrip or t.rstrip for t in backend.get_added_tokens_decoder().values()):
+            return None  # such a token also swallows the whitespace next to it, however long
+        pieces = tokenizer.byte_table().pieces
+    except Exception:  # noqa: BLE001 - any surprise: no pre-check, tokenization still bounds it
+        return None
+    if len({p for p in pieces if type(p) is bytes and len(p) == 1}) < 256:
+        return None  # some byte has no token: text could become fewer (unknown) tokens
+    longest = max((len(p) if type(p) is bytes else len(p.encode("utf-8", "surrogatepass"))
+                   for p in pieces if p is not None), default=1)
+    specials = tokenizer.special_token_strings().values()
+    longest = max([longest, *(len(t.encode("utf-8", "surrogatepass")) for t in specials)])
+    return max(longest, 1) * shrink
+
+
+def _normalizer_shrink(normalizer: Any) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = json.loads(normalizer.__getstate__()).get("type")
+    return _NFC_SHRINK if kind == "NFC" else None
+
+
+def _pre_tokenizer_keeps_text(pre_tokenizer: Any) -> bool:
+    if pre_tokenizer is None:
+        return True
+    state = json.loads(pre_tokenizer.__getstate__())
+    parts = state.get("pretokenizers", []) if state.get("type") == "Sequence" else [state]
+    return all(p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed")
+               for p in parts)
 
 
 def needs_thread(input: Any) -> bool:
@@ -94,16 +201,42 @@ def needs_thread(input: Any) -> bool:
     return False
 
 
-def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions) -> tuple[Prompt, tuple[str, ...]]:
+def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
+         bytes_per_token: int | None) -> tuple[Prompt, tuple[str, ...]]:
     spec = _as_dict(item)
-    ids = _tokenize(spec, tokenizer, opts)
-    options = {k: spec.get(k, getattr(opts, k, None)) for k in _OPTION_KEYS}
-    params = SamplingParams(eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), **options)
+    params = _params(spec, tokenizer, opts)
+    stop = _stop_tuple(spec["stop"]) if spec.get("stop") is not None else opts.stop
+    chat = "messages" in spec or opts.chat
+    for key in ("enable_thinking", "tools"):
+        if spec.get(key) is not None and not chat:
+            raise ValueError(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
+                             "chat=True)")
+    thinking = spec.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise ValueError(f"'enable_thinking' must be true, false or null, got {_show(thinking)}")
+    room = opts.max_len - params.max_new_tokens  # prompt tokens that fit
+    limit = None if bytes_per_token is None else bytes_per_token * max(room, 1)
+    if chat:
+        if "messages" in spec:
+            messages = spec["messages"]  # None too: refused by _check_messages
+        else:
+            messages = [{"role": "user", "content": _text(spec["text"])}]
+        ids = _encode_chat(messages, spec.get("tools"), thinking, tokenizer, limit, opts, params)
+    else:
+        text = _text(spec["text"])
+        if limit is not None and _longer_than(text, limit):
+            raise _too_long("prompt", len(text), limit, opts, params)
+        ids = tokenizer.encode(text)
     if len(ids) + params.max_new_tokens > opts.max_len:
-        raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {params.max_new_tokens} = "
-                         f"{len(ids) + params.max_new_tokens} exceeds max_len {opts.max_len}")
-    stop = _stop_tuple(spec["stop"]) if "stop" in spec else opts.stop
+        raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
+                         f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}")
     return Prompt(ids, params), stop
+
+
+def _params(spec: dict[str, Any], tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
+    """The row's SamplingParams: the request's options over the serving's (ValueError naming a bad one)."""
+    options = {k: getattr(opts, k, None) if spec.get(k) is None else spec[k] for k in _OPTION_KEYS}
+    return SamplingParams(eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), **options)
 
 
 def _as_dict(item: Any) -> dict[str, Any]:
@@ -113,22 +246,126 @@ def _as_dict(item: Any) -> dict[str, Any]:
         raise ValueError(f"expected a string or a dict with 'text' or 'messages', got {type(item).__name__}")
     unknown = set(item) - _KEYS
     if unknown:
-        raise ValueError(f"unknown input keys {sorted(unknown)} (allowed: {sorted(_KEYS)})")
+        raise ValueError(f"unknown input keys {_keys(unknown)} (allowed: {sorted(_KEYS)})")
     if ("text" in item) == ("messages" in item):
         raise ValueError("an input dict needs exactly one of 'text' or 'messages'")
     return item
 
 
-def _tokenize(spec: dict[str, Any], tokenizer: Tokenizer, opts: GenerationOptions) -> list[int]:
-    if "messages" in spec or opts.chat:
-        messages = spec.get("messages")
-        if messages is None:
-            messages = [{"role": "user", "content": _text(spec["text"])}]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
-        return tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                     enable_thinking=spec.get("enable_thinking"), tools=spec.get("tools"))
-    return tokenizer.encode(_text(spec["text"]))
+def _keys(keys: set[Any]) -> str:
+    """``['a', 'b']`` for any keys (mixed types do not sort; a key may be huge)."""
+    return "[" + ", ".join(sorted(_show(k) for k in keys)[:10]) + (", ...]" if len(keys) > 10 else "]")
+
+
+def _encode_chat(messages: Any, tools: Any, thinking: bool | None, tokenizer: Tokenizer, limit: int | None,
+                 opts: GenerationOptions, params: SamplingParams) -> list[int]:
+    chars = _check_messages(messages)
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ValueError(f"'tools' must be a list of tool dicts (JSON Schema function specs), got {_show(tools)}")
+        chars += _json_chars(tools, "'tools'")
+    if limit is not None and 4 * chars > limit and tokenizer.chat_template is not None:
+        # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.
+        rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
+                                                 tools=tools)
+        if _longer_than(rendered, limit):
+            raise _too_long("chat prompt (rendered)", len(rendered), limit, opts, params)
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
+
+
+def _check_messages(messages: Any) -> int:
+    """ValueError naming the message and field unless ``messages`` is what the chat template takes;
+    returns the characters of its strings."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
+    chars = 0
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be a {{'role', 'content'}} dict, got {type(m).__name__}")
+        unknown = set(m) - _MESSAGE_KEYS
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {_keys(unknown)} (allowed: {sorted(_MESSAGE_KEYS)})")
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise ValueError(f"{where}: 'role' must be one of {list(ROLES)}, got {_show(role)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: 'content' must be a string, got {_show(content)}")
+        chars += len(content)
+        for key in (*_REASONING_KEYS, "name", "tool_call_id"):
+            value = m.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{where}: '{key}' must be a string, got {_show(value)}")
+            chars += len(value or "")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise ValueError(f"{where}: 'tool_calls' are for assistant messages only (role is {role!r})")
+            if not isinstance(calls, list):
+                raise ValueError(f"{where}: 'tool_calls' must be a list of dicts, got {_show(calls)}")
+            for j, call in enumerate(calls):
+                _check_tool_call(call, f"{where}.tool_calls[{j}]")
+            chars += _json_chars(calls, f"{where}: 'tool_calls'")
+    return chars
+
+
+def _check_tool_call(call: Any, where: str) -> None:
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError(f"{where} must be a dict: {{'function': {{'name', 'arguments'}}}} or {{'name', 'arguments'}}")
+    if not isinstance(function.get("name"), str):
+        raise ValueError(f"{where}: 'name' must be a string, got {_show(function.get('name'))}")
+    if not isinstance(function.get("arguments"), (str, dict)):
+        raise ValueError(f"{where}: 'arguments' must be a JSON string or an object, "
+                         f"got {_show(function.get('arguments'))}")
+
+
+def _json_chars(value: Any, where: str) -> int:
+    """Characters of the strings in a JSON-like ``value`` (str, int, float, bool, None, lists,
+    dicts with string keys, at most MAX_JSON_DEPTH deep); ValueError naming ``where`` otherwise.
+    Iterative: a deeply nested or self-containing value costs no recursion."""
+    chars = 0
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            chars += len(v)
+        elif v is None or isinstance(v, (bool, int, float)):
+            chars += 1
+        elif isinstance(v, (dict, list, tuple)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(v, dict):
+                for k in v:
+                    if not isinstance(k, str):
+                        raise ValueError(f"{where}: object keys must be strings, got {_show(k)}")
+                    chars += len(k)
+                stack.extend((x, depth + 1) for x in v.values())
+            else:
+                stack.extend((x, depth + 1) for x in v)
+        else:
+            raise ValueError(f"{where} must hold JSON values only (str, number, bool, null, list, dict), "
+                             f"got {type(v).__name__}")
+    return chars
+
+
+def _longer_than(text: str, limit: int) -> bool:
+    """Whether ``text`` has more than ``limit`` UTF-8 bytes; O(1) unless its character count is
+    within 4x of the limit (a character is 1 to 4 bytes)."""
+    if len(text) > limit:
+        return True
+    if 4 * len(text) <= limit:
+        return False
+    return len(text.encode("utf-8", "surrogatepass")) > limit
+
+
+def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, params: SamplingParams) -> ValueError:
+    room = max(opts.max_len - params.max_new_tokens, 1)
+    return ValueError(f"{what} of {chars:,} characters exceeds max_len {opts.max_len}: with max_new_tokens "
+                      f"{params.max_new_tokens} at most {room} prompt tokens fit, and one token of this tokenizer "
+                      f"covers at most {limit // room} bytes of text, so more than {limit:,} bytes never fit "
+                      "(refused before tokenizing)")
 
 
 def _text(text: Any) -> str:

@@ -1,6 +1,8 @@
 """Parts of the text-generation serving, without a scheduler: the transducer's timing and finish
-reasons from typed events, the backend adapter, the byte table built with the serving, and the
-offload predicate of preprocessing."""
+reasons from typed events, the backend adapter, the byte table built with the serving, the
+offload predicate of preprocessing, and the isolation of one bad request (issue 12): every
+request option checked in the caller, prompts that can never fit refused before tokenization,
+tiny temperatures sampled safely."""
 
 from __future__ import annotations
 
@@ -8,15 +10,20 @@ import asyncio
 import json
 import pickle
 import threading
+import time
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, State
+from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, State, generate
+from mlx_serving.models.qwen3.sampling import MIN_TEMPERATURE, SamplerKind, sample_top_p
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._backend import GenerationBackend
-from mlx_serving.models.text_generation._inputs import Prompt, RequestInfo, needs_thread
+from mlx_serving.models.text_generation._inputs import (Prompt, RequestInfo, max_bytes_per_token, needs_thread,
+                                                        preprocess)
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import ByteTable, StreamingDetokenizer, Tokenizer, data_path
@@ -156,3 +163,187 @@ def test_async_callers_tokenize_long_inputs_off_the_event_loop(
 
     loop_thread = asyncio.run(main())
     assert threads[0] == loop_thread and threads[1] != loop_thread
+
+
+# ---- isolation of one bad request (issue 12): every option checked in the caller ------------------
+
+OPTS = GenerationOptions(max_new_tokens=4, max_len=128)
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _deep(depth: int) -> Any:
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"k": [value]}
+    return value
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"text": "hi", "seed": 2**64}, r"seed .*\[0, 2\*\*64\)"),
+    ({"text": "hi", "seed": True}, "seed"),
+    ({"text": "hi", "seed": 1.5}, "seed"),
+    ({"text": "hi", "seed": float("nan")}, "seed"),
+    ({"text": "hi", "seed": {"a": 1}}, "seed"),
+    ({"text": "hi", "seed": "abc"}, "seed"),
+    ({"text": "hi", "temperature": 10**400}, "temperature"),  # was OverflowError
+    ({"text": "hi", "temperature": True}, "temperature"),
+    ({"text": "hi", "temperature": "0.5"}, "temperature"),
+    ({"text": "hi", "top_p": True}, "top_p"),
+    ({"text": "hi", "top_p": float("nan")}, "top_p"),
+    ({"text": "hi", "top_p": [0.5]}, "top_p"),
+    ({"text": "hi", "max_new_tokens": True}, "max_new_tokens"),
+    ({"text": "hi", "max_new_tokens": 2.0}, "max_new_tokens"),
+    ({"text": "hi", "max_new_tokens": 10**5000}, "max_new_tokens"),  # not "Exceeds the limit (4300 digits)"
+    ({"text": "hi", "stop": 5}, "stop must be a string or a list"),  # was TypeError
+    ({"text": "hi", "stop": {"a": 1}}, "stop must be a string or a list"),  # was accepted (its keys)
+    ({"text": "hi", "stop": {"a"}}, "stop must be a string or a list"),
+    ({"text": "hi", "stop": b"ab"}, "stop must be a string or a list"),
+    ({"text": "hi", "stop": [1]}, "stop strings"),
+    ({"text": "hi", "stop": ["a", ""]}, "stop strings"),
+    ({"text": "hi", "stop": ["s"] * 17}, "at most 16"),
+    ({"text": "hi", "stop": "x" * 257}, "at most 256 characters"),
+    ({"messages": HI, "enable_thinking": "yes"}, "enable_thinking"),
+    ({"messages": HI, "enable_thinking": 1}, "enable_thinking"),
+    ({"text": "hi", "enable_thinking": False}, "'enable_thinking' applies to chat inputs only"),
+    ({"messages": HI, "tools": "x"}, "'tools' must be a list"),
+    ({"messages": HI, "tools": [1]}, "'tools' must be a list"),
+    ({"messages": HI, "tools": {"a": 1}}, "'tools' must be a list"),
+    ({"messages": HI, "tools": [_deep(40)]}, "'tools' nests deeper than 32"),  # was RecursionError
+    ({"messages": HI, "tools": [{1: "x"}]}, "'tools': object keys must be strings"),
+    ({"messages": HI, "tools": [{"f": b"x"}]}, "'tools' must hold JSON values"),
+    ({"text": "hi", "tools": []}, "'tools' applies to chat inputs only"),
+    ({"messages": [{"role": "hacker", "content": "hi"}]}, r"messages\[0\]: 'role' must be one of"),  # was dropped
+    ({"messages": [{"content": "hi"}]}, r"messages\[0\]: 'role'"),
+    ({"messages": [{"role": 1, "content": "hi"}]}, "'role'"),
+    ({"messages": [*HI, {"role": "user", "content": None}]}, r"messages\[1\]: 'content' must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "'content' must be a string"),
+    ({"messages": [{"role": "user", "content": "x", "junk": 1}]}, r"unknown keys \['junk'\]"),
+    ({"messages": [{"role": "user", "content": "x", "reasoning_content": 3}]}, "'reasoning_content' must be a string"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "'tool_calls' are for assistant messages"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": "f"}]}, "'tool_calls' must be a list"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 1}}]}]},
+     r"tool_calls\[0\]: 'name' must be a string"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": 3}]}]},
+     "'arguments' must be a JSON string or an object"),
+    ({"messages": ({"role": "user", "content": "x"},)}, "'messages' must be a non-empty list"),
+    ({"messages": None}, "'messages' must be a non-empty list"),  # was KeyError('text')
+    ({"messages": ["hi"]}, r"messages\[0\] must be a"),
+    ({"text": b"hi"}, "'text' must be a string"),
+    ({"text": "hi", 1: 2, "zz": 3}, r"unknown input keys \['zz', 1\]"),  # mixed key types: was TypeError
+    (["ok", {"text": "hi", "seed": -1}], "input 1: seed"),
+])
+def test_every_request_option_is_checked_in_the_caller(tok: Tokenizer, bad: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        preprocess(bad, tok, OPTS, max_bytes_per_token(tok))
+
+
+def test_good_options_and_null_defaults_pass(tok: Tokenizer) -> None:
+    ok = [
+        {"text": "hi", "seed": 2**64 - 1, "temperature": 0.7, "top_p": 1, "max_new_tokens": 3, "stop": ["a", "b"]},
+        {"text": "hi", "seed": None, "temperature": None, "top_p": None, "max_new_tokens": None, "stop": None},
+        {"messages": [{"role": "system", "content": "s"}, *HI,
+                      {"role": "assistant", "content": "", "reasoning_content": "r",
+                       "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                                      {"name": "g", "arguments": {"x": [1, 2.5, None, True]}}]},
+                      {"role": "tool", "content": "42", "tool_call_id": "1", "name": "f"}],
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": _deep(10)}}], "enable_thinking": False},
+    ]
+    batch, info = preprocess(ok, tok, GenerationOptions(max_new_tokens=4, max_len=1024), max_bytes_per_token(tok))
+    params = [row.params for row in batch.rows()]
+    assert params[1] == SamplingParams(4, 0.0, 1.0, None, params[1].eos_token_ids)  # null = the serving's default
+    assert info.stops == (("a", "b"), (), ())
+
+
+def test_bad_options_fail_in_the_caller_of_a_started_serving(tok: Tokenizer, tiny32: State) -> None:
+    gen = text_generation.serving(tok, tiny32, max_new_tokens=3, max_len=64, max_batch=2)
+    with gen.start() as h:
+        good = h.run("Hello")["results"][0]
+        for bad in ({"text": "hi", "seed": 2**64}, {"text": "hi", "stop": 5}, {"text": "hi", "temperature": 10**400},
+                    {"messages": [{"role": "x", "content": ""}]}):
+            with pytest.raises(ValueError):
+                h.run(bad)
+        again = h.run("Hello")["results"][0]
+        assert (again["generated_text"], again["num_tokens"]) == (good["generated_text"], good["num_tokens"])
+        stats = h.stats()
+    assert (stats.failed, stats.queued, stats.running) == (0, 0, 0)
+
+
+# ---- a prompt that can never fit is refused before it is tokenized ------------------------------
+
+def test_max_bytes_per_token_of_qwen3(tok: Tokenizer) -> None:
+    longest = max(len(p) for p in tok.byte_table().pieces if type(p) is bytes)
+    assert longest == 128  # a run of 128 spaces is one token
+    assert max_bytes_per_token(tok) == 128 * 3  # x3: NFC may shrink text 3x before it is split
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append("encode") or [1])
+    monkeypatch.setattr(tok, "encode_chat", lambda *a, **k: calls.append("encode_chat") or [1])
+    per_token = max_bytes_per_token(tok)
+    huge = "a b " * 250_000  # 1 MB: tokenizing it takes ~0.8 s
+    for bad in (huge, {"text": huge}, {"messages": [{"role": "user", "content": huge}]},
+                [{"text": "x" * 2_000_000}, "hi"], {"messages": HI, "tools": [{"description": huge}]},
+                {"messages": [*HI, {"role": "assistant", "content": "ok"}, {"role": "user", "content": huge}]}):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match="exceeds max_len 128.*refused before tokenizing"):
+            preprocess(bad, tok, OPTS, per_token)
+        assert time.perf_counter() - start < 0.05  # measured 0.01-0.5 ms (2.4 ms with 1 MB of tools JSON)
+    assert calls == []
+
+
+def test_the_prompt_bound_refuses_nothing_that_fits(tok: Tokenizer) -> None:
+    per_token = max_bytes_per_token(tok)
+    room = OPTS.max_len - OPTS.max_new_tokens
+    spaces = "x" + " " * (128 * (room - 2))  # room - 1 tokens of up to 128 bytes: fits
+    assert len(tok.encode(spaces)) <= room
+    preprocess(spaces, tok, OPTS, per_token)
+    # Earlier assistant turns lose their reasoning in Qwen3's template: the messages' strings are
+    # far over the bound, the rendered prompt is not, so the request is tokenized and accepted.
+    thought = "<think>" + "why " * 50_000 + "</think>ok"
+    messages = [*HI, {"role": "assistant", "content": thought}, {"role": "user", "content": "and?"}]
+    batch, info = preprocess({"messages": messages}, tok, OPTS, per_token)
+    assert info.input_tokens[0] == len(tok.encode_chat(messages)) < room
+
+
+def test_a_huge_prompt_is_refused_fast_by_a_started_serving(tok: Tokenizer, tiny32: State) -> None:
+    gen = text_generation.serving(tok, tiny32, max_new_tokens=3, max_len=64)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="max_len 64"):
+        Serving.run(gen, "word " * 200_000)
+    assert time.perf_counter() - start < 0.05
+
+
+# ---- sampling numerics ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324, 9.99e-6])
+def test_a_tiny_temperature_gives_the_greedy_tokens(tiny32: State, temperature: float) -> None:
+    prompt = [7985, 825, 11652, 911, 468, 97772, 13]
+    greedy, _ = generate(prompt, tiny32, max_new_tokens=8, eos_token_ids=[])
+    tiny, _ = generate(prompt, tiny32, max_new_tokens=8, eos_token_ids=[], temperature=temperature, seed=3)
+    assert tiny == greedy and 151935 not in tiny  # was [151935] * 8 for 1e-38
+    assert SamplingParams(temperature=temperature).kind is SamplerKind.GREEDY
+    assert SamplingParams(temperature=MIN_TEMPERATURE).kind is SamplerKind.TOP_P
+
+
+def test_sample_top_p_is_safe_at_the_extremes() -> None:
+    logits = mx.array(np.random.default_rng(0).normal(size=(3, 1000)).astype(np.float32) * 5)
+    best = np.array(mx.argmax(logits, axis=-1))
+    ones, u = mx.ones((3,)), mx.array([0.0, 0.5, 0.999])
+    cold = sample_top_p(logits, mx.full((3,), MIN_TEMPERATURE), ones, u)
+    assert (np.array(cold) == best).all()
+    narrow = sample_top_p(logits, ones, mx.array([1e-300, 1e-300, 1e-300]), u)  # 0 in float32
+    assert (np.array(narrow) == best).all()  # the nucleus keeps the most probable token
+
+
+def test_engine_add_refuses_bad_rows_and_queues_nothing(tiny32: State) -> None:
+    engine = Engine(tiny32, 1, 32)
+    for ids, params, match in (([1.5, 2.0], SamplingParams(2), "integer"), ([True], SamplingParams(2), "integer"),
+                               (["a"], SamplingParams(2), "integer"), ([2**70], SamplingParams(2), "token ids"),
+                               ([[1, 2], [3]], SamplingParams(2), "prompt_ids"),
+                               ([1, 2], {"max_new_tokens": 2}, "SamplingParams"), ([1, 2], None, "SamplingParams")):
+        with pytest.raises(ValueError, match=match):
+            engine.add(0, ids, params)  # type: ignore[arg-type]
+    assert engine.num_active == 0
+    engine.add(0, [1, 2], SamplingParams(2))
+    assert engine.num_active == 1
