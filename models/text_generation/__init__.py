@@ -75,8 +75,10 @@ def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequan
     ``models.qwen3.load``). Raises FileNotFoundError naming a missing file, ValueError for an
     unsupported checkpoint or option.
     """
+    from ..registry import load as load_family  # the family by config.json's model_type (qwen3, llama, ...)
+
     _check_option_names(options)
-    state = load(path, dequantize=dequantize)
+    state = load_family(path, dequantize=dequantize)
     return serving(tokenizer or Tokenizer.from_dir(path), state, **options)
 
 
