@@ -189,13 +189,37 @@ class ServingPool:
     stopping every started worker), ``TimeoutError`` if one does not start in time,
     ``WorkerCrashed`` if one dies while starting (its message ends with the worker's stderr),
     ``ValueError`` / ``TypeError`` for bad arguments.
+
+    backend: "process" (this class) or "ray": ``ServingPool(factory, workers=N, backend="ray",
+      ray_actor_options={...})`` returns a ``RayServingPool`` (docs/distributed.md).
     """
+
+    def __new__(cls, factory: Factory, workers: int = 1, *, backend: str = "process",
+                ray_actor_options: dict[str, Any] | None = None, **options: Any) -> Any:
+        """``backend="ray"``: a ``mlx_serving.serving.ray.RayServingPool`` (Ray actors instead of
+        processes, same contract; ``ray`` is imported only then), given ``ray_actor_options``,
+        ``weights``, ``start_timeout`` and the process options."""
+        if backend == "ray":
+            process_only = sorted({"worker_env", "liveness_timeout", "heartbeat_interval"} & options.keys())
+            if process_only:
+                raise TypeError(f"{', '.join(process_only)}: options of the process backend only (Ray "
+                                "detects dead actors itself; place actors with ray_actor_options)")
+            from ..ray import RayServingPool
+
+            return RayServingPool(factory, workers, ray_actor_options=ray_actor_options, **options)
+        if backend != "process":
+            raise ValueError(f"backend must be 'process' or 'ray', got {backend!r}")
+        if ray_actor_options is not None:
+            raise TypeError("ray_actor_options needs backend='ray'")
+        return super().__new__(cls)
 
     def __init__(
         self,
         factory: Factory,
         workers: int = 1,
         *,
+        backend: str = "process",
+        ray_actor_options: dict[str, Any] | None = None,
         worker_env: Sequence[Mapping[str, str]] | Callable[[int], Mapping[str, str]] | None = None,
         weights: Sequence[float] | None = None,
         start_timeout: float = 120.0,
