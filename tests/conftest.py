@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# CI runs the property tests on a fixed sequence of examples (a red run is reproducible and
+# never depends on the draw); HYPOTHESIS_PROFILE=explore draws fresh examples every run.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
 

@@ -256,11 +256,14 @@ def test_sampling_params_defaults_and_kind():
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> set[int]:
-    """Reference: smallest prefix (by decreasing probability) whose mass reaches top_p."""
+    """Reference: smallest prefix (by decreasing probability) whose mass reaches top_p, plus
+    every token tied with its last one at float32 resolution (the sampler computes in float32,
+    where such near-ties, e.g. logits 0 and -2e-14, are exact ties in either order)."""
     order = np.argsort(-probs, kind="stable")
     cum = np.cumsum(probs[order])
-    n = int(np.searchsorted(cum, top_p - 1e-12) + 1)
-    return set(order[: min(n, len(order))].tolist())
+    n = min(int(np.searchsorted(cum, top_p - 1e-12) + 1), len(order))
+    last = probs[order[n - 1]]
+    return set(order[:n].tolist()) | set(np.flatnonzero(probs >= last * (1 - 1e-6)).tolist())
 
 
 @settings(max_examples=40, deadline=None)
