@@ -84,3 +84,22 @@ def test_shell_blocks_run(path: Path, doc_env: dict[str, str]):
         done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=doc_env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, f"{path.name}:\n{source}\n{done.stderr[-4000:]}"
+
+
+_TEST_REF = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`((?:, `::\w+`)*)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
+def test_named_tests_exist(path: Path):
+    """Every ``tests/...py::name`` (and each ``::name`` after it) a doc cites is a real test."""
+    missing = []
+    for file, name, more in _TEST_REF.findall(path.read_text()):
+        source = ROOT / file
+        if not source.is_file():
+            missing.append(file)
+            continue
+        text = source.read_text()
+        for test in [name, *re.findall(r"::(\w+)", more)]:
+            if test and not re.search(rf"^(async )?def {test}\b", text, re.M):
+                missing.append(f"{file}::{test}")
+    assert not missing, missing
