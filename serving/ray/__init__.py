@@ -1,10 +1,24 @@
 """Ray backends of a Serving (needs the ``ray`` extra: ``pip install 'mlx-serving[ray]'``).
 
-``RayServingPool`` (also ``ServingPool(factory, workers=N, backend="ray")``): the client contract
-over Ray actors, one started Serving per actor. Nothing in ``mlx_serving.serving`` imports this
-package (nor ray) unless ``backend="ray"`` is asked for.
+- ``RayServingPool`` (also ``ServingPool(factory, workers=N, backend="ray")``): the client
+  contract over Ray actors, one started Serving per actor.
+- ``ServingDeployment`` / ``serving_app``: a Ray Serve deployment, one started Serving per
+  replica (imported on first use: ``ray.serve`` is heavier than ``ray``).
+
+Nothing in ``mlx_serving.serving`` imports this package (nor ray) unless ``backend="ray"`` is
+asked for.
 """
+
+from typing import Any
 
 from ._pool import RayServingPool
 
-__all__ = ["RayServingPool"]
+__all__ = ["RayServingPool", "ServingDeployment", "serving_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ServingDeployment", "serving_app"):
+        from . import _deployment
+
+        return getattr(_deployment, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
