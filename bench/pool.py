@@ -15,7 +15,13 @@
     the peer ``ProcessPoolExecutor(1).submit(fn, x).result()``. The pool's overhead is its p50
     minus the local handle's.
 
-Run: ``.venv/bin/python bench/pool.py`` (writes bench/results/pool.json).
+(d) The Ray backend (``ServingPool(..., backend="ray")``, needs ray) against the process pool on
+    the same 2 workers: (a)'s CPU-bound throughput, and (b)'s per-request latency (no-op
+    backend, 16 floats and 1 MiB, one caller) with 1 worker each. A local Ray cluster
+    (``ray.init(num_cpus=2, include_dashboard=False)``), actors with ``num_cpus=0``.
+
+Run: ``.venv/bin/python bench/pool.py`` (writes bench/results/pool.json); ``--parts d`` for the
+Ray comparison only.
 """
 
 from __future__ import annotations
@@ -162,6 +168,52 @@ def latency(n: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def ray_backend(requests: int, rounds: int, n: int) -> dict[str, Any]:
+    """(d): process pool vs Ray pool, throughput (2 workers) and latency (1 worker)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    options = {"batch_size": 1, "batch_timeout": 0.0}
+    ray_options = {"backend": "ray", "ray_actor_options": {"num_cpus": 0}}
+    out: dict[str, Any] = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            enter = stack.enter_context
+            paths = {
+                "process pool, 2 workers": enter(ServingPool(cpu_serving, workers=2, **options)).run,
+                "Ray pool, 2 actors": enter(ServingPool(cpu_serving, workers=2, **ray_options, **options)).run,
+            }
+            callers = enter(ThreadPoolExecutor(16))
+            best = dict.fromkeys(paths, 0.0)
+            for _ in range(rounds):
+                for path, call in paths.items():
+                    best[path] = max(best[path], _rate(call, requests, callers))
+            out["throughput_req_per_s"] = best
+        inputs = {"16 floats": np.ones(16, np.float32), "1 MiB array": np.ones(1 << 18, np.float32)}
+        with ServingPool(noop_serving, workers=1, **options) as pool, \
+                ServingPool(noop_serving, workers=1, **ray_options, **options) as ray_pool:
+            paths = {"ServingPool.run (process, 1 worker)": pool.run, "ServingPool.run (Ray, 1 actor)": ray_pool.run}
+            latencies = {}
+            for label, value in inputs.items():
+                for path, call in paths.items():
+                    p50, p99 = _latency_us(call, value, n)
+                    latencies[f"{path} / {label}"] = {"p50_us": p50, "p99_us": p99}
+            out["latency"] = latencies
+    finally:
+        ray.shutdown()
+    return out
+
+
+def _print_ray(d: dict[str, Any], requests: int, rounds: int, n: int) -> None:
+    print(f"(d) Ray backend vs process pool; CPU-bound, 16 threads, {requests} requests, best of {rounds} (req/s)")
+    for path, value in d["throughput_req_per_s"].items():
+        print(f"{path:<36}{value:>10.1f}")
+    print(f"latency, no-op backend, 1 caller, {n} requests (us)")
+    print(f"{'path / input':<56}{'p50':>10}{'p99':>10}")
+    for path, value in d["latency"].items():
+        print(f"{path:<56}{value['p50_us']:>10.1f}{value['p99_us']:>10.1f}")
+
+
 def _print_throughput(a: dict[str, float], requests: int, rounds: int) -> None:
     print(f"(a) CPU-bound backend (~20 ms/row, holds the GIL), 16 threads, {requests} requests, best of {rounds}")
     print(f"{'path':<36}{'req/s':>10}")
@@ -191,7 +243,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency-requests", type=int, default=2000)
-    parser.add_argument("--parts", default="abc", help="which measurements to run, e.g. 'a' or 'ab'")
+    parser.add_argument("--parts", default="abc", help="which measurements to run, e.g. 'a' or 'ab' ('d': the Ray backend)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pool.json"))
     args = parser.parse_args()
 
     report: dict[str, object] = {"load_average_1min_before": os.getloadavg()[0]}
@@ -205,9 +258,12 @@ def main() -> None:
     if "b" in args.parts:
         report["latency"] = b = latency(args.latency_requests)
         _print_latency(b, args.latency_requests)
+    if "d" in args.parts:
+        report["ray_backend"] = d = ray_backend(args.requests, args.rounds, args.latency_requests)
+        _print_ray(d, args.requests, args.rounds, args.latency_requests)
     report["load_average_1min_after"] = os.getloadavg()[0]
     print(f"1-minute load average after the run: {report['load_average_1min_after']:.2f}")
-    out = Path(__file__).parent / "results" / "pool.json"
+    out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
