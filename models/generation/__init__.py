@@ -10,6 +10,7 @@ from .block_pool import BlockPool, block_hash
 from .engine import Engine
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_manager import KVManager, KVStats, SeqBlocks
+from .policy import FCFSPolicy, Policy, PriorityPolicy, make_policy
 
-__all__ = ["BLOCK_SIZE", "BlockPool", "Engine", "KVManager", "KVStats", "PagedKVCache", "SeqBlocks", "block_hash",
-           "init_paged_kv_cache", "plan_blocks"]
+__all__ = ["BLOCK_SIZE", "BlockPool", "Engine", "FCFSPolicy", "KVManager", "KVStats", "PagedKVCache", "Policy",
+           "PriorityPolicy", "SeqBlocks", "block_hash", "init_paged_kv_cache", "make_policy", "plan_blocks"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,6 +42,7 @@ from ..qwen3.sampling import SamplerKind, SamplingParams, greedy, sample_top_p
 from ..registry import family_model
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_manager import KVManager, KVStats, SeqBlocks
+from .policy import Policy, make_policy
 
 __all__ = ["Engine"]
 
@@ -59,8 +59,11 @@ class _Seq:
     params: SamplingParams
     rng: np.random.Generator
     admitted: float
+    priority: int = 0  # lower first under the "priority" policy
+    arrival: int = 0  # add counter
     slot: int = -1  # row (and, in slot mode, cache slot); -1 while waiting
     order: int = 0  # start counter: the newest running sequence is preempted first
+    chunk: int = 0  # prompt tokens this step's prefill gives it (the per-step token budget)
     target: np.ndarray | None = None  # tokens to prefill: the prompt, or prompt + generated after a preemption
     prefilled: int = 0  # tokens of target in the cache
     length: int = 0  # positions whose K/V is in the cache (or enqueued)
@@ -102,6 +105,11 @@ class Engine:
     ``kv_cache_fraction`` of the device's available memory, or a default (1 GiB on the CPU, half
     the available memory on a GPU), never more than ``max_batch x (max_len + 1)`` tokens (see
     :mod:`.kv_cache`). ``prefix_caching`` (default on) reuses the blocks of cached prefixes.
+    ``policy``: "fcfs" (default) or "priority" (:mod:`.policy`; ``add(..., priority=)``, lower
+    first) orders the waiting sequences and picks who is preempted. ``max_step_tokens``: a per-step
+    token budget shared by the decode rows (one token each, always scheduled) and the prefill
+    chunks (given in start order from what is left); None (default): every prefilling sequence
+    gets its ``prefill_chunk``.
 
     The slot design instead (one preallocated ``max_len`` slot per row, no preemption, no prefix
     caching) when ``kv_cache`` passes a :class:`KVCache` from ``init_kv_cache`` (its ``max_len``
@@ -120,10 +128,14 @@ class Engine:
                  kv_cache_bytes: int | None = None, *, kv_cache: KVCache | None = None,
                  compile_decode: bool | None = None, bucket_shapes: bool | None = None,
                  kv_cache_fraction: float | None = None, prefix_caching: bool = True,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
+                 max_step_tokens: int | None = None):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
+        if max_step_tokens is not None and max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be None or >= 1, got {max_step_tokens}")
+        self.max_step_tokens = max_step_tokens
         self._model = family_model(state)  # the family's forward pass
         self._fused = self._model.decode_path(state) == "fused"
         self.state, self.prefill_chunk = state, prefill_chunk
@@ -145,7 +157,8 @@ class Engine:
             self.max_len = max_len
             rows = max_batch
         self._slots: list[_Seq | None] = [None] * rows
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: Policy = make_policy(policy)
+        self._arrivals = 0
         self._by_id: dict[int, _Seq] = {}
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
         self._flight: _Flight | None = None
@@ -187,9 +200,10 @@ class Engine:
     def _fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         return 1 <= prompt_len and prompt_len + max_new_tokens <= self.max_len
 
-    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a sequence; it starts at a later step (FIFO when rows or blocks are short).
-        Its events' ``elapsed_ms`` count from this call.
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
+        """Queue a sequence; it starts at a later step (in the policy's order when rows or blocks
+        are short; ``priority``: lower first under the "priority" policy). Its events'
+        ``elapsed_ms`` count from this call.
 
         Raises ValueError for a duplicate ``seq_id``, ``params`` that are not a
         :class:`SamplingParams`, prompt ids that are not integers (bools, floats, strings, ints
@@ -216,9 +230,13 @@ class Engine:
         if prompt.min() < 0 or prompt.max() >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got {prompt.min()}..{prompt.max()}")
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed), time.perf_counter())
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
+        self._arrivals += 1
+        seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed), time.perf_counter(),
+                   priority=int(priority), arrival=self._arrivals)
         self._by_id[seq_id] = seq
-        self._waiting.append(seq)
+        self._waiting.push(seq)
 
     def cancel(self, seq_id: int) -> None:
         """Drop a sequence now and free its row and blocks; unknown or finished ids are ignored."""
@@ -247,7 +265,7 @@ class Engine:
                 return
             if occupant is not None:
                 continue
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             if seq.target is None:
                 seq.target = seq.prompt
             if self._kv is not None:
@@ -257,14 +275,26 @@ class Engine:
                 seq.prefilled = seq.length = reused
             else:
                 self.cache.lengths[slot] = 0
-            self._waiting.popleft()
+            self._waiting.pop()
             self._started += 1
             seq.slot, seq.order, self._slots[slot] = slot, self._started, seq
+
+    def _plan(self) -> None:
+        """This step's prefill chunk of every running sequence, within ``max_step_tokens``
+        (decode rows first, one token each; then prefills in start order)."""
+        running = sorted((s for s in self._slots if s is not None), key=lambda s: s.order)
+        budget = self.max_step_tokens if self.max_step_tokens is not None else 1 << 62
+        budget -= sum(s.decoding for s in running)
+        for s in running:
+            s.chunk = 0
+            if s.prefilling and budget > 0:
+                s.chunk = min(self.prefill_chunk, len(s.target) - s.prefilled, budget)
+                budget -= s.chunk
 
     def _need(self, seq: _Seq) -> int:
         """Positions ``seq`` holds after this step's forward."""
         if seq.prefilling:
-            return seq.prefilled + min(self.prefill_chunk, len(seq.target) - seq.prefilled)
+            return seq.prefilled + seq.chunk
         return seq.length + (1 if seq.decoding else 0)
 
     def _reserve(self) -> list[SeqEvent]:
@@ -283,9 +313,11 @@ class Engine:
                 events += self._land(self._flight)
                 self._flight = None
                 continue
-            while running[-1].done:
-                running.pop()
-            self._preempt(running.pop())
+            victim = self._waiting.victim([r for r in running if not r.done])
+            self._preempt(victim)
+            at = running.index(victim)
+            del running[at]
+            i -= at < i
         return events
 
     def _preempt(self, seq: _Seq) -> None:
@@ -293,7 +325,7 @@ class Engine:
         self._release(seq)
         seq.target = seq.stream()
         seq.prefilled = seq.length = 0
-        self._waiting.appendleft(seq)
+        self._waiting.requeue(seq)
         self._kv.preemptions += 1
 
     def warm_up(self) -> None:
@@ -336,9 +368,10 @@ class Engine:
         usually returns nothing for that sequence.
         """
         self._admit()
+        self._plan()
         events = self._reserve() if self._kv is not None else []
         decoders = [s for s in self._slots if s is not None and s.decoding]
-        prefillers = [s for s in self._slots if s is not None and s.prefilling]
+        prefillers = [s for s in self._slots if s is not None and s.prefilling and s.chunk > 0]
         flight = _Flight(self._tokens)
         if prefillers:
             self._prefill(prefillers, flight)
@@ -380,7 +413,7 @@ class Engine:
         return mx.array(table) if self._kv is not None else None
 
     def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
-        chunks = [s.target[s.prefilled : s.prefilled + self.prefill_chunk] for s in seqs]
+        chunks = [s.target[s.prefilled : s.prefilled + s.chunk] for s in seqs]
         t = max(len(c) for c in chunks)
         b = len(seqs)
         dense = b == 1 and len(chunks[0]) == t

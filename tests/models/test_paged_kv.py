@@ -209,3 +209,61 @@ def test_text_generation_backend_exposes_kv_stats(tiny32):
     stats = backend.kv_stats(engine)
     assert isinstance(stats, KVStats) and stats.prefix_queries == 2 and stats.prefix_hit_tokens == 32
     assert stats.blocks_used == 0 and stats.blocks_cached >= 2
+
+
+def test_priority_policy_starts_and_preempts_by_priority(tiny32):
+    """One row: the waiting sequences start lowest priority value first (ties: arrival); under a
+    tight budget the lowest-priority running sequence is the one preempted; outputs unchanged."""
+    p = SamplingParams(max_new_tokens=3)
+    prompts = {i: _prompt(60 + i, 5) for i in range(4)}
+    engine = Engine(tiny32, max_batch=1, max_len=64, policy="priority")
+    for i, prio in zip(range(4), (5, 1, 5, 0)):
+        engine.add(i, prompts[i], p, priority=prio)
+    order: list[int] = []
+    while engine.num_active:
+        for ev in engine.step():
+            if ev.finish_reason:
+                order.append(ev.seq_id)
+    assert order == [3, 1, 0, 2]  # priority 0, 1, then the two 5s in arrival order
+    with pytest.raises(ValueError, match="priority"):
+        engine.add(9, [1], p, priority=1.5)
+    q = SamplingParams(max_new_tokens=30)
+    long = {i: _prompt(70 + i, 12) for i in range(3)}
+    engine = Engine(tiny32, max_batch=3, max_len=64, kv_cache_bytes=_budget(tiny32, 5), policy="priority")
+    for i, prio in zip(range(3), (0, 9, 1)):
+        engine.add(i, long[i], q, priority=prio)
+    done: list[int] = []
+    out: dict[int, list[int]] = {}
+    while engine.num_active:
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+            if ev.finish_reason:
+                done.append(ev.seq_id)
+    assert done[-1] == 1 and engine.kv_stats().preemptions > 0
+    assert out == {i: _solo(tiny32, long[i], q) for i in range(3)}
+    _all_free(engine)
+
+
+@pytest.mark.parametrize("budget", [1, 6, 20])
+def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
+    prompts = [_prompt(80 + i, 30 + 7 * i) for i in range(3)]
+    p = SamplingParams(max_new_tokens=5)
+    engine = Engine(tiny32, max_batch=3, max_len=96, prefill_chunk=16, max_step_tokens=budget)
+    engine.add(0, prompts[0], p)
+    out: dict[int, list[int]] = {}
+    for t in range(400):
+        if t == 2:
+            for i in (1, 2):
+                engine.add(i, prompts[i], p)
+        if t > 2 and not engine.num_active:
+            break
+        before = {s.seq_id: s.prefilled for s in engine._slots if s is not None}
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+        decoding = sum(s.decoding for s in engine._slots if s is not None)
+        prefilled = sum(s.prefilled - before.get(s.seq_id, 0) for s in engine._slots if s is not None
+                        if s.seq_id in before)
+        assert prefilled <= max(budget - decoding, 0) + 3  # + decode rows that finished their prefill
+    assert out == {i: _solo(tiny32, prompts[i], p) for i in range(3)}
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        Engine(tiny32, max_batch=1, max_len=64, max_step_tokens=0)

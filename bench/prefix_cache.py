@@ -1,0 +1,137 @@
+"""Prefix caching on the paged KV cache vs off, and the paged cache vs the old slot design (issue 13).
+
+Workload: ``--requests`` (32) greedy requests sharing a ``--system`` (1,024) token system prompt,
+each followed by its own ``--question`` (32) random tokens, ``--max-new`` (16) new tokens each (EOS
+ignored), request ``i`` added to the engine at step ``i * --arrival-steps`` (default 1: one new
+request per engine step, so later requests find the system prompt's blocks computed). Engine:
+``max_batch`` = requests, ``prefill_chunk`` 512, ``max_len`` = system + question + max_new rounded
+up to 16. Regimes, each in a fresh subprocess (peak RSS per regime):
+
+- ``on``: the paged engine (models/generation), prefix caching on, default KV budget;
+- ``off``: the same with ``prefix_caching=False``;
+- ``slots``: the old slot design at the same concurrency (``kv_cache=init_kv_cache(state, max_len,
+  requests)``: requests x (max_len + 1) positions preallocated).
+
+Metrics: TTFT p50/p99 (``Engine.add`` -> first token on the host, the events' ``elapsed_ms``);
+aggregate throughput = generated tokens / (last token - first add) and prompt + generated tokens /
+the same; peak RSS of the process (``ru_maxrss``; includes weights and MLX); KV bytes reserved;
+``kv_stats`` of the paged runs. Checkpoint: ``--preset`` tiny (4-bit, seed 0, written to a temp
+dir) or 0.6b (``default_checkpoint()``, the 335 MB seeded-random 0.6B checkpoint).
+
+Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b]`` (writes
+bench/results/prefix_cache_<preset>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import mlx.core as mx
+
+    from mlx_serving.models.generation import Engine
+    from mlx_serving.models.qwen3 import SamplingParams, init_kv_cache, load
+
+    t_load = time.perf_counter()
+    state = load(args.checkpoint)
+    load_s = time.perf_counter() - t_load
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 150000, args.system).tolist()
+    prompts = [system + rng.integers(0, 150000, args.question).tolist() for _ in range(args.requests)]
+    max_len = -(-(args.system + args.question + args.max_new) // 16) * 16
+    kw = dict(max_batch=args.requests, max_len=max_len, prefill_chunk=512)
+    if args.worker == "slots":
+        engine = Engine(state, kv_cache=init_kv_cache(state, max_len, args.requests), **kw)
+    else:
+        engine = Engine(state, prefix_caching=args.worker == "on", **kw)
+    kv_bytes = engine.cache.nbytes
+    params = SamplingParams(max_new_tokens=args.max_new)
+    first: dict[int, float] = {}
+    generated = 0
+    t0 = time.perf_counter()
+    step = 0
+    added = 0
+    while added < len(prompts) or engine.num_active:
+        while added < len(prompts) and added * args.arrival_steps <= step:
+            engine.add(added, prompts[added], params)
+            added += 1
+        for ev in engine.step():
+            first.setdefault(ev.seq_id, ev.elapsed_ms)
+            generated += 1
+        step += 1
+    wall = time.perf_counter() - t0
+    ttft = np.array([first[i] for i in range(len(prompts))])
+    stats = engine.kv_stats()
+    return {
+        "regime": args.worker, "load_s": round(load_s, 2), "steps": step, "wall_s": round(wall, 3),
+        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 1),
+        "gen_tok_per_s": round(generated / wall, 1),
+        "total_tok_per_s": round((generated + sum(map(len, prompts))) / wall, 1),
+        "generated": generated, "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "kv_reserved_mb": round(kv_bytes / 2**20, 1),
+        "kv_stats": dataclasses.asdict(stats) if stats is not None else None,
+        "device": str(mx.default_device()), "dtype": str(state.dtype),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "0.6b"])
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--system", type=int, default=1024)
+    ap.add_argument("--question", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--arrival-steps", type=int, default=1)
+    ap.add_argument("--regimes", default="on,off,slots")
+    ap.add_argument("--worker", choices=["on", "off", "slots"], help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.preset == "tiny":
+            from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+            ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
+        else:
+            from mlx_serving.models._default_checkpoint import default_checkpoint
+            ckpt = default_checkpoint()
+        results = []
+        for regime in args.regimes.split(","):
+            cmd = [sys.executable, __file__, "--worker", regime, "--checkpoint", str(ckpt)]
+            cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                    ("preset", "requests", "system", "question", "max_new", "arrival_steps")]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            results.append(json.loads(out.strip().splitlines()[-1]))
+            print(json.dumps(results[-1]), flush=True)
+    by = {r["regime"]: r for r in results}
+    summary = {}
+    if "on" in by and "off" in by:
+        summary["ttft_p50_off_over_on"] = round(by["off"]["ttft_ms_p50"] / by["on"]["ttft_ms_p50"], 2)
+        summary["throughput_on_over_off"] = round(by["on"]["gen_tok_per_s"] / by["off"]["gen_tok_per_s"], 2)
+    if "on" in by and "slots" in by:
+        summary["peak_rss_slots_minus_on_mb"] = round(by["slots"]["peak_rss_mb"] - by["on"]["peak_rss_mb"], 1)
+    doc = {"command": " ".join(["python", "bench/prefix_cache.py"] + sys.argv[1:]), "args": vars(args),
+           "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
+           "results": results, "summary": summary}
+    path = ROOT / "bench" / "results" / f"prefix_cache_{args.preset}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

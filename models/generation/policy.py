@@ -1,0 +1,126 @@
+"""Scheduling policies: who of the waiting sequences starts next, and who is preempted when KV
+blocks run out (vLLM v1's ``sched/request_queue.py`` shape: a small queue object per policy).
+
+- :class:`FCFSPolicy`: first come, first served; the newest running sequence is preempted.
+- :class:`PriorityPolicy`: lowest ``priority`` value first (ties: arrival order); the running
+  sequence with the highest ``(priority, start order)`` is preempted.
+
+A preempted sequence goes back to the waiting queue ahead of every later arrival of its priority
+(FCFS: at the front). Items need ``priority`` and ``arrival`` (an increasing add counter) and,
+for preemption, ``order`` (an increasing start counter) attributes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Any, Iterator, Protocol
+
+__all__ = ["FCFSPolicy", "Policy", "PriorityPolicy", "make_policy"]
+
+
+class Policy(Protocol):
+    """The waiting queue of an engine plus its preemption choice."""
+
+    def push(self, seq: Any) -> None: ...  # a new arrival
+    def requeue(self, seq: Any) -> None: ...  # a preempted sequence (ahead of later arrivals)
+    def peek(self) -> Any: ...
+    def pop(self) -> Any: ...
+    def remove(self, seq: Any) -> None: ...
+    def victim(self, running: list[Any]) -> Any: ...
+    def __len__(self) -> int: ...
+    def __iter__(self) -> Iterator[Any]: ...
+
+
+class FCFSPolicy:
+    """First come, first served."""
+
+    name = "fcfs"
+
+    def __init__(self) -> None:
+        self._q: deque[Any] = deque()
+
+    def push(self, seq: Any) -> None:
+        self._q.append(seq)
+
+    def requeue(self, seq: Any) -> None:
+        self._q.appendleft(seq)
+
+    def peek(self) -> Any:
+        return self._q[0]
+
+    def pop(self) -> Any:
+        return self._q.popleft()
+
+    def remove(self, seq: Any) -> None:
+        self._q.remove(seq)
+
+    def victim(self, running: list[Any]) -> Any:
+        """The newest started sequence."""
+        return max(running, key=lambda s: s.order)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._q)
+
+
+class PriorityPolicy:
+    """Lowest ``priority`` first, then arrival order (a heap; removal is lazy)."""
+
+    name = "priority"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, Any]] = []
+        self._live: dict[int, tuple] = {}
+        self._n = 0
+
+    def _key(self, seq: Any) -> tuple[int, int]:
+        return (seq.priority, seq.arrival)
+
+    def push(self, seq: Any) -> None:
+        self._n += 1
+        entry = (*self._key(seq), self._n, seq)
+        self._live[id(seq)] = entry
+        heapq.heappush(self._heap, entry)
+
+    requeue = push  # its (priority, arrival) key already puts it ahead of later arrivals
+
+    def _clean(self) -> None:
+        while self._heap and self._live.get(id(self._heap[0][3])) is not self._heap[0]:
+            heapq.heappop(self._heap)
+
+    def peek(self) -> Any:
+        self._clean()
+        return self._heap[0][3]
+
+    def pop(self) -> Any:
+        self._clean()
+        entry = heapq.heappop(self._heap)
+        del self._live[id(entry[3])]
+        return entry[3]
+
+    def remove(self, seq: Any) -> None:
+        del self._live[id(seq)]
+
+    def victim(self, running: list[Any]) -> Any:
+        """The lowest-priority running sequence (the newest started among equals)."""
+        return max(running, key=lambda s: (s.priority, s.order))
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (e[3] for e in sorted(self._live.values(), key=lambda e: e[:3]))
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    """``"fcfs"``, ``"priority"`` or a policy object."""
+    if policy == "fcfs":
+        return FCFSPolicy()
+    if policy == "priority":
+        return PriorityPolicy()
+    if isinstance(policy, str):
+        raise ValueError(f"policy must be 'fcfs', 'priority' or a Policy object, got {policy!r}")
+    return policy

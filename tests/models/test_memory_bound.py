@@ -1,0 +1,46 @@
+"""The README Quickstart stays within its memory bound on the paged KV cache (0.6B shape).
+
+Runs the Quickstart (``from_mlx4bit(default_checkpoint(), max_new_tokens=16, max_len=512,
+max_batch=4)``, inline then started) in a fresh interpreter and checks its peak RSS < 3 GB. Marked
+slow: it needs the 335 MB 0.6B-shaped default checkpoint (written once into the user cache).
+The time from loading to the first inline result is printed (a measurement, not a bound: see
+docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+QUICKSTART = r'''
+import json, resource, time
+from mlx_serving import Serving, default_checkpoint, text_generation
+
+path = default_checkpoint()
+t0 = time.perf_counter()
+serving = text_generation.from_mlx4bit(path, max_new_tokens=16, max_len=512, max_batch=4)
+t1 = time.perf_counter()
+serving.run("Write a short story about a robot who learns to love.")
+t2 = time.perf_counter()
+with Serving.start(serving, batch_size=4, batch_timeout=0.01) as handle:
+    handle.run({"text": "Hello", "temperature": 0.7, "seed": 7})
+    with handle.stream("Tell me a joke") as stream:
+        for item in stream:
+            pass
+serving.close()
+print(json.dumps({"load_s": t1 - t0, "first_run_s": t2 - t1,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quickstart_peak_rss_below_3gb():
+    out = subprocess.run([sys.executable, "-c", QUICKSTART], check=True, capture_output=True, text=True,
+                         timeout=570).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    print(result)
+    assert result["peak_rss_mb"] < 3 * 1024
