@@ -53,6 +53,39 @@ _ACTOR_DEFAULTS = {"max_restarts": -1, "max_task_retries": 0, "max_concurrency":
 _CRASHES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 _remote_class: Any = None
+_RAY_LOCK = threading.Lock()
+_ray_users = 0  # pools using the Ray connection that a pool of this process started (None: not ours)
+
+
+def _join_ray() -> bool:
+    """Use this process's Ray connection, starting one (``ray.init()``) if there is none. True
+    when the connection is one that a pool started (it is shut down when its last pool closes)."""
+    global _ray_users
+    with _RAY_LOCK:
+        if not ray.is_initialized():
+            ray.init()
+            _ray_users = 0
+        elif _ray_users is None or _ray_users == 0:
+            _ray_users = None  # the caller's own connection (or one a closed pool left): never ours
+            return False
+        _ray_users += 1
+        return True
+
+
+def _leave_ray() -> None:
+    global _ray_users
+    with _RAY_LOCK:
+        if _ray_users:
+            _ray_users -= 1
+            if _ray_users == 0:
+                ray.shutdown()
+
+
+async def _cancel_pumps() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _actor_class() -> Any:
@@ -134,8 +167,9 @@ class RayServingPool:
     process_options: ``Serving.start`` options for every actor (``batch_size``, ...).
 
     Joins the Ray cluster this process already initialized (``ray.init(address=...)``), else
-    calls ``ray.init()`` (which joins ``RAY_ADDRESS`` if set, or starts a local cluster); ``close``
-    shuts down only a cluster connection the pool made itself.
+    calls ``ray.init()`` (which joins ``RAY_ADDRESS`` if set, or starts a local cluster), shared by
+    the pools opened meanwhile and shut down (``ray.shutdown()``) when the last of them closes; a
+    connection the caller made is never shut down.
     """
 
     def __init__(
@@ -163,9 +197,7 @@ class RayServingPool:
         self._closing = False
         self._closed = threading.Event()
         self._watchers: list[threading.Thread] = []
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            ray.init()
+        self._shares_ray = _join_ray()
         self._loop = asyncio.new_event_loop()
         self._pump_thread = threading.Thread(target=self._loop.run_forever, name="ray-pool-pump", daemon=True)
         self._pump_thread.start()
@@ -241,11 +273,13 @@ class RayServingPool:
                 ray.kill(slot.actor, no_restart=True)
         for thread in list(self._watchers):
             thread.join()
+        with contextlib.suppress(Exception):  # pumps still waiting (an actor that never answered)
+            asyncio.run_coroutine_threadsafe(_cancel_pumps(), self._loop).result(5.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._pump_thread.join()
         self._loop.close()
-        if self._started_ray:
-            ray.shutdown()
+        if self._shares_ray:
+            _leave_ray()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """``close`` without blocking the event loop."""

@@ -1,4 +1,5 @@
-"""A local Ray cluster for the Ray backend tests (one per session; skipped without ray)."""
+"""A local Ray cluster for the Ray backend tests (one per test module, so that none stays up for
+the rest of the suite; skipped without ray)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ if POOL_TESTS not in sys.path:  # pool_servings: the servings the process-pool t
     sys.path.insert(0, POOL_TESTS)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
     if ray.is_initialized():

@@ -215,3 +215,37 @@ def test_bad_arguments(ray_cluster):
         ServingPool("pool_servings:double", ray_actor_options={"num_cpus": 1})
     with pytest.raises(TypeError):
         ServingPool("pool_servings:double", backend="ray", batch_sise=3)
+
+
+def test_a_pool_shuts_down_only_the_ray_it_started():
+    """Without ray.init, the pools start one connection, shared, shut down with the last pool; a
+    connection the caller made stays up. A fresh interpreter, so the module's cluster is not seen."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    pool_tests = str(Path(__file__).resolve().parent.parent / "pool")
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {pool_tests!r})
+        import ray
+        from mlx_serving.serving import ServingPool
+        light = {{"num_cpus": 0}}
+        a = ServingPool("pool_servings:probe", backend="ray", ray_actor_options=light)
+        b = ServingPool("pool_servings:probe", backend="ray", ray_actor_options=light)
+        a.close()
+        assert ray.is_initialized() and b.run(1)["rows"] == 1
+        b.close()
+        assert not ray.is_initialized()
+        ray.init(num_cpus=1, include_dashboard=False)
+        with ServingPool("pool_servings:probe", backend="ray", ray_actor_options=light) as c:
+            assert c.run(2)["rows"] == 1
+        assert ray.is_initialized()
+        ray.shutdown()
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip().endswith("ok")
