@@ -10,7 +10,10 @@ up to 16. Regimes, each in a fresh subprocess (peak RSS per regime):
 - ``on``: the paged engine (models/generation), prefix caching on, default KV budget;
 - ``off``: the same with ``prefix_caching=False``;
 - ``slots``: the old slot design at the same concurrency (``kv_cache=init_kv_cache(state, max_len,
-  requests)``: requests x (max_len + 1) positions preallocated).
+  requests)``: requests x (max_len + 1) positions preallocated);
+- ``slots-alloc``: the slot design's engine built for the same concurrency but fed only the first
+  request (its peak RSS is the slot reservation's cost; for the 0.6B shape, where running the
+  whole workload without prefix reuse takes too long on 2 CPU cores).
 
 Metrics: TTFT p50/p99 (``Engine.add`` -> first token on the host, the events' ``elapsed_ms``);
 aggregate throughput = generated tokens / (last token - first add) and prompt + generated tokens /
@@ -18,8 +21,8 @@ the same; peak RSS of the process (``ru_maxrss``; includes weights and MLX); KV 
 ``kv_stats`` of the paged runs. Checkpoint: ``--preset`` tiny (4-bit, seed 0, written to a temp
 dir) or 0.6b (``default_checkpoint()``, the 335 MB seeded-random 0.6B checkpoint).
 
-Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b]`` (writes
-bench/results/prefix_cache_<preset>.json).
+Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b] [--regimes on,off,slots]`` (writes
+bench/results/prefix_cache_<preset>.json, or ..._<preset>_<regimes joined by +>.json for other regimes).
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ def worker(args: argparse.Namespace) -> dict:
     rng = np.random.default_rng(0)
     system = rng.integers(0, 150000, args.system).tolist()
     prompts = [system + rng.integers(0, 150000, args.question).tolist() for _ in range(args.requests)]
-    max_len = -(-(args.system + args.question + args.max_new) // 16) * 16
+    max_len = args.max_len or -(-(args.system + args.question + args.max_new) // 16) * 16
     kw = dict(max_batch=args.requests, max_len=max_len, prefill_chunk=512)
-    if args.worker == "slots":
+    if args.worker == "slots-alloc":
+        prompts = prompts[:1]
+    if args.worker.startswith("slots"):
         engine = Engine(state, kv_cache=init_kv_cache(state, max_len, args.requests), **kw)
     else:
         engine = Engine(state, prefix_caching=args.worker == "on", **kw)
@@ -96,8 +101,9 @@ def main() -> None:
     ap.add_argument("--question", type=int, default=32)
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--arrival-steps", type=int, default=1)
+    ap.add_argument("--max-len", type=int, default=0, help="engine max_len (default: the workload's, rounded up to 16)")
     ap.add_argument("--regimes", default="on,off,slots")
-    ap.add_argument("--worker", choices=["on", "off", "slots"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["on", "off", "slots", "slots-alloc"], help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -114,7 +120,7 @@ def main() -> None:
         for regime in args.regimes.split(","):
             cmd = [sys.executable, __file__, "--worker", regime, "--checkpoint", str(ckpt)]
             cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                    ("preset", "requests", "system", "question", "max_new", "arrival_steps")]
+                    ("preset", "requests", "system", "question", "max_new", "arrival_steps", "max_len")]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
@@ -123,12 +129,14 @@ def main() -> None:
     if "on" in by and "off" in by:
         summary["ttft_p50_off_over_on"] = round(by["off"]["ttft_ms_p50"] / by["on"]["ttft_ms_p50"], 2)
         summary["throughput_on_over_off"] = round(by["on"]["gen_tok_per_s"] / by["off"]["gen_tok_per_s"], 2)
-    if "on" in by and "slots" in by:
-        summary["peak_rss_slots_minus_on_mb"] = round(by["slots"]["peak_rss_mb"] - by["on"]["peak_rss_mb"], 1)
+    for slots in ("slots", "slots-alloc"):
+        if "on" in by and slots in by:
+            summary[f"peak_rss_{slots}_minus_on_mb"] = round(by[slots]["peak_rss_mb"] - by["on"]["peak_rss_mb"], 1)
     doc = {"command": " ".join(["python", "bench/prefix_cache.py"] + sys.argv[1:]), "args": vars(args),
            "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
            "results": results, "summary": summary}
-    path = ROOT / "bench" / "results" / f"prefix_cache_{args.preset}.json"
+    suffix = "" if args.regimes == "on,off,slots" else "_" + args.regimes.replace(",", "+")
+    path = ROOT / "bench" / "results" / f"prefix_cache_{args.preset}{suffix}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(summary))
 
