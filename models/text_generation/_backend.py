@@ -29,7 +29,8 @@ class GenerationBackend:
         """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
         default one; see docs/generation.md) and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
         o = self._opts
-        engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes)
+        engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
+                        kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching)
         engine.warm_up()
         return engine
 

@@ -35,7 +35,10 @@ class GenerationOptions:
     max_batch: most sequences decoding at once (KV-cache slots); also the default
       ``batch_size`` of ``Serving.start``.
     prefill_chunk: prompt tokens per sequence per engine step (chunked prefill).
-    kv_cache_bytes: optional cap on the KV cache; fewer slots when it binds.
+    kv_cache_bytes: optional KV-cache budget in bytes (the paged block pool; docs/generation.md).
+    kv_cache_fraction: optional KV-cache budget as a fraction in (0, 1] of the device's available
+      memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
+    prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
 
     Raises ValueError for any value out of range.
     """
@@ -50,6 +53,8 @@ class GenerationOptions:
     max_batch: int = 32
     prefill_chunk: int = 512
     kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
@@ -61,6 +66,11 @@ class GenerationOptions:
                              "no prompt would fit")
         if self.max_batch < 1 or self.prefill_chunk < 1:
             raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {self.max_batch}, {self.prefill_chunk}")
+        f = self.kv_cache_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"kv_cache_fraction must be None or a number in (0, 1], got {_show(f)}")
+        if not isinstance(self.prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {_show(self.prefix_caching)}")
 
 
 def _stop_tuple(stop: object) -> tuple[str, ...]:

@@ -267,3 +267,26 @@ def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
     assert out == {i: _solo(tiny32, prompts[i], p) for i in range(3)}
     with pytest.raises(ValueError, match="max_step_tokens"):
         Engine(tiny32, max_batch=1, max_len=64, max_step_tokens=0)
+
+
+def test_text_generation_kv_options(tiny32):
+    from mlx_serving.models.text_generation._backend import GenerationBackend
+    from mlx_serving.models.text_generation._inputs import Prompt
+    from mlx_serving.models.text_generation._options import GenerationOptions
+    from mlx_serving.models.qwen3.engine import Engine as Reexported
+
+    assert Reexported is Engine
+    for bad in (0, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="kv_cache_fraction"):
+            GenerationOptions(kv_cache_fraction=bad)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        GenerationOptions(prefix_caching=1)
+    backend = GenerationBackend(tiny32, GenerationOptions(max_new_tokens=4, max_len=64, max_batch=2,
+                                                          prefix_caching=False, kv_cache_fraction=0.001))
+    engine = backend.init("inline", None, 1)
+    system = _prompt(5, 40)
+    for round_ in range(2):
+        backend.admit(engine, [(round_, Prompt(system + [round_ + 1], SamplingParams(4)))], 0)
+        while backend.active(engine):
+            backend.step(engine)
+    assert backend.kv_stats(engine).prefix_hits == 0
