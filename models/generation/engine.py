@@ -35,11 +35,11 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from ..qwen3.cache import KVCache, budget_slots, init_kv_cache
-from ..qwen3.events import FinishReason, SeqEvent
 from ..qwen3.model import Rows
-from ..qwen3.sampling import SamplerKind, SamplingParams, greedy, sample_top_p
 from ..registry import family_model
+from .events import FinishReason, SeqEvent
+from .sampling import SamplerKind, SamplingParams, greedy, sample_top_p
+from .slot_cache import KVCache, budget_slots, init_kv_cache
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_manager import KVManager, KVStats, SeqBlocks
 from .policy import Policy, make_policy

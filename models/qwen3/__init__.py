@@ -1,12 +1,14 @@
-"""Native Qwen3 (MLX, 4-bit or dense) model: load, generate, continuous-batching Engine."""
+"""Native Qwen3 (MLX, 4-bit or dense): config, loader, forward pass, CUDA decode kernels, checkpoint
+writer. The generation core's names (Engine, generate, SamplingParams, ...) are re-exported from
+``models.generation`` for convenience."""
 
-from .cache import KVCache, init_kv_cache
-from .config import QuantSpec, Quantization, Qwen3Config
 from ..generation.engine import Engine
-from .events import FinishReason, SeqEvent
-from .generate import generate
+from ..generation.events import FinishReason, SeqEvent
+from ..generation.generate import generate
+from ..generation.sampling import SamplerKind, SamplingParams
+from ..generation.slot_cache import KVCache, init_kv_cache
+from .config import QuantSpec, Quantization, Qwen3Config
 from .loader import State, load
-from .sampling import SamplerKind, SamplingParams
 
 __all__ = [
     "Engine",

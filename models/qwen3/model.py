@@ -20,7 +20,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from .cache import KVCache
+from ..generation.slot_cache import KVCache
 from .kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 from .loader import Layer, State
 

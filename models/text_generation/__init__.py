@@ -23,7 +23,7 @@ from ...serving import Serving
 from ...tokenization import Tokenizer
 
 from ..qwen3 import FinishReason, State, load
-from ..qwen3.cache import budget_slots
+from ..generation.slot_cache import budget_slots
 from ._backend import GenerationBackend
 from ._events import TokenEvent
 from ._inputs import RequestInfo, max_bytes_per_token, needs_thread, preprocess

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..qwen3.events import FinishReason
+from ..generation.events import FinishReason
 
 __all__ = ["TokenEvent"]
 

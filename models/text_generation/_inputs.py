@@ -16,7 +16,7 @@ from typing import Any
 from ...serving import Batch
 from ...tokenization import Tokenizer
 
-from ..qwen3.sampling import SamplingParams, _show
+from ..generation.sampling import SamplingParams, _show
 from ._options import GenerationOptions, _stop_tuple
 
 __all__ = ["ROLES", "Prompt", "RequestInfo", "max_bytes_per_token", "needs_thread", "preprocess"]

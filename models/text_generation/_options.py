@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..qwen3.sampling import SamplingParams, _show
+from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ...tokenization import StreamingDetokenizer, Tokenizer
 
-from ..qwen3.events import FinishReason
+from ..generation.events import FinishReason
 from ._events import TokenEvent
 from ._inputs import RequestInfo
 

@@ -273,7 +273,7 @@ def test_text_generation_kv_options(tiny32):
     from mlx_serving.models.text_generation._backend import GenerationBackend
     from mlx_serving.models.text_generation._inputs import Prompt
     from mlx_serving.models.text_generation._options import GenerationOptions
-    from mlx_serving.models.qwen3.engine import Engine as Reexported
+    from mlx_serving.models.qwen3 import Engine as Reexported
 
     assert Reexported is Engine
     for bad in (0, 1.5, True, "0.5"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, SeqEvent, generate
-from mlx_serving.models.qwen3.cache import kv_bytes_per_token
+from mlx_serving.models.generation.slot_cache import kv_bytes_per_token
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mlx_serving.models.qwen3 import generate, init_kv_cache, load
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
 from mlx_serving.models.qwen3.model import Rows, forward
-from mlx_serving.models.qwen3.sampling import SamplerKind, SamplingParams, sample_top_p
+from mlx_serving.models.generation.sampling import SamplerKind, SamplingParams, sample_top_p
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir."
 PROMPTS = [ELIXIR, [9707, 11, 1879], [int(x) for x in np.random.default_rng(7).integers(0, 151000, 40)]]

@@ -19,7 +19,7 @@ import pytest
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, State, generate
-from mlx_serving.models.qwen3.sampling import MIN_TEMPERATURE, SamplerKind, sample_top_p
+from mlx_serving.models.generation.sampling import MIN_TEMPERATURE, SamplerKind, sample_top_p
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._backend import GenerationBackend
 from mlx_serving.models.text_generation._inputs import (Prompt, RequestInfo, max_bytes_per_token, needs_thread,

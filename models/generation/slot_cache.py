@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .loader import State
+from .protocol import ModelState as State
 
 __all__ = ["KVCache", "budget_slots", "init_kv_cache", "kv_bytes_per_token"]
 

@@ -11,11 +11,11 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from .cache import KVCache
-from ..generation.engine import Engine
+from .engine import Engine
 from .events import FinishReason
-from .loader import State
+from .protocol import ModelState as State
 from .sampling import SamplingParams
+from .slot_cache import KVCache
 
 __all__ = ["generate"]
 
