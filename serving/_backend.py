@@ -46,6 +46,9 @@ class IterativeBackend(Protocol):
     - ``cancel(state, row_ids)``: remove these rows now and free their memory; ids it does not
       hold are ignored (after an ``admit`` that raised, the scheduler cancels the whole group).
     - ``active(state)``: rows admitted and not finished.
+    - optional ``stats(state) -> Mapping[str, float]``: the backend's own counters, reported in
+      ``ServingStats.backend`` (summed over partitions). Called from any thread: read plain
+      counters only.
     """
 
     def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...

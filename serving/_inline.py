@@ -8,6 +8,7 @@ the one thread that owns it (MLX streams are thread-local).
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,7 @@ from ._client import LocalClient, Runtime
 from ._counters import Counters
 from ._errors import BackendError, ServingStopped
 from ._executor import Executor
-from ._iterative import IterativeScheduler
+from ._iterative import IterativeScheduler, add_backend_stats
 from ._messages import Part
 from ._options import ProcessOptions
 from ._output import output_rows
@@ -60,7 +61,9 @@ class InlineRuntime:
             live = list(self._live)
         for scheduler in live:
             scheduler.add_counts_to(total)
-        return total.snapshot()
+        state = None if self._state is _UNSET else self._state
+        backend = add_backend_stats(self._backend, [state]) if is_iterative(self._backend) else {}
+        return replace(total.snapshot(), backend=backend)
 
     def submit(self, request: Request, batch: Batch) -> None:
         """Queue one call's rows; the result or events arrive on ``request.channel``."""

@@ -10,6 +10,8 @@ rows past their deadline, run one step, deliver each row's events to its caller.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
+from dataclasses import replace
 import itertools
 import logging
 import threading
@@ -25,7 +27,7 @@ from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
 from ._messages import RowEvent
 from ._request import Request, reap
-from ._telemetry import TelemetryEvent, emit
+from ._telemetry import ServingStats, TelemetryEvent, emit
 
 _log = logging.getLogger("serving")
 
@@ -125,9 +127,10 @@ class IterativeScheduler:
                 self._c.running -= 1
         self._cond.notify_all()
 
-    def stats(self) -> Any:
+    def stats(self) -> ServingStats:
         with self._cond:
-            return self._c.snapshot()
+            snapshot = self._c.snapshot()
+        return replace(snapshot, backend=add_backend_stats(self._backend, [p.state for p in self._parts]))
 
     def add_counts_to(self, total: Counters) -> None:
         """Add this scheduler's counters into ``total`` (the inline runtime's sum)."""
@@ -306,6 +309,19 @@ class IterativeScheduler:
         for request in {id(r.request): r.request for r in rows}.values():
             request.fail(_backend_error(cause))
         self._apply_cancels(part)
+
+
+def add_backend_stats(backend: IterativeBackend, states: list[Any]) -> dict[str, float]:
+    """The backend's ``stats(state)`` summed over ``states`` ({} when it has none)."""
+    stats = getattr(backend, "stats", None)
+    total: dict[str, float] = {}
+    if not callable(stats):
+        return total
+    for state in states:
+        if state is not None:
+            for name, value in stats(state).items():
+                total[name] = total.get(name, 0) + value
+    return total
 
 
 def _backend_error(cause: BaseException) -> BackendError:

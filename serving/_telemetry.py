@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["ServingStats", "TelemetryEvent"]
@@ -73,7 +73,10 @@ class ServingStats:
     rows / batch_size over executed batches (static) or steps (iterative), 0.0 before any.
     completed / failed / cancelled / expired / rejected: requests that finished normally, failed
     with a backend error or stop, were withdrawn by their caller, passed their deadline, or were
-    refused (``ServingOverloaded`` or rows the backend can never fit).
+    refused (``ServingOverloaded`` or rows the backend can never fit). backend: the backend's own
+    counters (an ``IterativeBackend``'s optional ``stats(state)``) summed over partitions and
+    workers; text generation reports its KV blocks and prefix cache there (``blocks_used``,
+    ``blocks_free``, ``prefix_queries``, ``prefix_hits``, ``prefix_hit_tokens``, ...).
     """
 
     queued: int
@@ -87,3 +90,4 @@ class ServingStats:
     cancelled: int
     expired: int
     rejected: int
+    backend: Mapping[str, float] = field(default_factory=dict)

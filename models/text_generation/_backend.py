@@ -8,6 +8,7 @@ executor thread only.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..generation import Engine, KVStats
@@ -49,6 +50,14 @@ class GenerationBackend:
     def free_slots(self, engine: Engine) -> int:
         """How many more sequences could start now: free rows bounded by free KV blocks (never negative)."""
         return max(0, engine.free_slots)
+
+    def stats(self, engine: Engine) -> dict[str, float]:
+        """``ServingStats.backend`` of a text-generation serving: the KV block and prefix-cache
+        counters of :meth:`kv_stats` ({} on the slot design). Plain counters: safe from any thread."""
+        kv = engine.kv_stats()
+        if kv is None:
+            return {}
+        return {name: value for name, value in dataclasses.asdict(kv).items() if name != "block_size"}
 
     def kv_stats(self, engine: Engine) -> KVStats | None:
         """The engine's KV block and prefix-cache counters (:class:`KVStats`: blocks used / free /

@@ -52,7 +52,12 @@ class PoolStats:
 
 def sum_stats(stats: list[ServingStats]) -> ServingStats:
     """Counts added up; ``mean_batch_fill`` weighted by each one's batches + steps."""
-    totals = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(ServingStats)}
+    totals: dict = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(ServingStats) if f.name != "backend"}
+    backend: dict[str, float] = {}
+    for s in stats:
+        for name, value in s.backend.items():
+            backend[name] = backend.get(name, 0) + value
+    totals["backend"] = backend
     work = [s.batches_run + s.steps_run for s in stats]
     totals["mean_batch_fill"] = (
         sum(s.mean_batch_fill * w for s, w in zip(stats, work)) / sum(work) if sum(work) else 0.0

@@ -290,3 +290,16 @@ def test_text_generation_kv_options(tiny32):
         while backend.active(engine):
             backend.step(engine)
     assert backend.kv_stats(engine).prefix_hits == 0
+
+
+def test_serving_stats_carry_the_kv_and_prefix_cache_counters(tiny32_ckpt):
+    from mlx_serving import text_generation
+
+    serving = text_generation.from_mlx4bit(tiny32_ckpt, max_new_tokens=2, max_len=128, max_batch=2)
+    prompt = "a shared system prompt that spans more than one block of sixteen tokens, " * 3
+    with serving.start() as h:
+        h.run(prompt + "first")
+        h.run(prompt + "second")
+        stats = h.stats().backend
+    assert stats["prefix_queries"] == 2 and stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 16
+    assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]

@@ -197,3 +197,24 @@ def test_inline_runs_back_to_back_after_a_client_side_stop():
                 assert list(stopped) == [5, 4, 3, 2]
             assert serving.run(countdown(2)) == [1, 0]
         assert serving.stats().completed == 20
+
+
+class CountingCountdown(CountdownBackend):
+    """A countdown backend reporting its own counter (rows admitted) through ``stats(state)``."""
+
+    def admit(self, state, rows, partition):
+        state["admitted"] = state.get("admitted", 0) + len(rows)
+        return super().admit(state, rows, partition)
+
+    def stats(self, state):
+        return {"admitted": state.get("admitted", 0)}
+
+
+def test_backend_counters_reach_stats_summed_over_partitions():
+    serving = Serving.new(CountingCountdown())
+    assert serving.run(countdown(1, 2)) and serving.stats().backend == {"admitted": 2}
+    with serving.start(partitions=2, batch_size=4, batch_timeout=0.0) as h:
+        for n in range(1, 6):
+            h.run(countdown(n))
+        assert h.stats().backend == {"admitted": 5}
+    serving.close()
