@@ -117,8 +117,27 @@ def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | Non
     """
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where}: must hold a JSON object, got {type(raw).__name__}")
-    arch = optional(raw, "architectures", [])
     model_type = raw.get("model_type")
+    _check_architecture(raw, model_type, where)
+    fields = decoder_fields(raw, generation, where, max_position_embeddings=2048, rms_norm_eps=1e-6)
+    scaling, rope_theta = _rope(raw, where)
+    _check_full_attention(raw, model_type, fields, where)
+    tie = raw.get("tie_word_embeddings")
+    return LlamaConfig(
+        **fields,
+        rope_theta=float_field(rope_theta, where, "rope_theta", 1.0, 1e15, lo_open=False),
+        rope_scaling=scaling,
+        rope_traditional=bool_field(optional(raw, "rope_traditional", False), where, "rope_traditional"),
+        attention_bias=bool_field(optional(raw, "attention_bias", False), where, "attention_bias"),
+        mlp_bias=bool_field(optional(raw, "mlp_bias", False), where, "mlp_bias"),
+        tie_word_embeddings=None if tie is None else bool_field(tie, where, "tie_word_embeddings"),
+        model_type=model_type if model_type in MODEL_TYPES else "llama",
+    )
+
+
+def _check_architecture(raw: Mapping[str, Any], model_type: Any, where: str) -> None:
+    """ValueError unless the config is a Llama / Mistral one with a SwiGLU (silu) MLP."""
+    arch = optional(raw, "architectures", [])
     if not isinstance(arch, list) or not all(isinstance(a, str) for a in arch):
         raise ValueError(f"{where}: architectures must be a list of strings, got {show(arch)}")
     if model_type not in MODEL_TYPES and not any(a in SUPPORTED_ARCHITECTURES for a in arch):
@@ -129,8 +148,11 @@ def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | Non
     hidden_act = optional(raw, "hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {show(hidden_act)} is not supported (only silu: SwiGLU)")
-    fields = decoder_fields(raw, generation, where, max_position_embeddings=2048, rms_norm_eps=1e-6)
-    # transformers 5 moved rope_theta and the scaling block into rope_parameters
+
+
+def _rope(raw: Mapping[str, Any], where: str) -> tuple[Any, Any]:
+    """``(rope scaling, rope_theta)`` from ``rope_scaling`` / ``rope_theta`` or transformers 5's
+    ``rope_parameters`` (ValueError when both are given and disagree)."""
     rope_parameters = raw.get("rope_parameters")
     if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
         raise ValueError(f"{where}: rope_parameters must be an object, got {show(rope_parameters)}")
@@ -144,6 +166,11 @@ def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | Non
     rope_theta = raw.get("rope_theta")
     if rope_theta is None:
         rope_theta = (rope_parameters or {}).get("rope_theta", DEFAULT_ROPE_THETA)
+    return scaling, rope_theta
+
+
+def _check_full_attention(raw: Mapping[str, Any], model_type: Any, fields: Mapping[str, Any], where: str) -> None:
+    """ValueError for sliding-window attention (``layer_types``, Mistral's ``sliding_window``)."""
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         if (not isinstance(layer_types, list) or len(layer_types) != fields["num_hidden_layers"]
@@ -157,17 +184,6 @@ def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | Non
         if window < fields["max_position_embeddings"]:
             raise ValueError(f"{where}: sliding_window {window} (shorter than max_position_embeddings "
                              f"{fields['max_position_embeddings']}): sliding-window attention is not supported")
-    tie = raw.get("tie_word_embeddings")
-    return LlamaConfig(
-        **fields,
-        rope_theta=float_field(rope_theta, where, "rope_theta", 1.0, 1e15, lo_open=False),
-        rope_scaling=scaling,
-        rope_traditional=bool_field(optional(raw, "rope_traditional", False), where, "rope_traditional"),
-        attention_bias=bool_field(optional(raw, "attention_bias", False), where, "attention_bias"),
-        mlp_bias=bool_field(optional(raw, "mlp_bias", False), where, "mlp_bias"),
-        tie_word_embeddings=None if tie is None else bool_field(tie, where, "tie_word_embeddings"),
-        model_type=model_type if model_type in MODEL_TYPES else "llama",
-    )
 
 
 def read_config(path: str | Path) -> LlamaConfig:
