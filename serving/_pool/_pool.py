@@ -19,11 +19,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from .._client import AsyncStream, Stream
-from .._errors import DeadlineExceeded, ServingError, ServingStopped, WorkerCrashed, WorkerUnresponsive
+from .._errors import ServingError, ServingStopped, WorkerCrashed, WorkerUnresponsive
 from .._options import ProcessOptions
 from .._request import Request, reap
 from .._telemetry import ServingStats
+from ._base import PoolClient, refuse
 from ._remote import rebuild_error
 from ._spawn import WorkerProcess
 from ._stats import PoolStats, WorkerHealth, WorkerStats, sum_stats
@@ -159,7 +159,7 @@ class _Slot:
         self.starting: _Worker | None = None  # a replacement worker that has not reported Ready yet
 
 
-class ServingPool:
+class ServingPool(PoolClient):
     """Runs ``workers`` processes, each with its own Serving started in process mode.
 
     Implements the client contract (``Client``): ``run`` / ``run_async`` / ``stream`` /
@@ -366,22 +366,6 @@ class ServingPool:
             with contextlib.suppress(OSError):
                 worker.send(Shutdown(timeout))
 
-    async def aclose(self, timeout: float | None = None) -> None:
-        """``close`` without blocking the event loop."""
-        await anyio.to_thread.run_sync(self.close, timeout)
-
-    def __enter__(self) -> ServingPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> ServingPool:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
     # --- the connection to one worker ---------------------------------------------------------
 
     def _read(self, worker: _Worker) -> None:
@@ -560,7 +544,7 @@ class ServingPool:
         """The ready worker with the least (in_flight + 1) / weight; the start rotates for ties.
         Raises ServingStopped (tagged with the request's id) once the pool is closing."""
         if self._closing:
-            raise _refuse(request, ServingStopped("the pool is closed"))
+            raise refuse(request, ServingStopped("the pool is closed"))
         best, best_score = None, math.inf
         count = len(self._slots)
         self._turn = (self._turn + 1) % count
@@ -603,52 +587,6 @@ class ServingPool:
         _send_call(worker, request, payload, stream)
         return request
 
-    def _wait_limit(self, request: Request) -> float:
-        """Seconds a request may still wait for a ready worker."""
-        end = request.submitted + self._start_timeout
-        if request.deadline is not None:
-            end = min(end, request.deadline)
-        return end - time.monotonic()
-
-    def _no_worker(self, request: Request) -> ServingError:
-        if request.deadline is not None and request.deadline <= request.submitted + self._start_timeout:
-            return _refuse(request, DeadlineExceeded("no pool worker became ready within the request's deadline"))
-        return _refuse(request, WorkerCrashed(f"no pool worker became ready within {self._start_timeout} s"))
-
-    def run(self, input: Any, *, deadline: float | None = None) -> Any:
-        """Run one request on the least-loaded worker and return its result (blocks; thread-safe).
-
-        The worker runs ``run_async`` on its serving: client preprocessing, batching with other
-        requests routed to it, execution and client postprocessing all happen in the worker.
-        ``input`` and the result travel as described in the wire format (numpy arrays without
-        pickle). Raises what the worker's serving raised (see ``rebuild_error``), ``WorkerCrashed``
-        if the worker died holding the request, ``ServingStopped`` once closed, ``TypeError`` /
-        ``ValueError`` if the input or the result cannot cross the process boundary,
-        ``DeadlineExceeded`` when ``deadline`` (seconds from this call) passes first: the caller
-        enforces it even if the worker never answers. ``ServingError``s carry the request's id.
-        An interrupted caller (e.g. ``KeyboardInterrupt``) withdraws the request in the worker.
-        """
-        consumer = WireConsumer()
-        with Stream(self._submit(input, False, deadline), consumer) as stream:
-            return consumer.result(list(stream))
-
-    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
-        """``run`` for asyncio or trio; cancelling the caller withdraws the request."""
-        consumer = WireConsumer()
-        async with AsyncStream(await self._submit_async(input, False, deadline), consumer) as stream:
-            return consumer.result([item async for item in stream])
-
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
-        """Send the request now; a ``Stream`` of its items (what the worker's ``stream_async``
-        yields). Closing it (``close()``, leaving ``with``, an exception while reading) or the
-        deadline passing withdraws the request in the worker. Raises as ``run``."""
-        return Stream(self._submit(input, True, deadline), WireConsumer())
-
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
-        """``stream`` for asyncio or trio (the request is sent when the await returns); the
-        reading task being cancelled, ``aclose()`` or leaving ``async with`` withdraws it."""
-        return AsyncStream(await self._submit_async(input, True, deadline), WireConsumer())
-
     # --- observation --------------------------------------------------------------------------
 
     def health(self) -> list[WorkerHealth]:
@@ -656,6 +594,9 @@ class ServingPool:
         reap(self._orphans)
         with self._cond:
             return [self._health(slot) for slot in self._slots]
+
+    def _consumer(self) -> WireConsumer:
+        return WireConsumer()
 
     def _health(self, slot: _Slot) -> WorkerHealth:
         worker = slot.worker
@@ -668,10 +609,6 @@ class ServingPool:
             slot.index, worker.pid, state, alive, len(worker.pending), worker.last_progress,
             worker.last_heartbeat, slot.restarts,
         )
-
-    def stats(self) -> ServingStats:
-        """The workers' serving stats added up (``pool_stats().total``)."""
-        return self.pool_stats().total
 
     def pool_stats(self) -> PoolStats:
         """Ask every ready worker for its serving stats (5 s each at most): the sum and each."""
@@ -738,10 +675,7 @@ def _fail(request: Request, error: Exception) -> None:
     request.fail(error)
 
 
-def _refuse(request: Request, error: ServingError) -> ServingError:
-    """``error`` for a request that was never sent, tagged with its id."""
-    request.fail(error)
-    return error
+
 
 
 _WATCHED = ("ready", "closing")  # the states in which a worker must keep sending heartbeats

@@ -27,9 +27,7 @@ import anyio
 import ray
 import ray.exceptions
 
-from .._client import AsyncStream, Stream
 from .._errors import (
-    DeadlineExceeded,
     RemoteError,
     RequestCancelled,
     ServingError,
@@ -37,11 +35,11 @@ from .._errors import (
     WorkerCrashed,
 )
 from .._options import ProcessOptions
+from .._pool._base import PoolClient, refuse
 from .._pool._pool import _weights
 from .._pool._stats import PoolStats, WorkerHealth, WorkerStats, sum_stats
 from .._pool._worker import Factory, resolve_factory
 from .._request import Request, reap
-from .._telemetry import ServingStats
 from ._actor import ServingActor
 
 __all__ = ["RayServingPool"]
@@ -147,7 +145,7 @@ class _Slot:
         return f"Ray pool actor {self.index} ({self.name}, pid {self.pid})"
 
 
-class RayServingPool:
+class RayServingPool(PoolClient):
     """``workers`` Ray actors, each with its own Serving started in process mode.
 
     Implements the client contract (``Client``): ``run`` / ``run_async`` / ``stream`` /
@@ -281,22 +279,6 @@ class RayServingPool:
         if self._shares_ray:
             _leave_ray()
 
-    async def aclose(self, timeout: float | None = None) -> None:
-        """``close`` without blocking the event loop."""
-        await anyio.to_thread.run_sync(self.close, timeout)
-
-    def __enter__(self) -> RayServingPool:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> RayServingPool:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
     # --- answers ------------------------------------------------------------------------------
 
     async def _pump(self, slot: _Slot, request: Request, ref: Any, stream: bool) -> None:
@@ -389,7 +371,7 @@ class RayServingPool:
         """The ready actor with the least (in_flight + 1) / weight; ties rotate. Raises
         ServingStopped once closing, WorkerCrashed when every actor is dead."""
         if self._closing:
-            raise _refuse(request, ServingStopped("the pool is closed"))
+            raise refuse(request, ServingStopped("the pool is closed"))
         best, best_score = None, math.inf
         count = len(self._slots)
         self._turn = (self._turn + 1) % count
@@ -400,7 +382,7 @@ class RayServingPool:
                 if score < best_score:
                     best, best_score = slot, score
         if best is None and all(slot.state == "dead" for slot in self._slots):
-            raise _refuse(request, WorkerCrashed("every Ray pool actor died and was not restarted"))
+            raise refuse(request, WorkerCrashed("every Ray pool actor died and was not restarted"))
         return best
 
     def _send(self, slot: _Slot, request: Request, input: Any, stream: bool) -> None:
@@ -452,41 +434,12 @@ class RayServingPool:
         self._send(slot, request, input, stream)
         return request
 
-    def _wait_limit(self, request: Request) -> float:
-        end = request.submitted + self._start_timeout
-        if request.deadline is not None:
-            end = min(end, request.deadline)
-        return end - time.monotonic()
-
-    def _no_worker(self, request: Request) -> ServingError:
-        if request.deadline is not None and request.deadline <= request.submitted + self._start_timeout:
-            return _refuse(request, DeadlineExceeded("no Ray pool actor became ready within the request's deadline"))
-        return _refuse(request, WorkerCrashed(f"no Ray pool actor became ready within {self._start_timeout} s"))
-
-    def run(self, input: Any, *, deadline: float | None = None) -> Any:
-        """Run one request on the least-loaded actor and return its result (blocks; thread-safe).
-        Raises as ``ServingPool.run``: what the actor's serving raised, ``WorkerCrashed`` if the
-        actor died holding the request, ``ServingStopped`` once closed, ``DeadlineExceeded``
-        (enforced in the caller too)."""
-        consumer = _Items()
-        with Stream(self._submit(input, False, deadline), consumer) as stream:
-            return consumer.result(list(stream))
-
-    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
-        """``run`` for asyncio or trio; cancelling the caller withdraws the request."""
-        consumer = _Items()
-        async with AsyncStream(await self._submit_async(input, False, deadline), consumer) as stream:
-            return consumer.result([item async for item in stream])
-
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
-        """Send the request now; a ``Stream`` of its items (a Ray streaming generator)."""
-        return Stream(self._submit(input, True, deadline), _Items())
-
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
-        """``stream`` for asyncio or trio (sent when the await returns)."""
-        return AsyncStream(await self._submit_async(input, True, deadline), _Items())
-
     # --- observation --------------------------------------------------------------------------
+
+    _worker_name = "Ray pool actor"
+
+    def _consumer(self) -> _Items:
+        return _Items()
 
     def health(self) -> list[WorkerHealth]:
         """One ``WorkerHealth`` per actor (no round trip). ``state``: starting | ready |
@@ -500,10 +453,6 @@ class RayServingPool:
                              s.last_progress, s.restarts)
                 for s in self._slots
             ]
-
-    def stats(self) -> ServingStats:
-        """The actors' serving stats added up (``pool_stats().total``)."""
-        return self.pool_stats().total
 
     def pool_stats(self) -> PoolStats:
         """Ask every ready actor for its serving stats (5 s at most): the sum and each."""
@@ -532,9 +481,7 @@ def _fail(request: Request, error: BaseException) -> None:
     request.fail(error)
 
 
-def _refuse(request: Request, error: ServingError) -> ServingError:
-    request.fail(error)
-    return error
+
 
 
 def _pickle_factory(factory: Factory) -> bytes:
