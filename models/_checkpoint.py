@@ -459,6 +459,33 @@ class TensorChecks:
         self.expect(f"{module}.scales", FLOAT_DTYPES, groups, why)
         self.expect(f"{module}.biases", FLOAT_DTYPES, groups, why)
 
+    def decoder(self, c: Any) -> dict[str, tuple[int, int, str, str]]:
+        """Check what every Llama-shaped decoder has outside its layers (the embedding, an untied
+        head, the final norm: exactly ``vocab_size`` x ``hidden_size``) and each layer's two
+        RMSNorm weights; return each layer's projections as ``{module: (out, in, why_out,
+        why_in)}`` (logical matrix shapes, the config fields behind them) for the family to
+        check with :meth:`matrix` beside its own extras (q/k norms, biases). ``c`` is a config
+        with ``hidden_size``, ``head_dim``, ``intermediate_size``, ``num_attention_heads``,
+        ``num_key_value_heads``, ``vocab_size``, ``tie_word_embeddings``, ``num_hidden_layers``.
+        Raises KeyError / ValueError as :meth:`expect`."""
+        h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+        nq, nkv, v = c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+        hid = f"hidden_size = {h}"
+        self.matrix("model.embed_tokens", v, h, f"vocab_size = {v}", hid)
+        if not c.tie_word_embeddings:
+            self.matrix("lm_head", v, h, f"vocab_size = {v}", hid)
+        self.vector("model.norm.weight", h, hid)
+        for i in range(c.num_hidden_layers):
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                self.vector(f"model.layers.{i}.{norm}.weight", h, hid)
+        q_out = f"num_attention_heads * head_dim = {nq} * {d}"
+        kv_out = f"num_key_value_heads * head_dim = {nkv} * {d}"
+        inter_s = f"intermediate_size = {inter}"
+        return {"self_attn.q_proj": (nq * d, h, q_out, hid), "self_attn.k_proj": (nkv * d, h, kv_out, hid),
+                "self_attn.v_proj": (nkv * d, h, kv_out, hid), "self_attn.o_proj": (h, nq * d, hid, q_out),
+                "mlp.gate_proj": (inter, h, inter_s, hid), "mlp.up_proj": (inter, h, inter_s, hid),
+                "mlp.down_proj": (h, inter, hid, inter_s)}
+
 
 def read_tensors(path: Path, check: Callable[[dict[str, TensorInfo]], None]) -> dict[str, mx.array]:
     """Every tensor of checkpoint ``path``: the headers of all its weight files are read and

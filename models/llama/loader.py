@@ -62,25 +62,10 @@ def _check_tensors(path: Path, infos: dict[str, TensorInfo], config: LlamaConfig
     does not declare (``attention_bias`` / ``mlp_bias`` false) is refused rather than ignored:
     it would change the model's outputs."""
     c = config
-    h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
-    nq, nkv, v = c.num_attention_heads, c.num_key_value_heads, c.vocab_size
     t = TensorChecks(path, infos, c.quantization)
-    hid = f"hidden_size = {h}"
-    t.matrix("model.embed_tokens", v, h, f"vocab_size = {v}", hid)
-    if not c.tie_word_embeddings:
-        t.matrix("lm_head", v, h, f"vocab_size = {v}", hid)
-    t.vector("model.norm.weight", h, hid)
-    q_out = f"num_attention_heads * head_dim = {nq} * {d}"
-    kv_out = f"num_key_value_heads * head_dim = {nkv} * {d}"
-    inter_s = f"intermediate_size = {inter}"
-    shapes = {"self_attn.q_proj": (nq * d, h, q_out, hid), "self_attn.k_proj": (nkv * d, h, kv_out, hid),
-              "self_attn.v_proj": (nkv * d, h, kv_out, hid), "self_attn.o_proj": (h, nq * d, hid, q_out),
-              "mlp.gate_proj": (inter, h, inter_s, hid), "mlp.up_proj": (inter, h, inter_s, hid),
-              "mlp.down_proj": (h, inter, hid, inter_s)}
+    shapes = t.decoder(c)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
-        t.vector(f"{p}.input_layernorm.weight", h, hid)
-        t.vector(f"{p}.post_attention_layernorm.weight", h, hid)
         for module, (out, inn, why_out, why_in) in shapes.items():
             name = f"{p}.{module}"
             t.matrix(name, out, inn, why_out, why_in)

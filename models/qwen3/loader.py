@@ -62,30 +62,15 @@ def _check_tensors(path: Path, infos: dict[str, TensorInfo], config: Qwen3Config
     valid when it is below ``config.vocab_size`` (what the engine checks), and every such id
     then has a row.
     """
-    c = config
-    h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
-    nq, nkv, v = c.num_attention_heads, c.num_key_value_heads, c.vocab_size
-    t = TensorChecks(path, infos, c.quantization)
-    hid = f"hidden_size = {h}"
-    t.matrix("model.embed_tokens", v, h, f"vocab_size = {v}", hid)
-    if not c.tie_word_embeddings:
-        t.matrix("lm_head", v, h, f"vocab_size = {v}", hid)
-    t.vector("model.norm.weight", h, hid)
-    q_out = f"num_attention_heads * head_dim = {nq} * {d}"
-    kv_out = f"num_key_value_heads * head_dim = {nkv} * {d}"
-    inter_s = f"intermediate_size = {inter}"
-    for i in range(c.num_hidden_layers):
+    t = TensorChecks(path, infos, config.quantization)
+    shapes = t.decoder(config)
+    d = config.head_dim
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        for norm, n, why in (("input_layernorm", h, hid), ("post_attention_layernorm", h, hid),
-                             ("self_attn.q_norm", d, f"head_dim = {d}"), ("self_attn.k_norm", d, f"head_dim = {d}")):
-            t.vector(f"{p}.{norm}.weight", n, why)
-        t.matrix(f"{p}.self_attn.q_proj", nq * d, h, q_out, hid)
-        t.matrix(f"{p}.self_attn.k_proj", nkv * d, h, kv_out, hid)
-        t.matrix(f"{p}.self_attn.v_proj", nkv * d, h, kv_out, hid)
-        t.matrix(f"{p}.self_attn.o_proj", h, nq * d, hid, q_out)
-        t.matrix(f"{p}.mlp.gate_proj", inter, h, inter_s, hid)
-        t.matrix(f"{p}.mlp.up_proj", inter, h, inter_s, hid)
-        t.matrix(f"{p}.mlp.down_proj", h, inter, hid, inter_s)
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            t.vector(f"{p}.{norm}.weight", d, f"head_dim = {d}")
+        for module, (out, inn, why_out, why_in) in shapes.items():
+            t.matrix(f"{p}.{module}", out, inn, why_out, why_in)
 
 
 def _layer(r: Reader, i: int) -> Layer:
