@@ -24,16 +24,19 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-__all__ = ["MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "greedy", "sample_top_p"]
+__all__ = ["MAX_LOGPROBS", "MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "greedy", "sample_top_p"]
 
 #: Temperatures below this are greedy decoding (see the module docstring).
 MIN_TEMPERATURE = 1e-5
 #: Seeds are ints in [0, MAX_SEED): what a 64-bit seed holds.
 MAX_SEED = 2**64
+#: At most this many top alternatives per token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
 
 
 class SamplerKind(enum.Enum):
@@ -45,14 +48,29 @@ class SamplerKind(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request generation options.
+    """Per-request generation options (the table in docs/generation.md, "Sampling").
 
     ``max_new_tokens``: an int >= 1 (an EOS counts). ``temperature``: a finite real number >= 0,
     0 (or anything below ``MIN_TEMPERATURE``, 1e-5) = greedy. ``top_p``: a real number in (0, 1],
     used when sampling. ``seed``: an int in [0, 2**64) for reproducible sampling (None: fresh
-    entropy). ``bool`` is not a number here (``True`` is refused everywhere). ``eos_token_ids``:
-    generation stops after any of them. Numbers are stored as int / float. Raises ValueError on
-    construction, naming the option, for any value of the wrong type or out of range.
+    entropy). ``eos_token_ids``: generation stops after any of them.
+
+    Off by default: ``top_k`` (int >= 0; keep the k most probable tokens, 0 = off), ``min_p``
+    (in [0, 1]; drop tokens below ``min_p`` times the top probability, 0 = off),
+    ``repetition_penalty`` (> 0, finite; HF / mlx-lm: a positive logit of a token seen in the
+    prompt or the output is divided by it, a negative one multiplied; 1 = off),
+    ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]; OpenAI: subtract
+    ``presence * [count > 0] + frequency * count`` over the generated tokens' counts),
+    ``logit_bias`` (token id -> bias in [-100, 100], added to the logit; a mapping is accepted and
+    stored as a tuple of (id, bias) sorted by id; ids are checked against the vocabulary by
+    ``Engine.add``), ``min_tokens`` (0 <= min_tokens <= max_new_tokens: the EOS ids are masked
+    until that many tokens were generated), ``logprobs`` (None = off; an int in [0, 20]: return
+    the sampled token's log-probability and that many top alternatives), ``grammar`` (None, or a
+    compiled constraint spec passed to the engine's ``constraint_factory``).
+
+    ``bool`` is not a number here (``True`` is refused everywhere). Numbers are stored as int /
+    float. Raises ValueError on construction, naming the option, for any value of the wrong type
+    or out of range. Picklable (it crosses process boundaries).
     """
 
     max_new_tokens: int = 100
@@ -60,29 +78,96 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
+        set_ = object.__setattr__
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {_show(self.max_new_tokens)}")
-        temperature = _as_float(self.temperature)
-        if temperature is None or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {_show(self.temperature)}")
+        set_(self, "max_new_tokens", int(self.max_new_tokens))
+        set_(self, "temperature", _real("temperature", self.temperature, 0.0, math.inf, ">= 0"))
         top_p = _as_float(self.top_p)
         if top_p is None or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {_show(self.top_p)}")
+        set_(self, "top_p", top_p)
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {_show(self.seed)}")
-        set_ = object.__setattr__
-        set_(self, "max_new_tokens", int(self.max_new_tokens))
-        set_(self, "temperature", temperature)
-        set_(self, "top_p", top_p)
         set_(self, "seed", None if self.seed is None else int(self.seed))
-        set_(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+        set_(self, "eos_token_ids", _token_ids("eos_token_ids", self.eos_token_ids))
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {_show(self.top_k)}")
+        set_(self, "top_k", int(self.top_k))
+        set_(self, "min_p", _real("min_p", self.min_p, 0.0, 1.0, "in [0, 1]"))
+        rep = _as_float(self.repetition_penalty)
+        if rep is None or not math.isfinite(rep) or rep <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {_show(self.repetition_penalty)}")
+        set_(self, "repetition_penalty", rep)
+        set_(self, "presence_penalty", _real("presence_penalty", self.presence_penalty, -2.0, 2.0, "in [-2, 2]"))
+        set_(self, "frequency_penalty", _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "in [-2, 2]"))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                             f"got {_show(self.min_tokens)}")
+        set_(self, "min_tokens", int(self.min_tokens))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {_show(self.logprobs)}")
+        set_(self, "logprobs", None if self.logprobs is None else int(self.logprobs))
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError(f"grammar must be None or a string, got {type(self.grammar).__name__}")
 
     @property
     def kind(self) -> SamplerKind:
         """GREEDY when ``temperature < MIN_TEMPERATURE`` (0 included), else TOP_P."""
         return SamplerKind.GREEDY if self.temperature < MIN_TEMPERATURE else SamplerKind.TOP_P
+
+
+def _real(name: str, value: object, lo: float, hi: float, what: str) -> float:
+    """``value`` as a finite float in [lo, hi] (hi may be inf), else ValueError naming ``name``."""
+    x = _as_float(value)
+    if x is None or not math.isfinite(x) or not lo <= x <= hi:
+        raise ValueError(f"{name} must be a finite number {what}, got {_show(value)}")
+    return x
+
+
+def _token_ids(name: str, value: object) -> tuple[int, ...]:
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of integer token ids, got {_show(value)}") from None
+    if not all(_is_int(t) and t >= 0 for t in items):
+        raise ValueError(f"{name} must hold integer token ids >= 0, got {_show(value)}")
+    return tuple(int(t) for t in items)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping or (id, bias) pairs -> pairs sorted by id; ValueError naming logit_bias."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    else:
+        try:
+            pairs = [tuple(p) for p in value]  # type: ignore[union-attr]
+        except TypeError:
+            raise ValueError(f"logit_bias must be a mapping of token id -> bias, got {_show(value)}") from None
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0:
+            raise ValueError(f"logit_bias keys must be integer token ids >= 0, got {_show(pair)}")
+        bias = _as_float(pair[1])
+        if bias is None or not -100 <= bias <= 100:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {_show(pair[1])} "
+                             f"for token {pair[0]}")
+        if int(pair[0]) in out:
+            raise ValueError(f"logit_bias has token {pair[0]} twice")
+        out[int(pair[0])] = bias
+    return tuple(sorted(out.items()))
 
 
 def _is_int(value: object) -> bool:
