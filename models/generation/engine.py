@@ -1,5 +1,5 @@
-"""Continuous (iteration-level) batching over a paged KV cache (or, for the fused CUDA decode
-path, the preallocated slot cache).
+"""Continuous (iteration-level) batching over a paged KV cache (or, when the caller passes one,
+the preallocated slot cache of the first design).
 
 Sequences are added to a waiting queue and start between steps on a free row (``max_batch``
 rows) when the KV blocks for their first prefill chunk are free; the blocks of their longest
@@ -113,8 +113,8 @@ class Engine:
 
     The slot design instead (one preallocated ``max_len`` slot per row, no preemption, no prefix
     caching) when ``kv_cache`` passes a :class:`KVCache` from ``init_kv_cache`` (its ``max_len``
-    wins), or on the fused CUDA decode path (model.decode_path == "fused"), whose kernel reads
-    contiguous slots; ``kv_cache_bytes`` then caps the slot count.
+    wins); ``kv_cache_bytes`` then caps the slot count. The fused CUDA decode path
+    (model.decode_path == "fused") reads either: its kernel follows the block table.
 
     ``compile_decode`` runs decode steps through ``mx.compile``d graphs, one per padded row count
     (and, off the fused path, per attention span rounded up to a multiple of ``_KV_BUCKET``); None
@@ -140,7 +140,7 @@ class Engine:
         self._fused = self._model.decode_path(state) == "fused"
         self.state, self.prefill_chunk = state, prefill_chunk
         self._kv: KVManager | None = None
-        if kv_cache is not None or self._fused:  # slot design
+        if kv_cache is not None:  # slot design
             slots = max_batch
             if kv_cache_bytes is not None:
                 slots = min(slots, budget_slots(state, max_len, kv_cache_bytes))
@@ -345,7 +345,7 @@ class Engine:
         span = self._span(1)  # the first span bucket (the fused path ignores it)
         for hi in sorted({min(n, _pow2(k)) for k in range(1, n + 1)}):
             zeros = np.zeros(hi, dtype=np.int32)
-            table = np.zeros((hi, self._width(span)), dtype=np.int32)
+            table = np.zeros((hi, self._width(self._table_span(span))), dtype=np.int32)
             if self._compiled is not None:
                 logits = self._decode_compiled(hi, zeros, zeros, span, table)
             else:
@@ -470,8 +470,8 @@ class Engine:
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1, block_table=table)
             logits = self._model.forward(self.state, self.cache, rows)
         else:
-            span = 0 if self._fused else self._span(kv_len)
-            logits = self._decode_compiled(hi, start, n_valid, kv_len, self._table(members, hi, span))
+            table = self._table(members, hi, self._table_span(self._span(kv_len)))
+            logits = self._decode_compiled(hi, start, n_valid, kv_len, table)
         for s in seqs:
             s.length += 1
             if self._kv is None:
@@ -479,6 +479,11 @@ class Engine:
         slot_ids = [s.slot for s in seqs]
         self._sample(logits[mx.array(slot_ids)] if len(seqs) < hi else logits, seqs,
                      idx_slots=slot_ids, flight=flight)
+
+    def _table_span(self, span: int) -> int:
+        """Positions the block table of a compiled decode covers: ``span``, or on the fused path
+        (whose kernel reads each row's own length; one compiled graph per row count) ``max_len``."""
+        return self.max_len if self._fused else span
 
     def _span(self, kv_len: int) -> int:
         """Attention span rounded up to a multiple of ``_KV_BUCKET`` (at most ``max_len``)."""

@@ -52,10 +52,18 @@ _ATTENTION = r"""
     const int t = threadIdx.x;
     const int warp = t / 32;
     const int lane = t % 32;
-    const int L = meta[0];
+    const int L = meta[0];  // slot layout: positions per slot; paged (BS > 0): block-table width
     const int pos = start[b];
     const bool real = n_valid[b] > 0;
     const int n = pos + (real ? 1 : 0);
+    // element offset of position j's head-g vector: slot layout (slots, HKV, L, D), or paged
+    // (blocks * BS, HKV, D) through row b's block table (b, L)
+    auto kv_at = [&](int j) -> size_t {
+        if (BS == 0) return (((size_t)b * HKV + g) * L + j) * D;
+        constexpr int S = BS > 0 ? BS : 1;
+        const size_t blk = (size_t)table[(size_t)b * L + j / S];
+        return ((blk * S + j % S) * HKV + g) * D;
+    };
     __shared__ float red[W];
     __shared__ float rot[D];
     __shared__ float qs[G][D];
@@ -79,11 +87,11 @@ _ATTENTION = r"""
         if (!is_k) {
             qs[j][t] = o;
         } else if (real) {
-            const_cast<T*>(keys)[(((size_t)b * HKV + g) * L + pos) * D + t] = static_cast<T>(o);
+            const_cast<T*>(keys)[kv_at(pos) + t] = static_cast<T>(o);
         }
     }
     if (real) {
-        const_cast<T*>(values)[(((size_t)b * HKV + g) * L + pos) * D + t] = row[(H + HKV + g) * D + t];
+        const_cast<T*>(values)[kv_at(pos) + t] = row[(H + HKV + g) * D + t];
     }
     __syncthreads();
 
@@ -95,10 +103,10 @@ _ATTENTION = r"""
         l[h] = 0.f;
         for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
     }
-    const size_t base = ((size_t)b * HKV + g) * L * D + lane * E;
     for (int j = warp; j < n; j += W) {
-        const T* kr = keys + base + (size_t)j * D;
-        const T* vr = values + base + (size_t)j * D;
+        const size_t at = kv_at(j) + lane * E;
+        const T* kr = keys + at;
+        const T* vr = values + at;
         float kf[E], vf[E];
         for (int e = 0; e < E; ++e) { kf[e] = static_cast<float>(kr[e]); vf[e] = static_cast<float>(vr[e]); }
         for (int h = 0; h < G; ++h) {
@@ -182,7 +190,7 @@ def _literals(source: str, eps: float, rope_theta: float | None = None) -> str:
 def _attention_kernel(eps: float, rope_theta: float) -> object:
     return mx.fast.cuda_kernel(
         name=f"qwen3_decode_attention_{abs(hash((eps, rope_theta)))}",
-        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "meta"],
+        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "table", "meta"],
         output_names=["out"], source=_literals(_ATTENTION, eps, rope_theta), header=_BLOCK_REDUCE)
 
 
@@ -203,6 +211,9 @@ def _meta(length: int) -> mx.array:
     return mx.array([length], dtype=mx.int32)
 
 
+_NO_TABLE = mx.zeros((1, 1), dtype=mx.int32)  # the slot layout's unused block-table input
+
+
 def _int32(a: mx.array) -> mx.array:
     return a if a.dtype == mx.int32 else a.astype(mx.int32)  # no extra graph node when already int32
 
@@ -220,26 +231,43 @@ def supports(hidden_size: int, head_dim: int) -> bool:
 
 
 def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: mx.array, n_valid: mx.array,
-                     keys: mx.array, values: mx.array, *, heads: int, eps: float, rope_theta: float) -> mx.array:
+                     keys: mx.array, values: mx.array, *, heads: int, eps: float, rope_theta: float,
+                     block_table: mx.array | None = None, block_size: int = 0) -> mx.array:
     """One decode token per row: q/k norm, RoPE, K/V cache write (in place), attention.
 
-    ``qkv`` (B, (H + 2 Hkv) * D): the fused q/k/v projection of rows ``0..B-1``, which map
-    to cache slots ``0..B-1``; ``q_norm``/``k_norm`` (D,) RMSNorm weights (epsilon ``eps``);
-    ``start`` (B,) int32 each row's position (its cache length before this token);
-    ``n_valid`` (B,) int32, 1 for a real row, 0 for padding (nothing written, output
-    unused); ``keys``/``values`` (slots, Hkv, L, D) one layer's cache buffers, contiguous,
-    ``start < L``. RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5``
-    over positions ``0..start`` (the new token included). Returns (B, H * D) in ``qkv``'s
-    dtype (head-major). H = ``heads`` must be a multiple of Hkv; D a multiple of 32, at most 1024.
-    Raises ValueError on shape mismatch.
+    ``qkv`` (B, (H + 2 Hkv) * D): the fused q/k/v projection of rows ``0..B-1``; ``q_norm``/``k_norm``
+    (D,) RMSNorm weights (epsilon ``eps``); ``start`` (B,) int32 each row's position (its cache
+    length before this token); ``n_valid`` (B,) int32, 1 for a real row, 0 for padding (nothing
+    written or read, output unused). The cache, one layer's buffers, contiguous, is either
+
+    - slots (``block_table`` None): ``keys``/``values`` (slots, Hkv, L, D), row b = slot b, ``start < L``;
+    - paged: ``keys``/``values`` (num_blocks * block_size, Hkv, D) and ``block_table`` (B, W) int32,
+      row b's KV blocks in order; position j of row b lives at cache row
+      ``block_table[b, j // block_size] * block_size + j % block_size`` (the block of position
+      ``start`` must be in the table).
+
+    RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5`` over positions
+    ``0..start`` (the new token included). Returns (B, H * D) in ``qkv``'s dtype (head-major).
+    H = ``heads`` must be a multiple of Hkv; D a multiple of 32, at most 1024. Raises ValueError
+    on shape mismatch.
     """
     b, width = qkv.shape
-    slots, hkv, length, d = keys.shape
-    if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024 or slots < b:
+    paged = block_table is not None
+    if paged:
+        _, hkv, d = keys.shape
+        if block_size < 1 or block_table.shape[0] != b:
+            raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
+        table, length = _int32(block_table), block_table.shape[1]
+    else:
+        slots, hkv, length, d = keys.shape
+        if slots < b:
+            raise ValueError(f"decode_attention: {b} rows but {slots} cache slots")
+        table, block_size = _NO_TABLE, 0
+    if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024:
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
     return _attention_kernel(float(eps), float(rope_theta))(
-        inputs=[qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, _meta(length)],
-        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv)],
+        inputs=[qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, table, _meta(length)],
+        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size)],
         grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
         output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype],
     )[0]

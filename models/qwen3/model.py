@@ -216,7 +216,7 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     b, t = rows.tokens.shape
     h = state.embed_tokens.rows(rows.tokens.reshape(-1))
     c = state.config
-    if t == 1 and rows.slots is None and rows.block_table is None and decode_path(state) == "fused":
+    if t == 1 and rows.slots is None and decode_path(state) == "fused":
         return _fused_decode(state, cache, rows, h)
     step = make_step(rows, cache, c.head_dim, c.rope_theta)
     for i, layer in enumerate(state.layers):
@@ -228,15 +228,18 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
 
 
 def _fused_decode(state: State, cache: KVCache, rows: Rows, h: mx.array) -> mx.array:
-    """The decode forward through :mod:`.kernels` (rows ``0..B-1`` = cache slots); the K/V
-    cache is written in place. Same contract as :func:`forward`."""
+    """The decode forward through :mod:`.kernels` (rows ``0..B-1`` = cache slots, or on a paged
+    cache the blocks of ``rows.block_table``); the K/V cache is written in place. Same contract as
+    :func:`forward`."""
     c = state.config
     eps = c.rms_norm_eps
+    paged = {} if rows.block_table is None else {"block_table": rows.block_table, "block_size": cache.block_size}
     x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
     for i, layer in enumerate(state.layers):
         qkv = layer.qkv.merged(x) if layer.qkv.merged is not None else mx.concatenate(layer.qkv(x), axis=-1)
         attn = decode_attention(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
-                                cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta)
+                                cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta,
+                                **paged)
         h, x = add_rms_norm(h, layer.o_proj(attn), layer.post_attention_layernorm, eps)
         act = swiglu(layer.gate_up.merged(x)) if layer.gate_up.merged is not None else _swiglu(*layer.gate_up(x))
         after = state.layers[i + 1].input_layernorm if i + 1 < len(state.layers) else state.norm

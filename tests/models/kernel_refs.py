@@ -7,11 +7,25 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-def ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta):
+def ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta,
+                         block_table=None, block_size=0):
     """kernels.decode_attention's contract in MLX ops; the cache write updates ``keys`` /
-    ``values`` (the caller's array objects) as the kernel's in-place write does."""
+    ``values`` (the caller's array objects) as the kernel's in-place write does. With
+    ``block_table`` the cache is paged: ``keys``/``values`` (blocks * block_size, Hkv, D)."""
+    if block_table is not None:
+        return _ref_paged(qkv, q_norm, k_norm, start, n_valid, keys, values, heads=heads, eps=eps,
+                          rope_theta=rope_theta, block_table=block_table, block_size=block_size)
     b = qkv.shape[0]
     _, hkv, length, d = keys.shape
+    q, k, v = _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta)
+    pos = mx.where(n_valid > 0, start, length - 1)  # padding rows: the last column, never attended
+    keys[mx.arange(b)[:, None], :, pos[:, None]] = k[:, None]
+    values[mx.arange(b)[:, None], :, pos[:, None]] = v[:, None]
+    return _attend(q, keys[:b], values[:b], start + n_valid, heads, hkv)
+
+
+def _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta):
+    b = qkv.shape[0]
     q, k, v = mx.split(qkv, [heads * d, (heads + hkv) * d], axis=-1)
 
     def rope(x: mx.array) -> mx.array:
@@ -19,17 +33,34 @@ def ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, *, h
 
     q = rope(mx.fast.rms_norm(q.reshape(b, heads, d), q_norm, eps))
     k = rope(mx.fast.rms_norm(k.reshape(b, hkv, d), k_norm, eps))
-    pos = mx.where(n_valid > 0, start, length - 1)  # padding rows: the last column, never attended
-    keys[mx.arange(b)[:, None], :, pos[:, None]] = k[:, None]
-    values[mx.arange(b)[:, None], :, pos[:, None]] = v.reshape(b, hkv, d)[:, None]
-    n = start + n_valid
-    kk = mx.repeat(keys[:b], heads // hkv, axis=1)
-    vv = mx.repeat(values[:b], heads // hkv, axis=1)
+    return q, k, v.reshape(b, hkv, d)
+
+
+def _attend(q, keys, values, n, heads, hkv):
+    """``q`` (b, heads, d) over ``keys``/``values`` (b, hkv, length, d), positions < ``n`` (b,)."""
+    b, _, length, d = keys.shape
+    kk = mx.repeat(keys, heads // hkv, axis=1)
+    vv = mx.repeat(values, heads // hkv, axis=1)
     scores = (q[:, :, None] @ kk.swapaxes(-1, -2)) * d**-0.5  # (b, heads, 1, length)
     open_ = (mx.arange(length)[None, :] < n[:, None])[:, None, None]
     scores = mx.where(open_, scores, -mx.inf)
     probs = mx.where(open_, mx.softmax(scores, axis=-1, precise=True), 0.0)
     return (probs @ vv).reshape(b, heads * d)
+
+
+def _ref_paged(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta, block_table, block_size):
+    b = qkv.shape[0]
+    _, hkv, d = keys.shape
+    q, k, v = _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta)
+    width = block_table.shape[1]
+    blk = mx.take_along_axis(block_table, mx.minimum(start // block_size, width - 1)[:, None], axis=1)[:, 0]
+    row = mx.where(n_valid > 0, blk * block_size + start % block_size, 0)  # padding rows: the null block
+    keys[row] = k
+    values[row] = v
+    j = mx.arange(width * block_size)
+    read = block_table[:, j // block_size] * block_size + (j % block_size)[None, :]  # (b, span)
+    return _attend(q, keys[read].transpose(0, 2, 1, 3), values[read].transpose(0, 2, 1, 3),
+                   start + n_valid, heads, hkv)
 
 
 def ref_add_rms_norm(h, delta, weight, eps):

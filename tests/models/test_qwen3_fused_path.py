@@ -10,6 +10,7 @@ import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.qwen3 import Engine, SamplingParams
+from mlx_serving.models.generation.slot_cache import init_kv_cache
 from mlx_serving.models.qwen3 import model as qmodel
 
 
@@ -21,10 +22,14 @@ def reference_kernels(monkeypatch):
     monkeypatch.setattr(qmodel, "DECODE_PATH", "fused")
 
 
-def _generate(state, compiled: bool) -> dict[int, list[int]]:
+def _generate(state, compiled: bool, slots: bool = False) -> dict[int, list[int]]:
+    """Greedy ids of a staggered continuous batch on the paged KV cache (``slots``: the slot design)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (4, 19, 1, 11, 7)]
-    engine = Engine(state, max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled, bucket_shapes=True)
+    kv = {"kv_cache": init_kv_cache(state, 48, 3)} if slots else {"block_size": 4}  # small blocks: rows span several
+    engine = Engine(state, max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled, bucket_shapes=True,
+                    **kv)
+    assert engine.paged is not slots
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4]}  # staggered, more requests than slots
     for step in range(300):
@@ -37,9 +42,12 @@ def _generate(state, compiled: bool) -> dict[int, list[int]]:
     raise AssertionError("engine did not finish")
 
 
+@pytest.mark.parametrize("slots", [False, True], ids=["paged", "slots"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_wiring_equals_generic_path(tiny32, reference_kernels, monkeypatch, compiled):
-    fused = _generate(tiny32, compiled)
+def test_fused_wiring_equals_generic_path(tiny32, reference_kernels, monkeypatch, compiled, slots):
+    """The fused decode reads the paged cache through the block table (or the slot cache) and
+    generates what the generic path does."""
+    fused = _generate(tiny32, compiled, slots)
     monkeypatch.setattr(qmodel, "DECODE_PATH", "matmul")
     generic = _generate(tiny32, False)
     assert fused == generic

@@ -48,6 +48,28 @@ def test_decode_attention_matches_reference():
     np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=1e-4)
 
 
+def test_paged_decode_attention_matches_reference():
+    """The paged layout: each row reads its positions through its block table (blocks out of
+    order, shared by no one); row 1 is padding."""
+    b, h, hkv, d, bs, width = 3, 4, 2, 64, 8, 5
+    qkv = mx.random.normal((b, (h + 2 * hkv) * d))
+    qw, kw = mx.random.normal((d,)), mx.random.normal((d,))
+    blocks = 1 + b * width
+    keys, values = mx.random.normal((blocks * bs, hkv, d)), mx.random.normal((blocks * bs, hkv, d))
+    ref_keys, ref_values = mx.array(np.array(keys)), mx.array(np.array(values))
+    rng = np.random.default_rng(0)
+    table = mx.array(rng.permutation(np.arange(1, blocks))[: b * width].reshape(b, width).astype(np.int32))
+    start = mx.array(rng.integers(0, bs * width - 1, b).astype(np.int32))
+    n_valid = mx.array([1, 0, 1], dtype=mx.int32)
+    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6, block_table=table, block_size=bs)
+    out = decode_attention(qkv, qw, kw, start, n_valid, keys, values, **kw_args)
+    mx.eval(out)
+    want = ref_decode_attention(qkv, qw, kw, start, n_valid, ref_keys, ref_values, **kw_args)
+    np.testing.assert_allclose(np.array(keys)[bs:], np.array(ref_keys)[bs:], atol=1e-4)  # block 0: padding's
+    np.testing.assert_allclose(np.array(values)[bs:], np.array(ref_values)[bs:], atol=1e-5)
+    np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=1e-4)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_generation_equals_generic_path(tiny32, compiled):
     """Greedy ids of a ragged continuous batch: fused path (eager or compiled) == generic."""
