@@ -15,10 +15,16 @@ class TokenEvent:
 
     ``token_id``: the generated id (an EOS included). ``elapsed_ms``: milliseconds from the row's
     admission into the engine to the moment this token reached the host. ``finish_reason``: set on
-    the row's last event only (STOP: EOS; LENGTH: max_new_tokens). Picklable (it crosses the
-    ServingPool wire).
+    the row's last event only (STOP: EOS or a completed grammar; LENGTH: max_new_tokens).
+    ``logprob``: natural-log probability of ``token_id`` and ``top_logprobs``: the most probable
+    ``(token_id, logprob)`` pairs, descending (``SamplingParams.logprobs`` of them), both from the
+    engine's :class:`SeqEvent` and set only when the row asked for logprobs (processed logits:
+    after penalties, logit_bias and masks, before temperature and top-k/p/min-p;
+    docs/generation.md). Picklable (it crosses the ServingPool wire).
     """
 
     token_id: int
     elapsed_ms: float
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None

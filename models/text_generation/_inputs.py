@@ -8,6 +8,7 @@ it could fail a step shared with other requests). The accepted types and ranges 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 from dataclasses import dataclass
@@ -17,12 +18,12 @@ from ...serving import Batch
 from ...tokenization import Tokenizer
 
 from ..generation.sampling import SamplingParams, _show
+from . import _request
 from ._options import GenerationOptions, _stop_tuple
 
-__all__ = ["ROLES", "Prompt", "RequestInfo", "max_bytes_per_token", "needs_thread", "preprocess"]
+__all__ = ["ROLES", "Prompt", "RequestInfo", "RowOutput", "max_bytes_per_token", "needs_thread", "preprocess"]
 
-_OPTION_KEYS = ("max_new_tokens", "temperature", "top_p", "seed")
-_KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_OPTION_KEYS))
+_KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_request.KEYS))
 
 #: Chat roles a message may have (the Qwen3 template renders these four and silently drops any other).
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,20 +57,50 @@ _END = object()
 
 @dataclass(frozen=True)
 class Prompt:
-    """One row sent to the executor: token ids (int32 range) and sampling parameters."""
+    """One row sent to the executor: token ids (int32 range), sampling parameters and scheduling
+    priority (lower runs sooner under the engine's "priority" policy; ignored by "fcfs")."""
 
     ids: list[int]
     params: SamplingParams
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    """Where one row's output goes and what it carries: ``input`` (index of its input in the
+    request) and ``index`` (which of that input's ``n`` completions); ``logprobs``: per-token
+    log-probabilities were asked for; ``reasoning``: split ``<think>`` blocks into
+    ``reasoning_content`` (``enable_thinking`` true); ``tools``: parse ``<tool_call>`` blocks
+    (``tools`` given); ``deltas``: stream dict deltas instead of str pieces (its input asked for
+    ``n`` > 1, logprobs, tools or thinking)."""
+
+    input: int = 0
+    index: int = 0
+    logprobs: bool = False
+    reasoning: bool = False
+    tools: bool = False
+    deltas: bool = False
 
 
 @dataclass(frozen=True)
 class RequestInfo:
     """Caller-side facts about one request: whether the input was a list, each row's prompt
-    length (tokens) and stop strings."""
+    length (tokens), stop strings and :class:`RowOutput` (``outputs``; empty: row i is input i,
+    plain output)."""
 
     is_list: bool
     input_tokens: tuple[int, ...]
     stops: tuple[tuple[str, ...], ...]
+    outputs: tuple[RowOutput, ...] = ()
+
+    def output(self, row: int) -> RowOutput:
+        """Row ``row``'s :class:`RowOutput`."""
+        return self.outputs[row] if self.outputs else RowOutput(input=row)
+
+    @property
+    def num_inputs(self) -> int:
+        """Inputs in the request (rows are their completions, in input order)."""
+        return self.outputs[-1].input + 1 if self.outputs else len(self.input_tokens)
 
 
 def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
@@ -98,15 +129,18 @@ def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     items = input if is_list else [input]
     if not items:
         raise ValueError("empty input list: give at least one prompt")
-    rows, stops = [], []
+    rows: list[Prompt] = []
+    stops: list[tuple[str, ...]] = []
+    outputs: list[RowOutput] = []
     for i, item in enumerate(items):
         try:
-            prompt, stop = _one(item, tokenizer, opts, bytes_per_token)
+            prompts, stop, output = _one(item, tokenizer, opts, bytes_per_token)
         except ValueError as e:
             raise ValueError(f"input {i}: {e}" if is_list else str(e)) from None
-        rows.append(prompt)
-        stops.append(stop)
-    info = RequestInfo(is_list, tuple(len(p.ids) for p in rows), tuple(stops))
+        rows += prompts
+        stops += [stop] * len(prompts)
+        outputs += [dataclasses.replace(output, input=i, index=j) for j in range(len(prompts))]
+    info = RequestInfo(is_list, tuple(len(p.ids) for p in rows), tuple(stops), tuple(outputs))
     return Batch.stack(rows), info
 
 
@@ -202,9 +236,11 @@ def needs_thread(input: Any) -> bool:
 
 
 def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
-         bytes_per_token: int | None) -> tuple[Prompt, tuple[str, ...]]:
+         bytes_per_token: int | None) -> tuple[list[Prompt], tuple[str, ...], RowOutput]:
+    """One input -> its ``n`` rows (one per completion), stop strings and output spec."""
     spec = _as_dict(item)
-    params = _params(spec, tokenizer, opts)
+    params = _request.sampling_params(spec, tokenizer, opts)
+    n, priority = _request.completions(spec), _request.priority(spec)
     stop = _stop_tuple(spec["stop"]) if spec.get("stop") is not None else opts.stop
     chat = "messages" in spec or opts.chat
     for key in ("enable_thinking", "tools"):
@@ -230,13 +266,17 @@ def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     if len(ids) + params.max_new_tokens > opts.max_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
                          f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}")
-    return Prompt(ids, params), stop
+    prompts = [Prompt(ids, p, priority) for p in _request.completion_params(params, n)]
+    return prompts, stop, _output(spec, chat, thinking, params, n)
 
 
-def _params(spec: dict[str, Any], tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
-    """The row's SamplingParams: the request's options over the serving's (ValueError naming a bad one)."""
-    options = {k: getattr(opts, k, None) if spec.get(k) is None else spec[k] for k in _OPTION_KEYS}
-    return SamplingParams(eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), **options)
+def _output(spec: dict[str, Any], chat: bool, thinking: bool | None, params: SamplingParams, n: int) -> RowOutput:
+    """What the rows of this input return (see :class:`RowOutput`)."""
+    logprobs = params.logprobs is not None
+    reasoning = chat and thinking is True
+    tools = chat and bool(spec.get("tools"))
+    return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
+                     deltas=n > 1 or logprobs or reasoning or tools)
 
 
 def _as_dict(item: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Client-side stream state: token ids -> UTF-8-safe text pieces, stop strings held back.
+"""Client-side stream state: token ids -> UTF-8-safe text pieces, stop strings held back, and the
+outputs beyond text (logprobs, reasoning, tool calls) of rows that ask for them.
 
 One :class:`GenerationTransducer` per request (built by ``Serving.streaming``); it runs in the
 caller's thread or event loop, never on the executor.
@@ -13,7 +14,8 @@ from ...tokenization import StreamingDetokenizer, Tokenizer
 
 from ..generation.events import FinishReason
 from ._events import TokenEvent
-from ._inputs import RequestInfo
+from ._inputs import RequestInfo, RowOutput
+from ._outputs import RowParser, TokenTexts
 
 __all__ = ["GenerationTransducer", "RowText", "collect"]
 
@@ -76,17 +78,25 @@ def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
 class GenerationTransducer:
     """Serving transducer for text generation (see ``serving.Transducer``).
 
-    Items: for a single input, ``str`` pieces then one final ``dict`` with ``finish_reason``
-    ("stop": EOS or a stop string; "length": max_new_tokens), ``num_tokens``, ``token_summary``
-    (``{"input", "output"}`` tokens) and, when ``profile_timing``, ``timing`` (ms, see
-    :meth:`RowText.timing`; the same for every finish reason); for a list input,
-    ``(row_index, item)`` pairs. ``"".join`` of a row's pieces equals its non-streamed
-    ``generated_text``.
+    Items of an input whose rows are plain (n 1, no logprobs, tools or thinking): ``str`` pieces
+    then one final ``dict`` with ``finish_reason`` ("stop": EOS, a stop string or a complete
+    grammar; "length": max_new_tokens), ``num_tokens``, ``token_summary`` (``{"input", "output"}``
+    tokens) and, when ``profile_timing``, ``timing`` (ms, see :meth:`RowText.timing`; the same for
+    every finish reason). Items of an input with ``n`` > 1, logprobs, tools or thinking (its
+    :class:`RowOutput` has ``deltas``): delta dicts ``{"index", "content"[, "reasoning_content"]
+    [, "tool_calls"][, "logprobs"]}`` (index: which of its n completions; logprobs: one entry per
+    token of the event, see ``TokenTexts.entry``), then per completion a final dict as above with
+    ``"index"`` (``finish_reason`` "tool_calls" when it emitted a tool call). For a list input
+    every item is an ``(input_index, item)`` pair. A row's joined ``content`` (or pieces) equals
+    its non-streamed ``generated_text``.
     """
 
     def __init__(self, tokenizer: Tokenizer, info: RequestInfo, profile_timing: bool = True):
         self._info, self._profile = info, profile_timing
         self._rows = [RowText(StreamingDetokenizer(tokenizer), stops) for stops in info.stops]
+        self._outputs = [info.output(r) for r in range(len(info.stops))]
+        self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools) for o in self._outputs]
+        self._texts = TokenTexts(tokenizer) if any(o.logprobs for o in self._outputs) else None
         self._stop: list[int] = []
         self.live = any(info.stops)  # only stop strings need tokens as they arrive
 
@@ -105,7 +115,14 @@ class GenerationTransducer:
         elif event.finish_reason is not None:
             out += row.held
             row.held, row.finish_reason = "", event.finish_reason
-        return self._items(row_index, out, row)
+        output = self._outputs[row_index]
+        if output.deltas:
+            items = self._delta_items(row_index, out, row, event)
+        else:
+            items = [out] if out else []
+            if row.finish_reason is not None:
+                items.append(self._final(row_index, row))
+        return [(output.input, it) for it in items] if self._info.is_list else items
 
     def stop_rows(self) -> list[int]:
         """Rows whose stop string was found since the last call (the serving cancels them)."""
@@ -116,11 +133,27 @@ class GenerationTransducer:
         """Nothing is left: every row emitted its final event when it finished or stopped."""
         return []
 
-    def _items(self, row_index: int, text: str, row: RowText) -> list[Any]:
-        items: list[Any] = [text] if text else []
+    def _delta_items(self, row_index: int, text: str, row: RowText, event: TokenEvent) -> list[Any]:
+        output, parser = self._outputs[row_index], self._parsers[row_index]
+        parts = [parser.feed(text)]
         if row.finish_reason is not None:
-            items.append(self._final(row_index, row))
-        return [(row_index, it) for it in items] if self._info.is_list else items
+            parts.append(parser.finish())
+        delta: dict[str, Any] = {"index": output.index, "content": "".join(p[0] for p in parts)}
+        reasoning, calls = "".join(p[1] for p in parts), [c for p in parts for c in p[2]]
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if calls:
+            delta["tool_calls"] = calls
+        if output.logprobs:
+            assert self._texts is not None
+            delta["logprobs"] = [self._texts.entry(event)]
+        items: list[Any] = [delta] if delta["content"] or len(delta) > 2 else []
+        if row.finish_reason is not None:
+            final = self._final(row_index, row)
+            if parser.called:
+                final["finish_reason"] = FinishReason.TOOL_CALLS.value
+            items.append({"index": output.index, **final})
+        return items
 
     def _final(self, row_index: int, row: RowText) -> dict[str, Any]:
         assert row.finish_reason is not None
@@ -136,16 +169,53 @@ class GenerationTransducer:
 
 def collect(items: list[Any], info: RequestInfo) -> Any:
     """Non-streamed result from a request's items: ``{"results": [...]}`` (a list of those for a
-    list input), each result ``{"generated_text", "num_tokens", "finish_reason", "token_summary"
-    [, "timing"]}``."""
-    rows: list[dict[str, Any]] = [{"generated_text": []} for _ in info.input_tokens]
+    list input), ``results`` holding one entry per completion (``n`` of them): ``{"generated_text",
+    "num_tokens", "finish_reason", "token_summary"[, "timing"][, "logprobs"][, "reasoning_content"]
+    [, "tool_calls"]}``; ``logprobs`` when asked for (one entry per token), ``reasoning_content``
+    when the output had reasoning text, ``tool_calls`` when it called a tool."""
+    outputs = [info.output(r) for r in range(len(info.stops))]
+    rows = {(o.input, o.index): _Entry(o) for o in outputs}
     for item in items:
-        index, value = item if info.is_list else (0, item)
+        input_index, value = item if info.is_list else (0, item)
         if isinstance(value, str):
-            rows[index]["generated_text"].append(value)
+            rows[(input_index, 0)].content.append(value)
         else:
-            rows[index].update(value)
-    for r in rows:
-        r["generated_text"] = "".join(r["generated_text"])
-    results = [{"results": [r]} for r in rows]
+            rows[(input_index, value.get("index", 0))].add(value)
+    results: list[dict[str, Any]] = [{"results": []} for _ in range(info.num_inputs)]
+    for (input_index, _), entry in rows.items():
+        results[input_index]["results"].append(entry.result())
     return results if info.is_list else results[0]
+
+
+class _Entry:
+    """One completion's result, gathered from its items."""
+
+    def __init__(self, output: RowOutput):
+        self.output = output
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] = []
+        self.final: dict[str, Any] = {}
+
+    def add(self, value: dict[str, Any]) -> None:
+        """A delta dict or the final dict."""
+        if "finish_reason" in value:
+            self.final = {k: v for k, v in value.items() if k != "index"}
+            return
+        self.content.append(value.get("content", ""))
+        self.reasoning.append(value.get("reasoning_content", ""))
+        self.tool_calls += value.get("tool_calls", [])
+        self.logprobs += value.get("logprobs", [])
+
+    def result(self) -> dict[str, Any]:
+        """``{"generated_text", **final}`` plus the extra outputs this completion has."""
+        entry: dict[str, Any] = {"generated_text": "".join(self.content), **self.final}
+        if self.output.logprobs:
+            entry["logprobs"] = self.logprobs
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            entry["reasoning_content"] = reasoning
+        if self.tool_calls:
+            entry["tool_calls"] = self.tool_calls
+        return entry

@@ -1,0 +1,140 @@
+"""Per-request sampling and output options of the text-generation serving, checked in the caller.
+
+Each function reads one group of input keys of a request dict (``spec``) and raises ValueError
+naming the key for a bad value; None (JSON null) is the default. Used by ``_inputs.preprocess``;
+the table of keys is in docs/qwen3.md ("Request options").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ...tokenization import Tokenizer
+
+from ..generation.sampling import MAX_SEED, SamplingParams, _show
+from ._options import GenerationOptions
+
+try:  # TEMPORARY until helper structured-parsers commits _structured.py
+    from ._structured import compile_response_format
+except ImportError:
+    def compile_response_format(response_format: object) -> str | None:
+        if response_format is None:
+            return None
+        raise ValueError("response_format is not supported yet")
+
+__all__ = ["KEYS", "MAX_COMPLETIONS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "completion_params", "completion_seed",
+           "completions", "priority", "sampling_params"]
+
+#: Keys passed to :class:`SamplingParams` under their own name (the serving's options give the
+#: defaults of those it has: max_new_tokens, temperature, top_p).
+_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "min_tokens")
+#: Every key read here.
+KEYS = (*_SAMPLING_KEYS, "logit_bias", "logprobs", "top_logprobs", "n", "response_format", "priority")
+#: Most completions of one prompt (``n``); as many rows of the batch.
+MAX_COMPLETIONS = 16
+#: Most alternatives per token (``top_logprobs``), OpenAI's bound.
+MAX_TOP_LOGPROBS = 20
+#: Most ``logit_bias`` entries: bounds the caller-side check (~1 us each); OpenAI documents no bound.
+MAX_LOGIT_BIAS = 1024
+_PRIORITY_RANGE = (-(2**63), 2**63)  # a signed 64-bit int: what an engine or a wire format holds
+_MAX_ID_DIGITS = 10  # a token id written as a string: at most 2**32 - 1
+
+
+def sampling_params(spec: dict[str, Any], tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
+    """The row's :class:`SamplingParams`: the request's keys over the serving's defaults.
+
+    ``logit_bias``: ``{token id: bias}``, ids as ints or decimal strings (JSON object keys), each in
+    ``[0, tokenizer.vocab_size)``, biases in [-100, 100], at most :data:`MAX_LOGIT_BIAS` entries.
+    ``logprobs``: a bool; ``top_logprobs``: an int in [0, 20], only with ``logprobs`` true.
+    ``response_format``: OpenAI's shape, compiled to a grammar (``_structured``).
+    Raises ValueError naming the key."""
+    values = {k: spec[k] if spec.get(k) is not None else getattr(opts, k, None) for k in _SAMPLING_KEYS}
+    kwargs = {k: v for k, v in values.items() if v is not None}
+    if spec.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(spec["logit_bias"], tokenizer.vocab_size)
+    kwargs["logprobs"] = _logprobs(spec.get("logprobs"), spec.get("top_logprobs"))
+    kwargs["grammar"] = compile_response_format(spec.get("response_format"))
+    return SamplingParams(eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), **kwargs)
+
+
+def completions(spec: dict[str, Any]) -> int:
+    """``n``: how many completions of this prompt, an int in [1, 16] (default 1)."""
+    n = spec.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_COMPLETIONS:
+        raise ValueError(f"n must be an integer in [1, {MAX_COMPLETIONS}], got {_show(n)}")
+    return int(n)
+
+
+def priority(spec: dict[str, Any]) -> int:
+    """``priority``: an int in [-2**63, 2**63) (default 0; lower runs sooner under the "priority"
+    scheduling policy, as in vLLM)."""
+    value = spec.get("priority")
+    if value is None:
+        return 0
+    if not _is_int(value) or not _PRIORITY_RANGE[0] <= value < _PRIORITY_RANGE[1]:
+        raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {_show(value)}")
+    return int(value)
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The seed of completion ``index`` of a request with ``seed`` and ``n > 1``: the first 64-bit
+    word of ``numpy.random.SeedSequence([seed, index])`` (distinct streams per completion and per
+    seed, unlike ``seed + index``). An int in [0, 2**64)."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0]) % MAX_SEED
+
+
+def completion_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per completion: ``params`` itself when ``n == 1``; else a seeded request
+    gets :func:`completion_seed` per completion, an unseeded one fresh entropy per row."""
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=completion_seed(params.seed, i)) for i in range(n)]
+
+
+def _logprobs(logprobs: Any, top: Any) -> int | None:
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ValueError(f"logprobs must be true, false or null, got {_show(logprobs)}")
+    if top is None:
+        return 0 if logprobs else None
+    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_show(top)}")
+    if not logprobs:
+        raise ValueError("top_logprobs needs logprobs: true")
+    return int(top)
+
+
+def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
+    """``{id or decimal string: bias}`` -> ``{id: bias}`` (biases are checked by SamplingParams)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object {{token id: bias}}, got {_show(value)}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(value):,} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _token_id(key)
+        if token is None or not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}) (ints or decimal strings), "
+                             f"got {_show(key)}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = bias
+    return out
+
+
+def _token_id(key: Any) -> int | None:
+    if _is_int(key):
+        return int(key)
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= _MAX_ID_DIGITS:
+        return int(key)
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
