@@ -190,8 +190,7 @@ class GrammarConstraint:
         mask = np.zeros(self._vocab_size, dtype=bool)
         mask[: self._n] = np.unpackbits(self._words.view(np.uint8), count=self._n, bitorder="little")
         mask[self._grammar_eos] = False
-        if self._matcher.is_accepting():
-            mask[self._eos] = True
+        mask[self._eos] = self._matcher.is_accepting()
         return mask
 
     def accept(self, token_id: int) -> None:
