@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_PROG, formatter_class=_HelpFormatter,
                                  description="Qwen3 (MLX) text generation through a Serving.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,chat}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve}")
     gen = sub.add_parser("generate", formatter_class=_HelpFormatter, epilog=_EPILOG,
                          help="stream the generation for one prompt",
                          description="Stream the generation for one prompt to stdout.")
@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-thinking", action="store_true",
                       help="render the chat template with enable_thinking=False (Qwen3: no <think> block)")
     chat.set_defaults(run=_chat)
+    from ..server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
+
+    add_serve_parser(sub, _HelpFormatter)
     return ap
 
 

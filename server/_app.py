@@ -1,0 +1,294 @@
+"""``create_app``: the OpenAI-compatible ASGI app (FastAPI) over one or more served models.
+
+Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...); the
+app uses only the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it
+never branches on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST
+/v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /`` (the chat page).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette import EventSourceResponse
+
+from ..serving import AsyncStream, Client, ServingError, ServingStats
+from ._errors import RETRY_AFTER_S, APIError, from_exception
+from ._health import Progress
+from ._metrics import Metrics
+from ._requests import Call, chat_call, completion_call
+from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
+
+__all__ = ["create_app"]
+
+_log = logging.getLogger("mlx_serving.server")
+
+Models = Mapping[str, Client]
+Loader = Callable[[], Models]
+
+
+class _Served:
+    """The served models and their loading state (``loading`` -> ``ready`` or ``failed``)."""
+
+    def __init__(self, stuck_after: float) -> None:
+        self.status, self.error = "loading", ""
+        self.clients: dict[str, Client] = {}
+        self.owned = False
+        self.created = int(time.time())
+        self._stuck_after = stuck_after
+        self.progress: dict[str, Progress] = {}
+
+    def ready(self, clients: Models, owned: bool) -> None:
+        self.clients, self.owned = dict(clients), owned
+        self.progress = {name: Progress(self._stuck_after) for name in clients}
+        self.status = "ready"
+
+    def pick(self, model: Any) -> tuple[str, Client]:
+        """The model a request names (None: the first one); APIError 404 for an unknown one, 503
+        while loading."""
+        if self.status != "ready":
+            raise APIError(503, f"the server is {self.status}: no model is ready yet", "server_error",
+                           code=self.status, headers={"Retry-After": str(RETRY_AFTER_S)})
+        if model is None:
+            return next(iter(self.clients.items()))
+        if isinstance(model, str) and model in self.clients:
+            return model, self.clients[model]
+        raise APIError(404, f"the model {model!r} does not exist (served: {sorted(self.clients)})",
+                       param="model", code="model_not_found")
+
+    def stats(self) -> dict[str, ServingStats]:
+        """Every model's ``ServingStats`` (blocking for a pool: call off the event loop)."""
+        return {name: client.stats() for name, client in self.clients.items()}
+
+
+def create_app(models: Models | Loader, *, api_key: str | None = None, request_timeout: float | None = None,
+               stuck_after: float = 60.0, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The server's ASGI app.
+
+    ``models``: ``{name: client}``, served as given (the caller closes them), or a function returning
+    that mapping, called on a thread when the app starts (``/health`` answers 503 "loading" until it
+    returns; the app closes those clients at shutdown; if it raises, ``/health`` answers 503
+    "failed" and ``on_load_error(exc)`` is called). ``api_key``: when set, ``/v1/*`` needs
+    ``Authorization: Bearer <api_key>`` (401 otherwise). ``request_timeout``: the deadline in
+    seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
+    ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
+    """
+    served = _Served(stuck_after)
+    metrics = Metrics(served.stats)
+    loader_thread: list[threading.Thread] = []
+
+    def load() -> None:
+        try:
+            served.ready(models(), owned=True)  # type: ignore[operator]
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and the callback
+            served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
+            _log.error("loading the models failed: %s", served.error)
+            if on_load_error is not None:
+                on_load_error(exc)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if callable(models):
+            loader_thread.append(threading.Thread(target=load, name="mlx-serving-load", daemon=True))
+            loader_thread[0].start()
+        else:
+            served.ready(models, owned=False)
+        yield
+        if loader_thread:
+            await anyio.to_thread.run_sync(loader_thread[0].join)
+        if served.owned:
+            for client in served.clients.values():
+                await client.aclose()
+
+    app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served, app.state.metrics = served, metrics
+    _error_handlers(app)
+    app.include_router(_v1_router(served, metrics, api_key, request_timeout))
+    _add_service_routes(app, served, metrics)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    async def handle(request: Request, exc: Exception) -> Response:
+        error = from_exception(exc)
+        if error.status >= 500 and not isinstance(exc, (APIError, ServingError)):
+            _log.exception("request failed", exc_info=exc)
+        return JSONResponse(error.body(), error.status, error.headers)
+
+    for exc_type in (APIError, ValueError, ServingError, Exception):
+        app.add_exception_handler(exc_type, handle)
+
+
+def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+    return check
+
+
+def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
+
+    async def complete(request: Request, kind: Kind) -> Response:
+        arrival = time.perf_counter()
+        body = await _body(request)
+        name, client = served.pick(body.get("model"))
+        call = chat_call(body) if kind == "chat" else completion_call(body)
+        deadline = call.deadline if call.deadline is not None else request_timeout
+        record = _Recorder(metrics, name, call, arrival)
+        if call.stream:
+            stream = await client.stream_async(call.input, deadline=deadline)
+            state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
+            return EventSourceResponse(_sse(stream, state, call, record), sep="\n")
+        result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
+        if result is _GONE:
+            record.aborted()
+            return Response(status_code=499)
+        record.result(result)
+        rid = new_id(kind)
+        body_out = chat_response(result, name, rid) if kind == "chat" else completion_response(result, name, rid)
+        return JSONResponse(body_out)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, "chat")
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, "completion")
+
+    @router.get("/models")
+    async def list_models() -> Response:
+        served.pick(None)  # 503 while loading
+        data = [{"id": name, "object": "model", "created": served.created, "owned_by": "mlx-serving"}
+                for name in served.clients]
+        return JSONResponse({"object": "list", "data": data})
+
+    return router
+
+
+def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if served.status != "ready":
+            body = {"status": served.status, **({"error": served.error} if served.error else {})}
+            return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
+        stats = await anyio.to_thread.run_sync(served.stats)
+        for name, s in stats.items():
+            idle = served.progress[name].stuck_for(s)
+            if idle is not None:
+                return JSONResponse({"status": "stuck", "model": name,
+                                     "detail": f"{s.rows_in_flight} rows in flight and no progress for {idle:.1f} s"},
+                                    503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await anyio.to_thread.run_sync(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def chat_page() -> Response:
+        return HTMLResponse(resources.files(__package__).joinpath("static/index.html").read_text("utf-8"))
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+_GONE = object()
+
+
+async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Any]]) -> Any:
+    """``await run()``, cancelled (which withdraws the request) when the client disconnects first:
+    then ``_GONE``. What ``run`` raises is raised as is (not in an exception group)."""
+    outcome: list[Any] = []
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        outcome.append(_GONE)
+        scope.cancel()
+
+    async def call(scope: anyio.CancelScope) -> None:
+        try:
+            outcome.append(await run())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, outside the task group
+            outcome.append(exc)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        tg.start_soon(call, tg.cancel_scope)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+class _Recorder:
+    """Feeds a request's finished completions to the metrics (once each) and counts the rest as
+    aborted when the request ends early."""
+
+    def __init__(self, metrics: Metrics, model: str, call: Call, arrival: float) -> None:
+        self._metrics, self._model, self._call, self._arrival = metrics, model, call, arrival
+        self._prompts_seen: set[int] = set()
+        self._finished = 0
+
+    def final(self, choice: int, final: Mapping[str, Any]) -> None:
+        prompt = choice // self._call.n
+        first = prompt not in self._prompts_seen
+        self._prompts_seen.add(prompt)
+        self._finished += 1
+        self._metrics.finished(self._model, final, time.perf_counter() - self._arrival, first)
+
+    def result(self, result: Any) -> None:
+        for p, r in enumerate(result if isinstance(result, list) else [result]):
+            for i, entry in enumerate(r["results"]):
+                self.final(p * self._call.n + i, entry)
+
+    def aborted(self) -> None:
+        self._metrics.aborted(self._model, self._call.prompts * self._call.n - self._finished)
+
+
+async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder) -> AsyncIterator[str]:
+    """The SSE data of a streamed response. Leaving early (the client disconnected: sse-starlette
+    cancels this generator) closes the stream, which withdraws the request."""
+    try:
+        async with stream:
+            for chunk in state.first_chunks():
+                yield chunk
+            try:
+                async for item in stream:
+                    ev = event(item, state.is_list, state.n)
+                    for chunk in state.chunks(ev):
+                        yield chunk
+                    if ev.final is not None:
+                        record.final(ev.choice, ev.final)
+            except (ServingError, ValueError) as exc:  # headers are sent: the error goes in the stream
+                yield json.dumps(from_exception(exc).body(), ensure_ascii=False)
+            if call.include_usage and state.done:
+                yield state.usage_chunk()
+            yield "[DONE]"
+    finally:
+        record.aborted()

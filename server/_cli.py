@@ -1,0 +1,155 @@
+"""``mlx-serving serve``: its options and how it starts (FastAPI and uvicorn imported only when it runs).
+
+The models load on a thread after the server started listening (``/health`` answers 503 until they
+are ready); ``--workers 1`` serves each model through a started handle (``Serving.start``), more
+through a ``ServingPool`` of that many worker processes: the app holds either as a ``Client``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["API_KEY_ENV", "add_parser"]
+
+API_KEY_ENV = "MLX_SERVING_API_KEY"
+_log = logging.getLogger("mlx_serving.server")
+
+
+def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+    """Register ``serve`` on the ``mlx-serving`` command's subparsers."""
+    p = subparsers.add_parser(
+        "serve", formatter_class=formatter_class, help="OpenAI-compatible HTTP server (needs mlx-serving[server])",
+        description="Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with "
+                    "/health, Prometheus /metrics and a chat page at /. Needs the 'server' extra.")
+    p.add_argument("--model", type=Path, action="append", default=None, metavar="DIR",
+                   help="MLX checkpoint directory (repeatable: one served model each; default: the embedded seeded "
+                        "random checkpoint, meaningless text)")
+    p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="the model's id in the API, one per --model (default: the directory's name)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--workers", type=int, default=1,
+                   help="worker processes per model: 1 = a started serving in this process, N > 1 = a ServingPool")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, else none)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="default max_tokens of a request that gives none")
+    p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions per sequence (prompt + new tokens)")
+    p.add_argument("--max-batch", type=int, default=32, help="most sequences decoding at once (per worker)")
+    p.add_argument("--max-queue", type=int, default=512,
+                   help="rows waiting (per worker) before requests are refused with 503 + Retry-After")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="default temperature of a request that gives none (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request that gives none")
+    p.add_argument("--kv-cache-fraction", type=float, default=None,
+                   help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take before it is withdrawn (504; default: no limit)")
+    p.add_argument("--stuck-after", type=float, default=60.0,
+                   help="/health answers 503 when a model holds rows without progress for this many seconds")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server and block until it stops (Ctrl-C or SIGTERM). Returns the exit status: 0,
+    2 for a bad option, a missing extra or models that failed to load."""
+    try:
+        import uvicorn
+
+        from ._app import create_app
+    except ImportError as exc:
+        print(f"mlx-serving: error: 'serve' needs the server extra: pip install 'mlx-serving[server]' ({exc})",
+              file=sys.stderr)
+        return 2
+    models = _model_specs(args)
+    options = _generation_options(args)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    host = args.host or "127.0.0.1"
+    if api_key is None and not _is_loopback(host):
+        _log.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key)", host)
+    failed: list[BaseException] = []
+    server: list[Any] = []
+
+    def load_failed(exc: BaseException) -> None:
+        failed.append(exc)
+        server[0].should_exit = True
+
+    app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue), api_key=api_key,
+                     request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed)
+    server.append(uvicorn.Server(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level)))
+    server[0].run()
+    if failed:
+        print(f"mlx-serving: error: loading the models failed: {failed[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: may resolve anywhere
+        return False
+
+
+def _model_specs(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
+    """``[(name, checkpoint dir or None for the default)]``; ValueError for bad --served-model-name use."""
+    paths: list[Path | None] = list(args.model) if args.model else [None]
+    names = args.served_model_name or []
+    if names and len(names) != len(paths):
+        raise ValueError(f"give one --served-model-name per --model ({len(paths)}), got {len(names)}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    specs = [(names[i] if names else _default_name(p), p) for i, p in enumerate(paths)]
+    if len({n for n, _ in specs}) != len(specs):
+        raise ValueError(f"served model names must be unique, got {[n for n, _ in specs]}")
+    return specs
+
+
+def _default_name(path: Path | None) -> str:
+    if path is None:
+        return "default"
+    return path.resolve().name
+
+
+def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    from ..models.text_generation import GenerationOptions
+
+    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, max_batch=args.max_batch,
+                   temperature=args.temperature, top_p=args.top_p, kv_cache_fraction=args.kv_cache_fraction)
+    GenerationOptions(**options)  # a bad option fails before the server starts
+    if args.max_queue < args.max_batch:
+        raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch ({args.max_batch})")
+    return options
+
+
+def _load(models: list[tuple[str, Path | None]], options: dict[str, Any], workers: int,
+          max_queue: int) -> dict[str, Any]:
+    """Build and start every model's client (on the app's loading thread)."""
+    from ..models import text_generation
+    from ..models._default_checkpoint import default_checkpoint
+    from ..serving import Serving, ServingPool
+
+    clients: dict[str, Any] = {}
+    try:
+        for name, path in models:
+            factory = functools.partial(text_generation.from_mlx4bit, path or default_checkpoint(), **options)
+            if workers > 1:
+                clients[name] = ServingPool(factory, workers=workers, max_queue=max_queue)
+            else:
+                clients[name] = Serving.start(factory(), max_queue=max_queue)
+            _log.info("model %r ready (%s)", name, f"{workers} workers" if workers > 1 else "in process")
+    except BaseException:
+        for client in clients.values():
+            client.close()
+        raise
+    return clients

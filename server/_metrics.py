@@ -1,0 +1,138 @@
+"""Prometheus metrics under vLLM's names (prefix ``mlx_serving:``), fed by the runtime's own numbers.
+
+Per request (observed when a completion's final item arrives; label ``model_name``):
+
+- ``time_to_first_token_seconds``: arrival at the server -> first token, = queue time + the row's
+  ``timing.prefill_ms`` (admission -> first token, measured by the runtime);
+- ``inter_token_latency_seconds``: the row's ``timing.decode_ms / (num_tokens - 1)``, observed once
+  per decode token (the runtime times a row's first and last tokens, not each gap);
+- ``e2e_request_latency_seconds``: arrival -> the final item;
+- ``request_queue_time_seconds``: e2e less the row's ``timing.total_ms`` (admission -> last token):
+  waiting in the queue, preprocessing and transport;
+- ``prompt_tokens_total`` / ``generation_tokens_total`` (``token_summary.input`` once per prompt,
+  ``num_tokens`` per completion) and ``request_success_total{finished_reason}`` (``stop``,
+  ``length``, ``tool_calls``; ``abort`` for a request its client left).
+
+Read from ``Client.stats()`` at each scrape (no second bookkeeping): ``num_requests_running`` /
+``num_requests_waiting`` (rows = sequences: ``running`` / ``queued``), ``kv_cache_usage_perc`` (KV
+blocks used / total, a fraction in [0, 1] as in vLLM), ``prefix_cache_queries_total`` /
+``prefix_cache_hits_total`` (prompt tokens looked up / found in the prefix cache, as vLLM counts
+them), ``num_preemptions_total`` and ``serving_requests_total{outcome}`` (the serving's
+``completed``, ``failed``, ``cancelled``, ``expired``, ``rejected``).
+
+Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..serving import ServingStats
+
+__all__ = ["PREFIX", "Metrics"]
+
+PREFIX = "mlx_serving:"
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+_OUTCOMES = ("completed", "failed", "cancelled", "expired", "rejected")
+
+StatsSource = Callable[[], Mapping[str, ServingStats]]
+
+
+class Metrics:
+    """The server's metrics registry. ``stats``: a function returning each served model's
+    ``ServingStats`` (called at every scrape, on the scraping thread)."""
+
+    def __init__(self, stats: StatsSource) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival -> first token (s).", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between decode tokens (s).", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival -> last token (s).", _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival -> admission into the engine (s).",
+                               _LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
+                                         registry=self.registry)
+        self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
+                               [*labels, "finished_reason"], registry=self.registry)
+        self.registry.register(_StatsCollector(stats))
+
+    def finished(self, model: str, final: Mapping[str, Any], e2e_s: float, first_of_prompt: bool) -> None:
+        """Observe one completion's final item (``e2e_s``: seconds since the request arrived;
+        ``first_of_prompt``: count the prompt's tokens with this completion)."""
+        self.success.labels(model, final["finish_reason"]).inc()
+        tokens = int(final.get("num_tokens", 0))
+        self.generation_tokens.labels(model).inc(tokens)
+        if first_of_prompt:
+            self.prompt_tokens.labels(model).inc(int(final.get("token_summary", {}).get("input", 0)))
+        self.e2e.labels(model).observe(e2e_s)
+        timing = final.get("timing")
+        if not timing:
+            return
+        queue_s = max(e2e_s - timing["total_ms"] / 1e3, 0.0)
+        self.queue.labels(model).observe(queue_s)
+        self.ttft.labels(model).observe(queue_s + timing["prefill_ms"] / 1e3)
+        if tokens > 1:
+            itl, gap = self.itl.labels(model), timing["decode_ms"] / 1e3 / (tokens - 1)
+            for _ in range(tokens - 1):
+                itl.observe(gap)
+
+    def aborted(self, model: str, completions: int) -> None:
+        """Count completions whose client left before they finished."""
+        if completions > 0:
+            self.success.labels(model, "abort").inc(completions)
+
+    def exposition(self) -> bytes:
+        """The text exposition format (reads every model's stats: may block on a pool; call it off
+        the event loop)."""
+        return generate_latest(self.registry)
+
+
+class _StatsCollector(Collector):
+    """Gauges and counters read from ``Client.stats()`` at scrape time."""
+
+    def __init__(self, stats: StatsSource) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        running = GaugeMetricFamily(PREFIX + "num_requests_running", "Sequences running in the engine.",
+                                    labels=["model_name"])
+        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Sequences waiting in the queue.",
+                                    labels=["model_name"])
+        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache blocks in use (fraction, 0-1).",
+                                  labels=["model_name"])
+        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=["model_name"])
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=["model_name"])
+        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted for KV blocks.",
+                                          labels=["model_name"])
+        outcomes = CounterMetricFamily(PREFIX + "serving_requests", "Requests ended, by outcome (ServingStats).",
+                                       labels=["model_name", "outcome"])
+        for model, s in self._stats().items():
+            running.add_metric([model], s.running)
+            waiting.add_metric([model], s.queued)
+            kv = s.backend
+            if kv.get("blocks_total"):
+                usage.add_metric([model], kv.get("blocks_used", 0) / kv["blocks_total"])
+            queries.add_metric([model], kv.get("prefix_query_tokens", 0))
+            hits.add_metric([model], kv.get("prefix_hit_tokens", 0))
+            preemptions.add_metric([model], kv.get("preemptions", 0))
+            for outcome in _OUTCOMES:
+                outcomes.add_metric([model, outcome], getattr(s, outcome))
+        yield from (running, waiting, usage, queries, hits, preemptions, outcomes)

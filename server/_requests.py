@@ -1,0 +1,192 @@
+"""OpenAI request bodies -> text-generation inputs (the serving's input dict).
+
+``/v1/chat/completions`` becomes ``{"messages": [...]}`` (the model's chat template is applied by the
+serving); ``/v1/completions`` becomes ``{"text": prompt}`` (a list of prompts: a list of inputs).
+Sampling fields pass through under the serving's names (``max_tokens`` / ``max_completion_tokens``
+-> ``max_new_tokens``, ``chat_template_kwargs.enable_thinking`` -> ``enable_thinking``, ...); a field
+left out (or null) is left out of the input, so the serving's default applies. The serving validates
+the values and raises ValueError naming the field (answered 400). This module checks only the
+shape of the OpenAI envelope (messages, prompt, stream, tool_choice, ...), with :class:`APIError`
+naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import APIError
+
+__all__ = ["Call", "chat_call", "completion_call"]
+
+# OpenAI field -> text-generation input key, passed through when present and not null.
+_PASS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "seed": "seed", "stop": "stop",
+    "min_tokens": "min_tokens", "priority": "priority",
+}
+# Fields of the OpenAI API this server cannot honour (answered 400 when set to anything but their default).
+_UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "modalities": None,
+                "prediction": None}
+# Message keys whose null value means "absent" (OpenAI clients send content: null with tool calls).
+_MESSAGE_NULLABLE = ("content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+                     "function_call", "audio")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One OpenAI request, mapped. ``input``: the text-generation input (a dict, or a list of dicts
+    for a list of prompts); ``stream``: answer with server-sent events; ``include_usage``: a last
+    chunk with ``usage`` (``stream_options.include_usage``); ``deadline``: seconds the request may
+    take (the ``deadline`` extension field), or None for the server's default; ``n``: completions per
+    prompt; ``prompts``: prompts in the request (1 for chat)."""
+
+    input: Any
+    stream: bool
+    include_usage: bool
+    deadline: float | None
+    n: int
+    prompts: int
+
+
+def chat_call(body: dict[str, Any]) -> Call:
+    """Map a ``/v1/chat/completions`` body. Raises APIError (400, naming the field) for a malformed
+    envelope: ``messages`` missing or not a list of message dicts, a content part that is not text,
+    a bad ``stream`` / ``stream_options`` / ``tool_choice`` / ``chat_template_kwargs``, or an
+    unsupported field."""
+    spec: dict[str, Any] = {"messages": _messages(body.get("messages"))}
+    _sampling(body, spec, max_keys=("max_completion_tokens", "max_tokens"))
+    logprobs = _flag(body, "logprobs")
+    if logprobs:
+        spec["logprobs"] = True
+        if body.get("top_logprobs") is not None:
+            spec["top_logprobs"] = body["top_logprobs"]
+    elif body.get("top_logprobs") is not None:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
+        spec["response_format"] = body["response_format"]
+    _tools(body, spec)
+    _template_kwargs(body.get("chat_template_kwargs"), spec)
+    return _call(body, spec, prompts=1)
+
+
+def completion_call(body: dict[str, Any]) -> Call:
+    """Map a ``/v1/completions`` body (``prompt``: a string or a list of strings; ``logprobs``: an
+    int, the alternatives per token). Raises APIError (400, naming the field) for a malformed one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError(400, "'prompt' must be a string or a non-empty list of strings (token-id prompts are "
+                            "not supported)", param="prompt")
+    spec: dict[str, Any] = {}
+    _sampling(body, spec, max_keys=("max_tokens",))
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise APIError(400, f"'logprobs' must be an integer (alternatives per token) or null, got {logprobs!r}",
+                           param="logprobs")
+        spec.update(logprobs=True, top_logprobs=logprobs)
+    inputs = [{"text": p, **spec} for p in prompts]
+    return _call(body, inputs if isinstance(prompt, list) else inputs[0], prompts=len(prompts))
+
+
+def _call(body: dict[str, Any], input: Any, prompts: int) -> Call:
+    for name, default in _UNSUPPORTED.items():
+        if body.get(name, default) not in (default, None) and not (name == "best_of" and body[name] == 1):
+            raise APIError(400, f"'{name}' is not supported by this server", param=name)
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise APIError(400, "'stream_options' must be an object, and only with 'stream': true",
+                       param="stream_options")
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    n = body.get("n")
+    if n is not None and n != 1:
+        for item in input if isinstance(input, list) else [input]:
+            item["n"] = n
+    return Call(input, stream, include_usage, _deadline(body.get("deadline")),
+                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, prompts)
+
+
+def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, ...]) -> None:
+    """Copy the sampling fields present in ``body`` into ``spec`` under the serving's names."""
+    for key in max_keys:
+        if body.get(key) is not None:
+            spec["max_new_tokens"] = body[key]
+            break
+    for field, key in _PASS.items():
+        if body.get(field) is not None:
+            spec[key] = body[field]
+    if spec.get("top_k") == -1:  # vLLM's spelling of "off" (the serving's is 0)
+        del spec["top_k"]
+
+
+def _messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages as the chat template takes them: text content parts joined into one string,
+    ``developer`` as ``system``, null optional keys dropped."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of message objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param="messages")
+        m = {k: v for k, v in message.items() if not (v is None and k in _MESSAGE_NULLABLE)}
+        m["content"] = _content(m.get("content", ""), i)
+        if m.get("role") == "developer":
+            m["role"] = "system"
+        m.pop("refusal", None)
+        out.append(m)
+    return out
+
+
+def _content(content: Any, i: int) -> Any:
+    """A message's content: a string, or a list of ``{"type": "text", "text": str}`` parts (joined)."""
+    if not isinstance(content, list):
+        return content  # the serving checks it is a string
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': str}}) "
+                                "are supported", param="messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tools(body: dict[str, Any], spec: dict[str, Any]) -> None:
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise APIError(400, f"'tool_choice' {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
+    if body.get("tools") is not None and choice != "none":
+        spec["tools"] = body["tools"]
+
+
+def _template_kwargs(kwargs: Any, spec: dict[str, Any]) -> None:
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or set(kwargs) - {"enable_thinking"}:
+        raise APIError(400, "'chat_template_kwargs' may hold only 'enable_thinking' (a bool)",
+                       param="chat_template_kwargs")
+    if kwargs.get("enable_thinking") is not None:
+        spec["enable_thinking"] = kwargs["enable_thinking"]
+
+
+def _flag(body: dict[str, Any], name: str, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{param or name}' must be true, false or null, got {value!r}", param=param or name)
+    return value
+
+
+def _deadline(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise APIError(400, f"'deadline' must be a number of seconds > 0, got {value!r}", param="deadline")
+    return float(value)

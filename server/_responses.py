@@ -1,0 +1,194 @@
+"""Serving results and stream items -> OpenAI response objects and stream chunks.
+
+A text-generation result is ``{"results": [entry, ...]}`` (``n`` entries; a list input gives a list of
+those), an entry ``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input",
+"output"}, "timing", ["logprobs", "reasoning_content", "tool_calls"]}``. A stream yields, per row,
+text pieces (``str``) or delta dicts (``content`` / ``reasoning_content`` / ``tool_calls`` /
+``logprobs``, with ``index``: which of the ``n`` completions), and one final dict per completion
+(``finish_reason``, ``num_tokens``, ``token_summary``, ``timing``); a list input wraps each item as
+``(row, item)``. OpenAI's choice index is ``row * n + index``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Event", "StreamState", "Kind", "chat_response", "completion_response", "event", "new_id", "usage"]
+
+Kind = Literal["chat", "completion"]
+_DELTA_KEYS = ("content", "reasoning_content", "tool_calls")
+
+
+def new_id(kind: Kind) -> str:
+    """A response id: ``chatcmpl-<hex>`` or ``cmpl-<hex>``."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stream item, normalized: ``choice`` (OpenAI's choice index), ``delta`` (``content``,
+    ``reasoning_content``, ``tool_calls``; only those present), ``logprobs`` (entries of this item, or
+    None), ``final`` (the completion's final dict on its last item, else None)."""
+
+    choice: int
+    delta: dict[str, Any]
+    logprobs: list[dict[str, Any]] | None
+    final: dict[str, Any] | None
+
+
+def event(item: Any, is_list: bool, n: int) -> Event:
+    """Normalize one stream item (see the module docstring)."""
+    row, value = item if is_list else (0, item)
+    if isinstance(value, str):
+        return Event(row * n, {"content": value}, None, None)
+    index = value.get("index", 0)
+    delta = {k: value[k] for k in _DELTA_KEYS if value.get(k)}
+    final = value if "finish_reason" in value else None
+    return Event(row * n + index, delta, value.get("logprobs") if final is None else None, final)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _entries(result: Any) -> list[list[dict[str, Any]]]:
+    """Per prompt, its completions' entries."""
+    return [r["results"] for r in (result if isinstance(result, list) else [result])]
+
+
+def _usage_of(per_prompt: list[list[dict[str, Any]]]) -> dict[str, int]:
+    prompt = sum(entries[0]["token_summary"]["input"] for entries in per_prompt if entries)
+    return usage(prompt, sum(e["num_tokens"] for entries in per_prompt for e in entries))
+
+
+def _envelope(rid: str, model: str, obj: str) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+
+
+def chat_response(result: Any, model: str, rid: str) -> dict[str, Any]:
+    """A ``chat.completion`` object from a (non-list) text-generation result."""
+    entries = _entries(result)
+    choices = []
+    for i, e in enumerate(entries[0]):
+        message: dict[str, Any] = {"role": "assistant", "content": e["generated_text"]}
+        if e.get("reasoning_content"):
+            message["reasoning_content"] = e["reasoning_content"]
+        if e.get("tool_calls"):
+            message["tool_calls"] = e["tool_calls"]
+            message["content"] = e["generated_text"] or None
+        logprobs = {"content": chat_logprobs(e["logprobs"])} if e.get("logprobs") is not None else None
+        choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": e["finish_reason"]})
+    return {**_envelope(rid, model, "chat.completion"), "choices": choices, "usage": _usage_of(entries)}
+
+
+def completion_response(result: Any, model: str, rid: str) -> dict[str, Any]:
+    """A ``text_completion`` object from a text-generation result (a list result: one per prompt)."""
+    entries = _entries(result)
+    choices = []
+    for prompt_entries in entries:
+        for e in prompt_entries:
+            logprobs = completion_logprobs(e["logprobs"], 0) if e.get("logprobs") is not None else None
+            choices.append({"index": len(choices), "text": e["generated_text"], "logprobs": logprobs,
+                            "finish_reason": e["finish_reason"]})
+    return {**_envelope(rid, model, "text_completion"), "choices": choices,
+            "usage": _usage_of(entries)}
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The serving's logprob entries as OpenAI chat ``logprobs.content`` items."""
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8"))}
+    return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries]
+
+
+def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The serving's logprob entries as OpenAI completions ``logprobs`` (``text_offset`` from ``offset``)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries],
+            "text_offset": offsets}
+
+
+@dataclass
+class StreamState:
+    """One streamed response: its id, the finals seen so far (per choice), tool calls and text
+    offsets per choice, and the chunks' JSON."""
+
+    kind: Kind
+    model: str
+    is_list: bool
+    n: int
+    choices: int
+    rid: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    finals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _calls: dict[int, int] = field(default_factory=dict)
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rid = self.rid or new_id(self.kind)
+
+    @property
+    def done(self) -> bool:
+        """Every choice has its final."""
+        return len(self.finals) == self.choices
+
+    def first_chunks(self) -> list[str]:
+        """Chat: one chunk per choice announcing the assistant role (as OpenAI sends first)."""
+        if self.kind != "chat":
+            return []
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self.choices)]
+
+    def chunks(self, ev: Event) -> list[str]:
+        """The SSE data (JSON) of one stream item (normalized by :func:`event`): zero or one chunk."""
+        if ev.final is not None:
+            self.finals[ev.choice] = ev.final
+        if not ev.delta and ev.logprobs is None and ev.final is None:
+            return []
+        return [self._chunk(ev.choice, self._delta(ev), ev.logprobs, ev.final)]
+
+    def usage_chunk(self) -> str:
+        """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        prompts: dict[int, int] = {}
+        for choice, final in self.finals.items():
+            prompts[choice // self.n] = final.get("token_summary", {}).get("input", 0)
+        generated = sum(f.get("num_tokens", 0) for f in self.finals.values())
+        body = {**self._envelope(), "choices": [], "usage": usage(sum(prompts.values()), generated)}
+        return json.dumps(body, ensure_ascii=False)
+
+    def _delta(self, ev: Event) -> dict[str, Any]:
+        delta = dict(ev.delta)
+        if "tool_calls" in delta:
+            calls = []
+            for call in delta["tool_calls"]:
+                k = self._calls.get(ev.choice, 0)
+                self._calls[ev.choice] = k + 1
+                calls.append({"index": k, **call})
+            delta["tool_calls"] = calls
+        return delta
+
+    def _envelope(self) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _chunk(self, choice: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None,
+               final: dict[str, Any] | None) -> str:
+        finish = None if final is None else final["finish_reason"]
+        if self.kind == "chat":
+            lp = None if logprobs is None else {"content": chat_logprobs(logprobs)}
+            body: dict[str, Any] = {"index": choice, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            offset = self._offsets.get(choice, 0)
+            lp = None if logprobs is None else completion_logprobs(logprobs, offset)
+            self._offsets[choice] = offset + len(delta.get("content", ""))
+            body = {"index": choice, "text": delta.get("content", ""), "logprobs": lp, "finish_reason": finish}
+        return json.dumps({**self._envelope(), "choices": [body]}, ensure_ascii=False)
