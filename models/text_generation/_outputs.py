@@ -12,10 +12,7 @@ from ...tokenization import Tokenizer
 
 from ._events import TokenEvent
 
-try:  # TEMPORARY until helper structured-parsers commits _parsers.py
-    from ._parsers import Delta, Qwen3OutputParser, ToolCall
-except ImportError:
-    Delta = Qwen3OutputParser = ToolCall = None  # type: ignore[assignment,misc]
+from ._parsers import Delta, Qwen3OutputParser, ToolCall
 
 __all__ = ["RowParser", "TokenTexts", "tool_call_dict"]
 
@@ -44,7 +41,7 @@ class TokenTexts:
                 "top_logprobs": top}
 
 
-def tool_call_dict(call: Any) -> dict[str, Any]:
+def tool_call_dict(call: ToolCall) -> dict[str, Any]:
     """A parsed :class:`ToolCall` in OpenAI's shape: ``{"id", "type": "function", "function":
     {"name", "arguments"}}`` (``arguments`` a JSON object as a string)."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -73,7 +70,7 @@ class RowParser:
             return "", "", []
         return self._split(self._parser.finish())
 
-    def _split(self, delta: Any) -> tuple[str, str, list[dict[str, Any]]]:
+    def _split(self, delta: Delta) -> tuple[str, str, list[dict[str, Any]]]:
         calls = [tool_call_dict(c) for c in delta.tool_calls]
         self.called = self.called or bool(calls)
         return delta.content, delta.reasoning_content, calls

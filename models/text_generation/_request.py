@@ -17,14 +17,7 @@ from ...tokenization import Tokenizer
 
 from ..generation.sampling import MAX_SEED, SamplingParams, _show
 from ._options import GenerationOptions
-
-try:  # TEMPORARY until helper structured-parsers commits _structured.py
-    from ._structured import compile_response_format
-except ImportError:
-    def compile_response_format(response_format: object) -> str | None:
-        if response_format is None:
-            return None
-        raise ValueError("response_format is not supported yet")
+from ._structured import compile_response_format
 
 __all__ = ["KEYS", "MAX_COMPLETIONS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "completion_params", "completion_seed",
            "completions", "priority", "sampling_params"]
