@@ -1,0 +1,116 @@
+"""``/metrics`` (parsed with prometheus-client's parser: counts match the requests made) and
+``/health`` (503 while loading, 503 when a serving holds rows without progress, 200 otherwise)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_serving import Batch, Serving
+from mlx_serving.server import create_app
+
+from server_helpers import MODEL, Server, serve, wait_for
+
+LABELS = (("model_name", MODEL),)
+
+
+def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def _delta(after: dict, before: dict, name: str, labels: tuple = LABELS) -> float:
+    return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+
+def test_metrics_count_the_requests_made(server: Server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    wait_for(lambda: server.handle.stats().rows_in_flight == 0, what="an idle server")
+    before = _samples(server.url)
+    usages = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
+                                             max_tokens=3 + i).usage for i in range(3)]
+    streamed = client.completions.create(model=MODEL, prompt="stream me", max_tokens=5, stream=True,
+                                         stream_options={"include_usage": True})
+    usages.append([c for c in streamed][-1].usage)
+    after = _samples(server.url)
+    prompt = sum(u.prompt_tokens for u in usages)
+    generated = sum(u.completion_tokens for u in usages)
+    assert generated == 3 + 4 + 5 + 5
+    assert _delta(after, before, "mlx_serving:prompt_tokens_total") == prompt
+    assert _delta(after, before, "mlx_serving:generation_tokens_total") == generated
+    length = (("finished_reason", "length"), ("model_name", MODEL))
+    assert _delta(after, before, "mlx_serving:request_success_total", length) == 4
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert _delta(after, before, f"mlx_serving:{histogram}_count") == 4, histogram
+        assert _delta(after, before, f"mlx_serving:{histogram}_sum") > 0, histogram
+    assert _delta(after, before, "mlx_serving:inter_token_latency_seconds_count") == generated - 4
+    assert after[("mlx_serving:num_requests_running", LABELS)] == 0
+    assert after[("mlx_serving:num_requests_waiting", LABELS)] == 0
+    kv = server.handle.stats().backend
+    assert after[("mlx_serving:prefix_cache_queries_total", LABELS)] == kv["prefix_query_tokens"] > 0
+    assert after[("mlx_serving:prefix_cache_hits_total", LABELS)] == kv["prefix_hit_tokens"]
+    completed = (("model_name", MODEL), ("outcome", "completed"))
+    assert after[("mlx_serving:serving_requests_total", completed)] == server.handle.stats().completed
+
+
+def test_health_ok(server: Server):
+    response = httpx.get(f"{server.url}/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_health_is_503_while_loading(tiny_serving: Serving):
+    release = threading.Event()
+
+    def load() -> dict:
+        release.wait(30)
+        return {MODEL: Serving.start(tiny_serving)}  # the app closes what its loader built
+
+    with serve(create_app(load)) as url:
+        loading = httpx.get(f"{url}/health")
+        assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        release.set()
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, what="the model to load")
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_health_is_503_when_loading_failed():
+    errors: list[BaseException] = []
+
+    def load() -> dict:
+        raise FileNotFoundError("no checkpoint at /nowhere")
+
+    with serve(create_app(load, on_load_error=errors.append)) as url:
+        wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "failed", what="the failure")
+        body = httpx.get(f"{url}/health").json()
+        assert "no checkpoint at /nowhere" in body["error"]
+    assert isinstance(errors[0], FileNotFoundError)
+
+
+def test_health_is_503_when_the_serving_is_stuck():
+    """A serving whose backend never returns holds a row without progress: 'stuck' after stuck_after s."""
+    unblock = threading.Event()
+
+    def hang(batch):  # a real backend that hangs until released
+        unblock.wait(30)
+        return batch.data
+
+    with Serving.start(Serving.new(hang), batch_size=1, batch_timeout=0.0) as handle:
+        with serve(create_app({"hang": handle}, stuck_after=0.2)) as url:
+            assert httpx.get(f"{url}/health").status_code == 200
+            pending = threading.Thread(target=handle.run, args=(Batch.stack([[0]]),))
+            pending.start()
+            wait_for(lambda: handle.stats().running == 1, what="the batch to start")
+            httpx.get(f"{url}/health")  # first look at this progress
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, what="the stuck verdict")
+            body = httpx.get(f"{url}/health").json()
+            assert body["status"] == "stuck" and body["model"] == "hang"
+            unblock.set()
+            pending.join(10)
+            wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, what="recovery")
