@@ -110,7 +110,11 @@ def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
 
     Per-request keys (None, JSON null, means the serving's default): ``max_new_tokens`` an int >= 1;
     ``temperature`` a finite real >= 0; ``top_p`` a real in (0, 1]; ``seed`` an int in [0, 2**64)
-    (bool is never a number); ``stop`` a non-empty string or a list of at most 16 of them, each at
+    (bool is never a number); ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``min_tokens`` as :class:`SamplingParams` takes them; ``logit_bias``,
+    ``logprobs``, ``top_logprobs``, ``response_format``, ``n`` (an int in [1, 16]: that many rows,
+    one per completion, seeds derived by ``_request.completion_seed``) and ``priority`` as
+    ``_request`` reads them; ``stop`` a non-empty string or a list of at most 16 of them, each at
     most 256 characters; ``messages`` a non-empty list of message dicts (``role`` one of
     :data:`ROLES`, ``content`` a string; optional ``reasoning_content`` string, ``name`` /
     ``tool_call_id`` strings, and on assistant messages ``tool_calls``: a list of ``{"function":
