@@ -236,12 +236,12 @@ class GrammarFactory:
                                  tokenizer.vocab_size, eos_ids, tokenizer.eos_tokens)
 
     def _template(self, grammar: str) -> llguidance.LLMatcher:
+        if not isinstance(grammar, str):
+            raise ValueError(f"grammar must be a str (from compile_response_format), got {type(grammar).__name__}")
         with self._lock:
             if grammar in self._matchers:
                 self._matchers.move_to_end(grammar)
                 return self._matchers[grammar]
-        if not isinstance(grammar, str):
-            raise ValueError(f"grammar must be a str (from compile_response_format), got {type(grammar).__name__}")
         matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"grammar cannot be compiled: {matcher.get_error()[:500]}")
