@@ -1,0 +1,91 @@
+"""``mlx-serving serve`` as a user runs it: a subprocess with ``--workers 2`` (the app over a
+``ServingPool``), the API key from the environment, /health until ready, a disconnect cancelling
+the row inside a worker, Ctrl-C ending it (status 130, as every mlx-serving command)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_serving.server._cli import API_KEY_ENV
+
+from server_helpers import wait_for
+
+KEY = "k-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    port = _free_port()
+    command = [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(tiny_ckpt), "--port", str(port),
+               "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4",
+               "--log-level", "warning"]
+    process = subprocess.Popen(command, env={**os.environ, API_KEY_ENV: KEY}, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, timeout=90, what="the server to be healthy")
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+
+def _cancelled(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "mlx_serving:serving_requests_total" and s.labels["outcome"] == "cancelled")
+
+
+def test_serve_over_a_pool(cli_server: tuple[str, subprocess.Popen]):
+    url, _ = cli_server
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    replies = {client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+               .choices[0].message.content for _ in range(4)}  # spread over both workers
+    assert len(replies) == 1  # greedy: every worker answers the same
+    reply = client.completions.create(model="tiny", prompt="abc")
+    assert reply.usage.completion_tokens == 4  # --max-new-tokens is the default max_tokens
+
+    body = {"prompt": "long", "max_tokens": 300, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30) as response:
+        data = (line for line in response.iter_lines() if line.startswith("data:"))
+        [next(data) for _ in range(3)]
+    wait_for(lambda: _cancelled(url) == 1, what="the worker to count the request cancelled")
+
+
+def test_ctrl_c_stops_the_server(cli_server: tuple[str, subprocess.Popen]):
+    url, process = cli_server
+    process.send_signal(signal.SIGINT)
+    assert process.wait(60) == 130  # the CLI's status for Ctrl-C, after a graceful shutdown
+    stderr = process.stderr.read()
+    assert "mlx-serving: interrupted" in stderr and "Traceback" not in stderr, stderr
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/health")
