@@ -38,7 +38,9 @@ import numpy as np
 from ..qwen3.model import Rows
 from ..registry import family_model
 from .events import FinishReason, SeqEvent
-from .sampling import SamplerKind, SamplingParams, greedy, sample_top_p
+from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
+from .protocol import ConstraintFactory, TokenConstraint
+from .sampling import SamplingParams, greedy
 from .slot_cache import KVCache, budget_slots, init_kv_cache
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_manager import KVManager, KVStats, SeqBlocks
@@ -59,6 +61,8 @@ class _Seq:
     params: SamplingParams
     rng: np.random.Generator
     admitted: float
+    chain: Chain  # the sampler chain built from params at add
+    constraint: TokenConstraint | None = None  # structured output (params.grammar)
     priority: int = 0  # lower first under the "priority" policy
     arrival: int = 0  # add counter
     slot: int = -1  # row (and, in slot mode, cache slot); -1 while waiting
@@ -94,6 +98,8 @@ class _Flight:
 
     tokens: mx.array
     produced: list[_Seq] = field(default_factory=list)
+    logprobs: list[tuple[list[_Seq], Logprobs]] = field(default_factory=list)  # who asked, what was enqueued
+    pending: list[mx.array] = field(default_factory=list)  # sampling outputs to evaluate with the step
 
 
 class Engine:
@@ -122,6 +128,12 @@ class Engine:
     the shape buckets described in the module docstring; None (default) means on for a GPU, off on
     the CPU. :meth:`warm_up` runs every bucket once. Raises ValueError when the budget holds no
     sequence of ``max_len``. Not thread-safe: drive it from one thread.
+
+    Sampling follows each sequence's :class:`~.sampling.SamplingParams` through its sampler chain
+    (:mod:`.logits`), for the whole batch on the device. ``constraint_factory`` makes the
+    :class:`~.protocol.TokenConstraint` of a sequence whose ``params.grammar`` is set (structured
+    output); while such a sequence runs, each step first lands the previous step's tokens, since
+    its mask depends on them.
     """
 
     def __init__(self, state: Any, max_batch: int, max_len: int, prefill_chunk: int = 512,
@@ -129,7 +141,7 @@ class Engine:
                  compile_decode: bool | None = None, bucket_shapes: bool | None = None,
                  kv_cache_fraction: float | None = None, prefix_caching: bool = True,
                  block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, constraint_factory: ConstraintFactory | None = None):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
@@ -157,6 +169,9 @@ class Engine:
             self.max_len = max_len
             rows = max_batch
         self._slots: list[_Seq | None] = [None] * rows
+        if self._kv is not None:  # each row's block table (decode), kept up to date by _decode_table
+            self._rows_table = np.zeros((rows, -(-self.max_len // block_size)), dtype=np.int32)
+            self._rows_table_n = [0] * rows
         self._waiting: Policy = make_policy(policy)
         self._arrivals = 0
         self._by_id: dict[int, _Seq] = {}
@@ -167,6 +182,8 @@ class Engine:
             compile_decode = self._fused
         self._compiled: dict[tuple[int, int], Callable[..., tuple]] | None = {} if compile_decode else None
         self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
+        self._constraint_factory = constraint_factory
+        self._history: TokenHistory | None = None  # penalty state, made for the first penalized sequence
 
     # ---- admission -------------------------------------------------------------------
 
@@ -207,8 +224,10 @@ class Engine:
 
         Raises ValueError for a duplicate ``seq_id``, ``params`` that are not a
         :class:`SamplingParams`, prompt ids that are not integers (bools, floats, strings, ints
-        past int64), an empty prompt, ids outside the vocabulary, or
-        ``len(prompt_ids) + max_new_tokens > max_len`` (never fits). Nothing is queued then.
+        past int64), an empty prompt, ids (prompt or ``logit_bias``) outside the vocabulary,
+        ``len(prompt_ids) + max_new_tokens > max_len`` (never fits), a ``grammar`` without a
+        ``constraint_factory``, or whatever ValueError the factory raises for the grammar.
+        Nothing is queued then.
         """
         if seq_id in self._by_id:
             raise ValueError(f"sequence {seq_id} is already active")
@@ -232,9 +251,15 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
+        chain = make_chain(params, vocab)
+        constraint = None
+        if params.grammar is not None:
+            if self._constraint_factory is None:
+                raise ValueError("grammar needs an Engine built with a constraint_factory")
+            constraint = self._constraint_factory(params.grammar, params.eos_token_ids)
         self._arrivals += 1
         seq = _Seq(seq_id, prompt.astype(np.int32), params, np.random.default_rng(seed), time.perf_counter(),
-                   priority=int(priority), arrival=self._arrivals)
+                   chain, constraint, priority=int(priority), arrival=self._arrivals)
         self._by_id[seq_id] = seq
         self._waiting.push(seq)
 
@@ -255,9 +280,11 @@ class Engine:
     def _release(self, seq: _Seq) -> None:
         """Give back a running sequence's row and blocks."""
         self._slots[seq.slot] = None
-        seq.slot = -1
         if self._kv is not None:
             self._kv.free(seq.kv)
+            self._rows_table[seq.slot] = 0
+            self._rows_table_n[seq.slot] = 0
+        seq.slot = -1
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self._slots):
@@ -278,6 +305,13 @@ class Engine:
             self._waiting.pop()
             self._started += 1
             seq.slot, seq.order, self._slots[slot] = slot, self._started, seq
+            if seq.chain.penalized:
+                self._penalty_state().reset(slot, seq.prompt, seq.generated)
+
+    def _penalty_state(self) -> TokenHistory:
+        if self._history is None:
+            self._history = TokenHistory(len(self._slots), self.state.config.vocab_size)
+        return self._history
 
     def _plan(self) -> None:
         """This step's prefill chunk of every running sequence, within ``max_step_tokens``
@@ -367,9 +401,14 @@ class Engine:
         Events lag the device by one step (pipelining): the first call after an add
         usually returns nothing for that sequence.
         """
+        events: list[SeqEvent] = []
+        if self._flight is not None and any(s is not None and s.constraint is not None for s in self._slots):
+            events += self._land(self._flight)  # a constrained row's mask needs its last token
+            self._flight = None
         self._admit()
         self._plan()
-        events = self._reserve() if self._kv is not None else []
+        if self._kv is not None:
+            events += self._reserve()
         decoders = [s for s in self._slots if s is not None and s.decoding]
         prefillers = [s for s in self._slots if s is not None and s.prefilling and s.chunk > 0]
         flight = _Flight(self._tokens)
@@ -379,7 +418,8 @@ class Engine:
             self._decode(decoders, flight)
         flight.tokens = self._tokens
         if flight.produced:
-            mx.async_eval(flight.tokens, *self.cache.keys, *self.cache.values)
+            history = self._history.arrays() if self._history is not None else []
+            mx.async_eval(flight.tokens, *flight.pending, *history, *self.cache.keys, *self.cache.values)
         if self._flight is not None:
             events += self._land(self._flight)
         self._flight = flight if flight.produced else None
@@ -408,6 +448,19 @@ class Engine:
                 blocks = s.kv.blocks[:width]
                 table[i, : len(blocks)] = blocks
         return table
+
+    def _decode_table(self, seqs: list[_Seq], hi: int, kv_len: int) -> np.ndarray | None:
+        """``(hi, width)`` block table of the decode rows ``0..hi-1`` (by row) for a span of ``kv_len``,
+        from the engine's per-row table, which gets only each row's new blocks (blocks are
+        append-only while a sequence runs): no per-step rebuild. None on the slot design."""
+        if self._kv is None:
+            return None
+        for s in seqs:
+            n, have = len(s.kv.blocks), self._rows_table_n[s.slot]
+            if n != have:
+                self._rows_table[s.slot, have:n] = s.kv.blocks[have:n]
+                self._rows_table_n[s.slot] = n
+        return self._rows_table[:hi, : self._width(kv_len)]
 
     def _table_arg(self, table: np.ndarray) -> mx.array | None:
         return mx.array(table) if self._kv is not None else None
@@ -459,18 +512,15 @@ class Engine:
             for s in seqs:
                 start[s.slot] = s.length
         kv_len = int((start + n_valid)[n_valid == 1].max())
-        members: list[_Seq | None] = [None] * hi
-        for s in seqs:
-            members[s.slot] = s
         if self._compiled is None:
             if hi > 1 and self._bucket:
                 kv_len = self._span(kv_len)
-            table = self._table_arg(self._table(members, hi, kv_len)) if self._kv is not None else None
+            table = self._table_arg(self._decode_table(seqs, hi, kv_len)) if self._kv is not None else None
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1, block_table=table)
             logits = self._model.forward(self.state, self.cache, rows)
         else:
-            table = self._table(members, hi, self._table_span(self._span(kv_len)))
+            table = self._decode_table(seqs, hi, self._table_span(self._span(kv_len)))
             logits = self._decode_compiled(hi, start, n_valid, kv_len, table)
         for s in seqs:
             s.length += 1
@@ -505,25 +555,22 @@ class Engine:
         return logits
 
     def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
-        """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into
-        the row token array."""
-        new = greedy(logits)
-        sampled = [i for i, s in enumerate(seqs) if s.params.kind is SamplerKind.TOP_P]
-        if sampled:
-            idx = mx.array(sampled, dtype=mx.int32)
-            p = [seqs[i].params for i in sampled]
-            u = [seqs[i].rng.random() for i in sampled]
-            new[idx] = sample_top_p(logits[idx], mx.array([q.temperature for q in p], dtype=mx.float32),
-                                    mx.array([q.top_p for q in p], dtype=mx.float32),
-                                    mx.array(u, dtype=mx.float32))
-        self._tokens = _put(self._tokens, idx_slots, new)
+        """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into the row
+        token array, through the rows' sampler chains (:func:`~.logits.sample_batch`)."""
+        rows = [RowInput(s.chain, s.slot, s.scheduled, _allowed(s), s.rng) for s in seqs]
+        out = sample_batch(logits, rows, self._history)
+        self._tokens = _put(self._tokens, idx_slots, out.tokens)
         for s in seqs:
             s.scheduled += 1
         flight.produced += seqs
+        flight.pending += out.pending
+        if out.logprobs is not None:
+            flight.logprobs.append(([seqs[i] for i in out.logprobs.positions], out.logprobs))
 
     def _land(self, flight: _Flight) -> list[SeqEvent]:
-        """Read a flight's tokens to the host and turn them into events."""
+        """Read a flight's tokens (and logprobs) to the host and turn them into events."""
         host = np.array(flight.tokens)
+        logprobs = {s: lp for seqs, out in flight.logprobs for s, lp in zip(seqs, out.to_host())}
         now = time.perf_counter()
         events = []
         for s in flight.produced:
@@ -531,16 +578,31 @@ class Engine:
                 continue
             token = int(host[s.slot])
             reason: FinishReason | None = None
-            if token in s.params.eos_token_ids:
+            if s.constraint is not None:
+                s.constraint.accept(token)
+            if token in s.params.eos_token_ids or (s.constraint is not None and s.constraint.is_stopped()):
                 reason = FinishReason.STOP
             elif s.emitted + 1 >= s.params.max_new_tokens:
                 reason = FinishReason.LENGTH
-            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason))
+            lp, top = logprobs.get(s, (None, None))
+            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason, lp, top))
             s.emitted += 1
             s.generated.append(token)
             if reason is not None:
                 self._finish(s)
         return events
+
+
+def _allowed(seq: _Seq) -> np.ndarray | None:
+    """A constrained sequence's mask of allowed next tokens; when its constraint allows none,
+    its EOS ids (so that it ends)."""
+    if seq.constraint is None:
+        return None
+    allowed = np.asarray(seq.constraint.allowed(), dtype=bool)
+    if not allowed.any() and seq.chain.eos_ids.size:
+        allowed = allowed.copy()
+        allowed[seq.chain.eos_ids] = True
+    return allowed
 
 
 def _pow2(n: int) -> int:

@@ -1,16 +1,20 @@
-"""What the generation core needs of a loaded model, whatever its family (typing only).
+"""What the generation core needs of a loaded model, whatever its family, and of a token
+constraint (typing only).
 
 A family's ``load`` returns a state satisfying :class:`ModelState`; its ``model`` module (found
-through ``models.registry.family_model``) runs the forward pass over it.
+through ``models.registry.family_model``) runs the forward pass over it. Structured output plugs in
+through :data:`ConstraintFactory` (``Engine(..., constraint_factory=)``), making one
+:class:`TokenConstraint` per sequence whose ``SamplingParams.grammar`` is set.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import mlx.core as mx
+import numpy as np
 
-__all__ = ["ModelConfig", "ModelState"]
+__all__ = ["ConstraintFactory", "ModelConfig", "ModelState", "TokenConstraint"]
 
 
 class ModelConfig(Protocol):
@@ -29,3 +33,22 @@ class ModelState(Protocol):
     family: ClassVar[str]
     config: ModelConfig
     dtype: mx.Dtype
+
+
+class TokenConstraint(Protocol):
+    """One sequence's constrained-decoding state (a grammar matcher).
+
+    ``allowed()``: ``(vocab_size,)`` bool, the tokens allowed next (the EOS ids included when the
+    grammar may end here); the engine masks the row's logits to them before sampling.
+    ``accept(token_id)``: advance by the sampled token (called when it reaches the host).
+    ``is_stopped()``: the grammar is complete; the engine ends the sequence (finish "stop").
+    """
+
+    def allowed(self) -> np.ndarray: ...
+    def accept(self, token_id: int) -> None: ...
+    def is_stopped(self) -> bool: ...
+
+
+#: ``(params.grammar, params.eos_token_ids) -> a fresh TokenConstraint``; raises ValueError for a
+#: grammar it cannot use (``Engine.add`` lets it through to the caller).
+ConstraintFactory = Callable[[str, tuple[int, ...]], TokenConstraint]

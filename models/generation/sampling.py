@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-__all__ = ["MAX_LOGPROBS", "MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "greedy", "sample_top_p"]
+__all__ = ["MAX_LOGPROBS", "MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "SortedProbs", "draw_sorted",
+           "greedy", "min_p_limit", "sample_top_p", "sort_probs", "top_k_limit", "top_p_limit"]
 
 #: Temperatures below this are greedy decoding (see the module docstring).
 MIN_TEMPERATURE = 1e-5
@@ -199,24 +200,74 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
+@dataclass(frozen=True)
+class SortedProbs:
+    """A batch's tempered distribution sorted by decreasing probability: ``order`` (b, V) token
+    ids, ``probs`` (b, V) float32 their probabilities, ``cum`` (b, V) the running sums."""
+
+    order: mx.array
+    probs: mx.array
+    cum: mx.array
+
+    @property
+    def vocab(self) -> int:
+        return self.probs.shape[-1]
+
+
+def sort_probs(logits: mx.array, temperature: mx.array) -> SortedProbs:
+    """``logits`` (b, V) at ``temperature`` (b,) float32 >= ``MIN_TEMPERATURE`` -> the sorted
+    softmax. Each row's largest logit is subtracted before the division (no ``inf / inf``)."""
+    z = logits.astype(mx.float32)
+    probs = mx.softmax((z - z.max(axis=-1, keepdims=True)) / temperature[:, None], axis=-1)
+    order = mx.argsort(-probs, axis=-1)
+    sorted_p = mx.take_along_axis(probs, order, axis=-1)
+    return SortedProbs(order, sorted_p, mx.cumsum(sorted_p, axis=-1))
+
+
+def top_k_limit(d: SortedProbs, top_k: mx.array, n: mx.array | None) -> mx.array:
+    """Top-k: at most ``top_k`` (b,) int32 tokens (``V``: all) of the ``n`` (b,) kept so far
+    (None: all). Returns the new count of kept tokens (a prefix of the sorted order)."""
+    return top_k if n is None else mx.minimum(n, top_k)
+
+
+def top_p_limit(d: SortedProbs, top_p: mx.array, n: mx.array | None) -> mx.array:
+    """Top-p (nucleus): of the ``n`` kept so far, the tokens whose preceding mass, renormalized
+    over those ``n``, is below ``top_p`` (b,) float32 (the token crossing it included; 1: all)."""
+    if n is None:
+        threshold, n = top_p, mx.full(top_p.shape, d.vocab, dtype=mx.int32)
+    else:
+        mass = mx.take_along_axis(d.cum, (n - 1)[:, None], axis=-1)[:, 0]
+        threshold = top_p * mx.where(n < d.vocab, mass, 1.0)
+    count = ((d.cum - d.probs) < threshold[:, None]).sum(axis=-1).astype(mx.int32)
+    return mx.where(top_p >= 1, n, mx.minimum(n, count))
+
+
+def min_p_limit(d: SortedProbs, min_p: mx.array, n: mx.array | None) -> mx.array:
+    """Min-p: the tokens whose probability is at least ``min_p`` (b,) float32 times the most
+    probable one's (0: all), within the ``n`` kept so far."""
+    count = (d.probs >= (min_p * d.probs[:, 0])[:, None]).sum(axis=-1).astype(mx.int32)
+    return count if n is None else mx.minimum(n, count)
+
+
+def draw_sorted(d: SortedProbs, n: mx.array | None, u: mx.array) -> mx.array:
+    """Inverse-CDF draw among the first ``n`` (b,) sorted tokens (None: all; at least one is kept),
+    renormalized, with ``u`` (b,) uniforms in [0, 1): the first kept token whose running mass
+    exceeds ``u`` times the kept mass. Returns (b,) int32 token ids."""
+    n_keep = mx.full(u.shape, d.vocab, dtype=mx.int32) if n is None else mx.maximum(n, 1)
+    mass = mx.take_along_axis(d.cum, (n_keep - 1)[:, None], axis=-1)[:, 0]
+    k = (d.cum < (u * mass)[:, None]).sum(axis=-1)
+    k = mx.minimum(k, n_keep - 1)
+    return mx.take_along_axis(d.order, k[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
 def sample_top_p(logits: mx.array, temperature: mx.array, top_p: mx.array, u: mx.array) -> mx.array:
     """Nucleus sampling on device.
 
     ``logits`` (B, V); ``temperature``, ``top_p``, ``u`` (B,) float32 with temperature > 0,
     top_p in (0, 1] and ``u`` uniform in [0, 1). Returns (B,) int32 token ids: the first sorted
     token whose cumulative probability exceeds ``u`` times the nucleus mass. Numerically safe for
-    any temperature >= ``MIN_TEMPERATURE``: each row's largest logit is subtracted before the
-    division (no ``inf / inf``), and the nucleus always keeps the most probable token (a ``top_p``
-    that rounds to 0 in float32 keeps that token only).
+    any temperature >= ``MIN_TEMPERATURE`` (see :func:`sort_probs`), and the nucleus always keeps
+    the most probable token (a ``top_p`` that rounds to 0 in float32 keeps that token only).
     """
-    z = logits.astype(mx.float32)
-    probs = mx.softmax((z - z.max(axis=-1, keepdims=True)) / temperature[:, None], axis=-1)
-    order = mx.argsort(-probs, axis=-1)
-    sorted_p = mx.take_along_axis(probs, order, axis=-1)
-    cum = mx.cumsum(sorted_p, axis=-1)
-    keep = (cum - sorted_p) < top_p[:, None]  # mass before the token is below top_p
-    n_keep = mx.maximum(keep.sum(axis=-1), 1)
-    mass = mx.take_along_axis(cum, (n_keep - 1)[:, None], axis=-1)[:, 0]
-    k = ((cum < (u * mass)[:, None]) & keep).sum(axis=-1)
-    k = mx.minimum(k, n_keep - 1)
-    return mx.take_along_axis(order, k[:, None], axis=-1)[:, 0].astype(mx.int32)
+    d = sort_probs(logits, temperature)
+    return draw_sorted(d, top_p_limit(d, top_p, None), u)
