@@ -179,3 +179,93 @@ def test_seeded_request_independent_of_batchmates(tiny32) -> None:
     others = [(_prompt(71 + i, 4 + i), replace(p, seed=None)) for i in range(3)]
     out = run(Engine(tiny32, 4, 64), others + [(_prompt(70, 10), p)], arrivals=[0, 1, 0, 3])
     assert tokens(out[3]) == ref
+
+
+# ---- constraints (a real TokenConstraint, hand-written) ---------------------------------------
+
+VOCAB = 151936
+
+
+class Script:
+    """Allows exactly ``tokens`` in order, then (with ``eos``) only the EOS ids, else it is
+    complete. Grammar spec: ``"script:<id>,<id>,..."``."""
+
+    def __init__(self, tokens: list[int], eos: tuple[int, ...]):
+        self.tokens, self.eos, self.accepted = tokens, eos, []
+
+    def allowed(self) -> np.ndarray:
+        mask = np.zeros(VOCAB, dtype=bool)
+        i = len(self.accepted)
+        mask[self.tokens[i] if i < len(self.tokens) else list(self.eos)] = True
+        return mask
+
+    def accept(self, token_id: int) -> None:
+        assert self.allowed()[token_id], f"token {token_id} was not allowed"
+        self.accepted.append(token_id)
+
+    def is_stopped(self) -> bool:
+        return len(self.accepted) >= len(self.tokens) and not self.eos
+
+
+class Subset:
+    """Allows the tokens of a fixed set at every step; never complete. Spec: ``"subset:<lo>:<hi>"``
+    (ids in [lo, hi))."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi, self.accepted = lo, hi, []
+
+    def allowed(self) -> np.ndarray:
+        mask = np.zeros(VOCAB, dtype=bool)
+        mask[self.lo : self.hi] = True
+        return mask
+
+    def accept(self, token_id: int) -> None:
+        self.accepted.append(token_id)
+
+    def is_stopped(self) -> bool:
+        return False
+
+
+made: list[Script | Subset] = []
+
+
+def factory(grammar: str, eos: tuple[int, ...]) -> Script | Subset:
+    kind, _, arg = grammar.partition(":")
+    if kind == "script":
+        c: Script | Subset = Script([int(t) for t in arg.split(",")], eos)
+    elif kind == "subset":
+        c = Subset(*map(int, arg.split(":")))
+    else:
+        raise ValueError(f"grammar: unknown kind {kind!r}")
+    made.append(c)
+    return c
+
+
+def test_constrained_rows_follow_their_masks_in_a_mixed_batch(tiny32, solo) -> None:
+    reqs = list(MIXED) + [
+        (_prompt(81, 5), SamplingParams(max_new_tokens=10, grammar="script:5,6,7,8")),
+        (_prompt(82, 7), SamplingParams(max_new_tokens=10, temperature=1.0, seed=5, eos_token_ids=(2,),
+                                        grammar="script:9,10")),
+        (_prompt(83, 4), SamplingParams(max_new_tokens=6, temperature=1.3, seed=6, grammar="subset:1000:1010",
+                                        logprobs=2)),
+    ]
+    made.clear()
+    out = run(Engine(tiny32, 4, 64, prefill_chunk=6, constraint_factory=factory), reqs, [0, 1, 0, 2, 3, 0, 1, 0, 4])
+    for i, ref in enumerate(solo):  # unconstrained rows are unchanged by their constrained batchmates
+        assert tokens(out[i]) == tokens(ref), f"request {i}"
+    n = len(MIXED)
+    assert tokens(out[n]) == [5, 6, 7, 8] and out[n][-1].finish_reason == FinishReason.STOP  # is_stopped()
+    assert tokens(out[n + 1]) == [9, 10, 2] and out[n + 1][-1].finish_reason == FinishReason.STOP  # EOS
+    sub = out[n + 2]
+    assert len(sub) == 6 and all(1000 <= t < 1010 for t in tokens(sub)) and len(set(tokens(sub))) > 1
+    assert all(e.logprob > -30 and all(1000 <= t < 1010 for t, _ in e.top_logprobs) for e in sub)
+    assert [c.accepted for c in made] == [[9, 10, 2], [5, 6, 7, 8], tokens(sub)]  # in add order
+
+
+def test_grammar_needs_a_factory_and_bad_grammars_raise_in_add(tiny32) -> None:
+    with pytest.raises(ValueError, match="constraint_factory"):
+        Engine(tiny32, 2, 128).add(0, [1, 2], SamplingParams(grammar="script:1"))
+    engine = Engine(tiny32, 2, 128, constraint_factory=factory)
+    with pytest.raises(ValueError, match="grammar"):
+        engine.add(0, [1, 2], SamplingParams(grammar="nope"))
+    assert engine.num_active == 0
