@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_serving.models.generation.events import FinishReason
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
@@ -239,3 +241,29 @@ def test_a_plain_input_keeps_str_pieces_and_its_result_shape(tok: Tokenizer) -> 
                                                  "finish_reason": "length",
                                                  "token_summary": {"input": info.input_tokens[0],
                                                                    "output": len(ids)}}]}
+
+
+# ---- fuzz: any value of a new key is accepted or refused with a ValueError naming the key ----------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(2**70), 2**70), st.floats(),
+                     st.text(max_size=4), st.binary(max_size=3))
+_junk = st.recursive(_scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(
+    st.one_of(st.text(max_size=3), st.integers(-3, 200_000)), c, max_size=3), max_leaves=8)
+NEW_KEYS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+            "min_tokens", "logprobs", "top_logprobs", "n", "response_format", "priority")
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(NEW_KEYS), value=_junk, logprobs=st.booleans())
+def test_fuzz_new_keys_accept_or_name_the_key(tok: Tokenizer, key: str, value: Any, logprobs: bool) -> None:
+    spec = {"text": "hi", key: value}
+    if key == "top_logprobs" and logprobs:
+        spec["logprobs"] = True
+    try:
+        batch, info = preprocess(["ok", spec], tok, OPTS)
+    except ValueError as e:
+        assert str(e).startswith(f"input 1: {key}"), str(e)
+        return
+    except BaseException as e:  # noqa: BLE001 - anything else is the bug this test looks for
+        pytest.fail(f"{key}={value!r:.100} raised {type(e).__name__}: {e}")
+    assert batch.size == len(info.stops) >= 2
