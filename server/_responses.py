@@ -20,6 +20,8 @@ from typing import Any, Literal
 __all__ = ["Event", "StreamState", "Kind", "chat_response", "completion_response", "event", "new_id", "usage"]
 
 Kind = Literal["chat", "completion"]
+#: The log-probability sent for -inf (JSON has no infinity; vLLM's value).
+MIN_LOGPROB = -9999.0
 _DELTA_KEYS = ("content", "reasoning_content", "tool_calls")
 
 
@@ -100,10 +102,15 @@ def completion_response(result: Any, model: str, rid: str) -> dict[str, Any]:
             "usage": _usage_of(entries)}
 
 
+def _logprob(value: float | None) -> float | None:
+    """A log-probability JSON can carry: -inf (a masked token) becomes -9999.0, as vLLM sends it."""
+    return None if value is None else max(value, MIN_LOGPROB)
+
+
 def chat_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The serving's logprob entries as OpenAI chat ``logprobs.content`` items."""
     def one(e: dict[str, Any]) -> dict[str, Any]:
-        return {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode("utf-8"))}
+        return {"token": e["token"], "logprob": _logprob(e["logprob"]), "bytes": list(e["token"].encode("utf-8"))}
     return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries]
 
 
@@ -113,8 +120,9 @@ def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str,
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries],
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [_logprob(e["logprob"]) for e in entries],
+            "top_logprobs": [{t["token"]: _logprob(t["logprob"]) for t in e.get("top_logprobs") or []}
+                             for e in entries],
             "text_offset": offsets}
 
 
