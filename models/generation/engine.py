@@ -8,6 +8,9 @@ blocks on demand as it grows and returns them at once when it finishes or is can
 step needs blocks that are not free, the newest running sequence is preempted: its blocks are
 freed and it is requeued at the front of the waiting queue, to recompute prompt + generated
 tokens later (its tokens already emitted are not emitted again, and its output does not change).
+A waiting sequence whose prompt's next uncached block is being prefilled right now by a running
+sequence (n completions of one prompt, added together) waits until that block is committed, so
+the shared prompt is prefilled once and the others start with a prefix hit.
 
 Each :meth:`Engine.step` builds, for the whole batch, at most one prefill forward (one chunk of
 up to ``prefill_chunk`` tokens for every sequence still reading its prompt) and one decode
@@ -296,6 +299,8 @@ class Engine:
             if seq.target is None:
                 seq.target = seq.prompt
             if self._kv is not None:
+                if self._prefilling_elsewhere(seq):
+                    return  # the head waits for a running sequence to prefill (and commit) its prefix
                 reused = self._kv.admit(seq.kv, seq.target, self.prefill_chunk)
                 if reused is None:
                     return  # FCFS: the head waits for blocks
@@ -307,6 +312,21 @@ class Engine:
             seq.slot, seq.order, self._slots[slot] = slot, self._started, seq
             if seq.chain.penalized:
                 self._penalty_state().reset(slot, seq.prompt, seq.generated)
+
+    def _prefilling_elsewhere(self, seq: _Seq) -> bool:
+        """True when a running sequence is prefilling the first block of ``seq``'s prompt that
+        the prefix cache lacks (same block-hash chain): ``seq`` then waits until that block is
+        committed and starts with a prefix hit, so n completions of one prompt added together
+        prefill it once (vLLM v1 shares it the same way, through prefix caching)."""
+        if not self._kv.prefix_caching:
+            return False
+        full = (len(seq.target) - 1) // self._kv.block_size
+        hit = len(self._kv.cached_prefix(seq.kv, seq.target))
+        if hit >= full:
+            return False
+        h = seq.kv.hashes[hit]
+        return any(r is not None and r.prefilling and len(r.kv.hashes) > hit and r.kv.hashes[hit] == h
+                   for r in self._slots)
 
     def _penalty_state(self) -> TokenHistory:
         if self._history is None:

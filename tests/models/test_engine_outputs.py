@@ -269,3 +269,28 @@ def test_grammar_needs_a_factory_and_bad_grammars_raise_in_add(tiny32) -> None:
     with pytest.raises(ValueError, match="grammar"):
         engine.add(0, [1, 2], SamplingParams(grammar="nope"))
     assert engine.num_active == 0
+
+
+# ---- n > 1: completions of one prompt prefill it once -------------------------------------------
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_n_completions_share_one_prefill(tiny32, chunk) -> None:
+    prompt = _prompt(91, 40)  # 2 full blocks of 16 reusable (the last token is always recomputed)
+    reqs = [(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=s, logprobs=1))
+            for s in (10, 11, 12, 13)]
+    alone = [run(Engine(tiny32, 1, 64), [r])[0] for r in reqs]
+    engine = Engine(tiny32, 4, 64, prefill_chunk=chunk)
+    out = run(engine, reqs)
+    for i in range(4):
+        assert [(e.token_id, e.logprob) for e in out[i]] == [(e.token_id, e.logprob) for e in alone[i]]
+    stats = engine.kv_stats()
+    assert (stats.prefix_queries, stats.prefix_hits, stats.prefix_hit_tokens) == (4, 3, 3 * 32)
+    assert stats.prefix_query_tokens - stats.prefix_hit_tokens == 40 + 3 * 8  # prefill tokens computed
+    assert len({tuple(tokens(out[i])) for i in range(4)}) > 1  # their own seeds
+
+
+def test_without_prefix_caching_each_completion_prefills(tiny32) -> None:
+    reqs = [(_prompt(91, 40), SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)) for s in range(3)]
+    engine = Engine(tiny32, 4, 64, prefix_caching=False)
+    run(engine, reqs)
+    assert engine.kv_stats().prefix_hit_tokens == 0
