@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_serving.models.generation import Engine  # noqa: E402
 from mlx_serving.models.generation.sampling import SamplingParams  # noqa: E402
+from mlx_serving.models.generation.kv_cache import init_paged_kv_cache  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
+from mlx_serving.models.qwen3.model import compiled_decode, decode_path  # noqa: E402
 
 
 def run(state: Any, prompts: list[list[int]], new: int, layout: str) -> dict[str, Any]:
@@ -61,6 +62,29 @@ def run(state: Any, prompts: list[list[int]], new: int, layout: str) -> dict[str
             "tokens": tokens}
 
 
+def device_step_ms(state: Any, b: int, pos: int, layout: str, iters: int = 30) -> float:
+    """Median ms of one synchronous compiled decode forward of ``b`` rows at position ``pos``
+    (no engine: the device time of the step plus its launch), on ``layout``."""
+    max_len, bs = pos + 16, 16
+    width = -(-max_len // bs)
+    args = [mx.zeros((b, 1), dtype=mx.int32), mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)]
+    if layout == "slots":
+        cache = init_kv_cache(state, max_len, b)
+        fn = compiled_decode(state, max_len, 0)
+    else:
+        cache = init_paged_kv_cache(state, 1 + b * width, bs)
+        fn = compiled_decode(state, max_len, 0, bs)
+        args.append(mx.array(1 + np.arange(b * width, dtype=np.int32).reshape(b, width)))
+    keys, values = cache.keys, cache.values
+    times = []
+    for _ in range(iters + 3):
+        t0 = time.perf_counter()
+        logits, keys, values = fn(*args, keys, values)
+        mx.eval(logits, keys, values)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[3:]) * 1e3
+
+
 def compare(state: Any, b: int, prompt_len: int, new: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(b)
     prompts = [rng.integers(0, 150000, prompt_len).tolist() for _ in range(b)]
@@ -77,6 +101,9 @@ def compare(state: Any, b: int, prompt_len: int, new: int, repeats: int) -> dict
                        "step_ms": statistics.median(r["step_ms"] for r in runs),
                        "runs_tok_s": [round(r["decode_tok_s"], 1) for r in runs]}
     out["paged_over_slots"] = out["paged"]["decode_tok_s"] / out["slots"]["decode_tok_s"]
+    pos = prompt_len + new // 2
+    for layout in res:
+        out[layout]["device_step_ms_at_mid"] = device_step_ms(state, b, pos, layout)
     return out
 
 
@@ -105,7 +132,9 @@ def main() -> None:
         out["results"].append(r)
         print(f"B={b:4d} slots {r['slots']['decode_tok_s']:9.1f} tok/s ({r['slots']['step_ms']:.2f} ms/step)  "
               f"paged {r['paged']['decode_tok_s']:9.1f} tok/s ({r['paged']['step_ms']:.2f} ms/step)  "
-              f"paged/slots {r['paged_over_slots']:.3f}  same tokens {r['same_tokens']}", flush=True)
+              f"paged/slots {r['paged_over_slots']:.3f}  same tokens {r['same_tokens']}  device-only step ms: "
+              f"slots {r['slots']['device_step_ms_at_mid']:.2f} paged {r['paged']['device_step_ms_at_mid']:.2f}",
+              flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
 

@@ -4,7 +4,7 @@
 # to $HOME/gpu). The package is not pip-installed there: links in the machine's copy of
 # mlx_serving/ put the repository's folders under the distribution namespace, as setuptools'
 # package-dir mapping does.
-# Writes into $OUT: the test log and bench JSON.
+# Writes into $OUT: the test log and bench JSON. Argument: which bench (paged, default; throughput).
 set -euo pipefail
 test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
 cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
@@ -12,6 +12,10 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "
 for d in serving models tokenization; do ln -sfn "../$d" "mlx_serving/$d"; done
 export PYTHONPATH="$HOME/gpu/site:$PWD"
 python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__version__)'
-python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py tests/models/test_qwen3_fused_path.py \
+[ "${2:-tests}" = notests ] || python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py tests/models/test_qwen3_fused_path.py \
   2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30
+case "${1:-paged}" in
+  paged) python3 bench/gpu_paged.py --out "$OUT/gpu_paged.json" 2>&1 | tail -10 ;;
+  throughput) python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 \
+                --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
+esac

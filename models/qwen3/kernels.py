@@ -58,11 +58,18 @@ _ATTENTION = r"""
     const int n = pos + (real ? 1 : 0);
     // element offset of position j's head-g vector: slot layout (slots, HKV, L, D), or paged
     // (blocks * BS, HKV, D) through row b's block table (b, L)
+    // (paged: the row's block ids are staged in shared memory first, so that the key loop's
+    // address needs no dependent global load per key)
+    constexpr int S = BS > 0 ? BS : 1;
+    __shared__ int tab[TW];
+    if (BS > 0) {
+        const int nb = min((n + S - 1) / S, L);
+        for (int i = t; i < nb; i += D) tab[i] = table[(size_t)b * L + i];
+        __syncthreads();
+    }
     auto kv_at = [&](int j) -> size_t {
         if (BS == 0) return (((size_t)b * HKV + g) * L + j) * D;
-        constexpr int S = BS > 0 ? BS : 1;
-        const size_t blk = (size_t)table[(size_t)b * L + j / S];
-        return ((blk * S + j % S) * HKV + g) * D;
+        return (((size_t)tab[j / S] * S + j % S) * HKV + g) * D;
     };
     __shared__ float red[W];
     __shared__ float rot[D];
@@ -211,6 +218,14 @@ def _meta(length: int) -> mx.array:
     return mx.array([length], dtype=mx.int32)
 
 
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (few distinct shared-memory table sizes, few kernel builds)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+#: Most block-table columns the paged kernel stages in shared memory (16 KiB of int32 ids: with
+#: 16-token blocks, sequences of up to 65,536 positions).
+MAX_TABLE_WIDTH = 4096
 _NO_TABLE = mx.zeros((1, 1), dtype=mx.int32)  # the slot layout's unused block-table input
 
 
@@ -244,7 +259,7 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
     - paged: ``keys``/``values`` (num_blocks * block_size, Hkv, D) and ``block_table`` (B, W) int32,
       row b's KV blocks in order; position j of row b lives at cache row
       ``block_table[b, j // block_size] * block_size + j % block_size`` (the block of position
-      ``start`` must be in the table).
+      ``start`` must be in the table; W at most :data:`MAX_TABLE_WIDTH`).
 
     RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5`` over positions
     ``0..start`` (the new token included). Returns (B, H * D) in ``qkv``'s dtype (head-major).
@@ -255,7 +270,7 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
     paged = block_table is not None
     if paged:
         _, hkv, d = keys.shape
-        if block_size < 1 or block_table.shape[0] != b:
+        if block_size < 1 or block_table.shape[0] != b or block_table.shape[1] > MAX_TABLE_WIDTH:
             raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
         table, length = _int32(block_table), block_table.shape[1]
     else:
@@ -267,7 +282,8 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
     return _attention_kernel(float(eps), float(rope_theta))(
         inputs=[qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, table, _meta(length)],
-        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size)],
+        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
+                  ("TW", _pow2(length) if paged else 1)],
         grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
         output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype],
     )[0]
