@@ -356,6 +356,9 @@ class Engine:
         preempt the newest running sequences when the pool runs dry (landing the previous step
         first, so every preempted sequence's tokens are known). Returns the events landed."""
         events: list[SeqEvent] = []
+        cap = self._kv.block_size
+        if all(self._need(s) <= len(s.kv.blocks) * cap for s in self._slots if s is not None):
+            return events  # the common step: no row crosses into a new block
         running = sorted((s for s in self._slots if s is not None), key=lambda s: s.order)
         i = 0
         while i < len(running):
@@ -444,8 +447,9 @@ class Engine:
             events += self._land(self._flight)
         self._flight = flight if flight.produced else None
         if self._kv is not None and self._kv.prefix_caching:
+            bs = self._kv.block_size
             for s in self._slots:
-                if s is not None:
+                if s is not None and s.length // bs > s.kv.committed:  # a block may have filled
                     self._commit(s)
         return events
 
