@@ -153,7 +153,7 @@ def _validated(grammar: str, field: str) -> str:
 
 
 class GrammarConstraint:
-    """One sequence's grammar state (the contract's ``TokenConstraint``).
+    """One sequence's grammar state: a ``models.generation.protocol.TokenConstraint``.
 
     ``allowed()`` is the next-token mask, ``accept(id)`` advances by the sampled token,
     ``is_stopped()`` says the grammar is complete (or failed: see ``accept``). Not thread-safe:
@@ -215,7 +215,7 @@ class GrammarConstraint:
 
 
 class GrammarFactory:
-    """``(grammar, eos_ids) -> GrammarConstraint``: the contract's ``ConstraintFactory``.
+    """``(grammar, eos_ids) -> GrammarConstraint``: a ``models.generation.protocol.ConstraintFactory``.
 
     A grammar is compiled into a matcher once and kept (the last ``_MATCHER_CACHE`` grammars);
     each sequence gets a ``deep_copy`` of it. Safe to call from several threads.

@@ -15,6 +15,8 @@ import jsonschema
 import numpy as np
 import pytest
 
+from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.text_generation import _structured
 from mlx_serving.models.text_generation._structured import compile_response_format, constraint_factory
 from mlx_serving.tokenization import Tokenizer
@@ -198,6 +200,21 @@ def test_refused_token_stops_the_sequence(factory, tokenizer, caplog):
 def test_bad_grammar_to_factory_raises(factory):
     with pytest.raises(ValueError, match="grammar cannot be compiled"):
         factory('{"grammars": [{"lark_grammar": "start: undefined_rule"}]}', EOS)
+    with pytest.raises(ValueError, match="grammar must be a str"):
+        factory(b"{}", EOS)
+
+
+def test_request_eos_is_allowed_exactly_when_the_grammar_may_end(factory, tokenizer):
+    """An EOS id the grammar would also take as text ("x" here) is refused until the grammar
+    may end, then allowed, and ends the sequence."""
+    (x,) = tokenizer.encode("x")
+    constraint = factory(compile_response_format({"type": "regex", "regex": "[a-z]{2,8}"}), (x,))
+    for token in tokenizer.encode("ab"):
+        assert not constraint.allowed()[x]
+        constraint.accept(token)
+    assert constraint.allowed()[x] and not constraint.allowed()[list(EOS)].any()
+    constraint.accept(x)
+    assert constraint.is_stopped()
 
 
 def test_compact_by_default_and_schema_may_loosen_it(factory, tokenizer):
@@ -269,3 +286,61 @@ def test_missing_llguidance_says_what_to_install(monkeypatch):
 def test_factory_validates_vocab_size(tokenizer):
     with pytest.raises(ValueError, match="vocab_size"):
         constraint_factory(tokenizer, 0)
+
+
+FINITE = {  # schemas with a finite language: every constrained sequence must end by itself
+    "person": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6},
+                       "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "color": {"enum": ["red", "green"]}},
+        "required": ["name", "n", "color"],
+        "additionalProperties": False,
+    },
+    "flags": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+        "required": ["ok", "tags"],
+        "additionalProperties": False,
+    },
+}
+
+
+def _engine_run(state, rows: list[tuple[list[int], SamplingParams]], factory=None) -> list[tuple[list[int], str]]:
+    engine = Engine(state, max_batch=len(rows), max_len=160, constraint_factory=factory)
+    for i, (prompt, params) in enumerate(rows):
+        engine.add(i, prompt, params)
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}
+    reasons: dict[int, str] = {}
+    while engine.num_active:
+        for event in engine.step():
+            tokens[event.seq_id].append(event.token_id)
+            if event.finish_reason is not None:
+                reasons[event.seq_id] = str(event.finish_reason)
+    return [(tokens[i], reasons[i]) for i in range(len(rows))]
+
+
+def test_engine_tiny_checkpoint_only_the_mask_makes_json(tiny32, tokenizer):
+    """The tiny random checkpoint writes JSON only under the mask: in one continuous batch,
+    constrained rows (greedy and seeded sampling, two schemas) all end by themselves ("stop") with
+    output that validates, while the same rows unconstrained write no JSON."""
+    factory = constraint_factory(tokenizer, tiny32.config.vocab_size)
+    eos = tuple(sorted(tokenizer.eos_token_ids))
+    prompt = tokenizer.encode("Reply with JSON:")
+    plan = [("person", 0.0, None), ("person", 1.0, 1), ("flags", 1.0, 2), ("flags", 0.7, 3)]
+
+    def rows(constrained: bool) -> list[tuple[list[int], SamplingParams]]:
+        return [(prompt, SamplingParams(
+            max_new_tokens=64, temperature=t, seed=seed, eos_token_ids=eos,
+            grammar=compile_response_format(_schema_format(FINITE[name])) if constrained else None))
+            for name, t, seed in plan]
+
+    for (ids, reason), (name, _, _) in zip(_engine_run(tiny32, rows(True), factory), plan):
+        text = tokenizer.decode(ids)
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), FINITE[name])
+        assert _whitespace_outside_strings(text) == []
+    for ids, _ in _engine_run(tiny32, rows(False)):
+        with pytest.raises(ValueError):
+            json.loads(tokenizer.decode(ids))
