@@ -201,6 +201,11 @@ class Engine:
         return len(self._by_id)
 
     @property
+    def num_waiting(self) -> int:
+        """Sequences added and not started (or preempted and not restarted)."""
+        return len(self._waiting)
+
+    @property
     def free_slots(self) -> int:
         """How many more sequences could start now: free rows, bounded on the paged cache by
         the free KV blocks (one each at least), less the sequences already waiting."""

@@ -62,7 +62,8 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts, per_token), offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
-        .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)
+        .process_options(batch_size=opts.max_batch * (2 if opts.policy == "priority" else 1),
+                         batch_timeout=_BATCH_TIMEOUT_S)
     )
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from ..generation import Engine, KVStats
-from ..qwen3 import State
+from ..generation.protocol import ConstraintFactory, ModelState
 from ._events import TokenEvent
 from ._inputs import Prompt
 from ._options import GenerationOptions
@@ -23,15 +23,17 @@ __all__ = ["GenerationBackend"]
 class GenerationBackend:
     """IterativeBackend over :class:`models.generation.Engine` (one engine, one paged KV cache per partition)."""
 
-    def __init__(self, state: State, options: GenerationOptions):
-        self._model, self._opts = state, options
+    def __init__(self, state: ModelState, options: GenerationOptions, *,
+                 constraint_factory: ConstraintFactory | None = None):
+        self._model, self._opts, self._constraints = state, options, constraint_factory
 
     def init(self, mode: str, arg: Any, partitions: int) -> Engine:
         """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
         default one; see docs/generation.md) and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
         o = self._opts
         engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
-                        kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching)
+                        kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching, policy=o.policy,
+                        constraint_factory=self._constraints)
         engine.warm_up()
         return engine
 
@@ -42,22 +44,30 @@ class GenerationBackend:
         for row_id, prompt in rows:
             assert isinstance(prompt, Prompt)
             try:
-                engine.add(row_id, prompt.ids, prompt.params)
+                engine.add(row_id, prompt.ids, prompt.params, priority=prompt.priority)
             except ValueError as e:
                 rejected.append((row_id, e))
         return rejected
 
     def free_slots(self, engine: Engine) -> int:
-        """How many more sequences could start now: free rows bounded by free KV blocks (never negative)."""
-        return max(0, engine.free_slots)
+        """How many more sequences the engine takes now: those that could start (free rows bounded
+        by free KV blocks); under the "priority" policy also room in the engine's waiting queue (up
+        to ``max_batch`` sequences), so that waiting rows are ordered by the engine's policy rather
+        than by arrival in the serving's queue. Never negative."""
+        room = max(0, engine.free_slots)
+        if self._opts.policy == "priority":
+            room += max(0, self._opts.max_batch - engine.num_waiting)
+        return room
 
     def stats(self, engine: Engine) -> dict[str, float]:
-        """``ServingStats.backend`` of a text-generation serving: the KV block and prefix-cache
-        counters of :meth:`kv_stats` ({} on the slot design). Plain counters: safe from any thread."""
+        """``ServingStats.backend`` of a text-generation serving: sequences running and waiting in
+        the engine (``seqs_running``, ``seqs_waiting``) and the KV block and prefix-cache counters of
+        :meth:`kv_stats` (none on the slot design). Plain counters: safe from any thread."""
+        seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting}
         kv = engine.kv_stats()
         if kv is None:
-            return {}
-        return {name: value for name, value in dataclasses.asdict(kv).items() if name != "block_size"}
+            return seqs
+        return seqs | {name: value for name, value in dataclasses.asdict(kv).items() if name != "block_size"}
 
     def kv_stats(self, engine: Engine) -> KVStats | None:
         """The engine's KV block and prefix-cache counters (:class:`KVStats`: blocks used / free /
@@ -67,8 +77,8 @@ class GenerationBackend:
 
     def step(self, engine: Engine) -> list[tuple[int, TokenEvent, bool]]:
         """One engine step; returns ``(row_id, TokenEvent, done)``, done on a row's last event."""
-        return [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason), ev.finish_reason is not None)
-                for ev in engine.step()]
+        return [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason, ev.logprob, ev.top_logprobs),
+                 ev.finish_reason is not None) for ev in engine.step()]
 
     def cancel(self, engine: Engine, row_ids: list[int]) -> None:
         """Drop rows now; their rows and KV blocks are free for the next admission."""

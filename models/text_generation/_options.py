@@ -39,6 +39,10 @@ class GenerationOptions:
     kv_cache_fraction: optional KV-cache budget as a fraction in (0, 1] of the device's available
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
+    policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
+      first, ties by arrival; the engine's waiting queue then holds up to ``max_batch`` more
+      sequences and ``Serving.start``'s default ``batch_size`` is ``2 * max_batch``); the running
+      sequence preempted when KV blocks run out is the newest (fcfs) or the lowest-priority one.
 
     Raises ValueError for any value out of range.
     """
@@ -55,6 +59,7 @@ class GenerationOptions:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None
     prefix_caching: bool = True
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
@@ -69,6 +74,8 @@ class GenerationOptions:
         f = self.kv_cache_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_cache_fraction must be None or a number in (0, 1], got {_show(f)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {_show(self.policy)}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be a bool, got {_show(self.prefix_caching)}")
 
