@@ -18,10 +18,15 @@ A request's chain (:func:`make_chain`, built once at ``Engine.add``) lists the s
    uniform draw of the request's own generator over the kept tokens in decreasing probability.
 
 :func:`sample_batch` runs, for a batch of rows with different parameters, the union of the rows'
-stages; a row that does not use a stage gets its neutral value (bias 0, penalty 1 / 0,
-temperature 1, top-k = vocabulary, top-p 1, min-p 0), which leaves its values bit-identical, so a
-row's tokens do not depend on its batchmates. A stage no row uses adds no graph node: an
-all-greedy batch without options is one argmax, as before.
+processors; a row that does not use one gets its neutral value (bias 0, repetition penalty 1,
+presence / frequency 0), which leaves its logits bit-identical. Sampled rows are drawn by their
+chain's sampler, rows sharing one sampler in one call: top-k rows (grouped by k) take the ``k``
+largest logits with an O(V) ``argpartition`` and sort only those; top-p rows without top-k sort
+the whole vocabulary (the costly case: ~25 ms per 151,936-token row on the CPU, see
+docs/benchmarks.md); rows with neither (temperature, min-p) need no sort and draw in token-id
+order, which has the same distribution. Within a call, top-p and min-p are neutral (1, 0) for
+rows without them. So a row's tokens do not depend on its batchmates, and a stage no row uses adds
+no graph node: an all-greedy batch without options is one argmax, as before.
 
 Penalty state lives on the device (:class:`TokenHistory`: per-row counts of generated tokens and a
 prompt-token mask, rows x vocabulary), updated from the sampled tokens inside the step's graph.
@@ -35,8 +40,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .sampling import (MIN_TEMPERATURE, SamplingParams, SortedProbs, draw_sorted, min_p_limit, sort_probs,
-                       top_k_limit, top_p_limit)
+from .sampling import (MIN_TEMPERATURE, SamplingParams, SortedProbs, draw_sorted, draw_unsorted, min_p_limit,
+                       sort_probs, top_p_limit)
 
 __all__ = ["Chain", "Logprobs", "RowInput", "TokenHistory", "make_chain", "process", "sample", "sample_batch"]
 
@@ -83,21 +88,26 @@ class RowInput:
 
 Stage = Callable[[mx.array, Sequence[RowInput], "TokenHistory | None"], mx.array]
 Filter = Callable[[SortedProbs, Sequence[RowInput], "mx.array | None"], mx.array]
+Sampler = Callable[[mx.array, Sequence[RowInput], mx.array], mx.array]
 
 
 @dataclass(frozen=True, eq=False)
 class Chain:
-    """A request's sampler chain: its logits processors and (for sampled rows) its filters, in
-    order; ``bias_ids`` / ``bias_values`` its logit_bias, ``eos_ids`` the EOS ids masked until
+    """A request's sampler chain: its logits processors in order, its sampler (None: greedy) and
+    the filters the sampler applies (top-p, min-p), in order; ``bias_ids`` / ``bias_values`` its logit_bias, ``eos_ids`` the EOS ids masked until
     ``params.min_tokens``. Built by :func:`make_chain`."""
 
     params: SamplingParams
     processors: tuple[Stage, ...]
+    sampler: Sampler | None  # None: greedy
     filters: tuple[Filter, ...]
-    greedy: bool
     bias_ids: np.ndarray
     bias_values: np.ndarray
     eos_ids: np.ndarray
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampler is None
 
     @property
     def penalized(self) -> bool:
@@ -121,16 +131,11 @@ def make_chain(params: SamplingParams, vocab_size: int) -> Chain:
         processors.append(_penalties)
     if params.grammar is not None:
         processors.append(_constraint_mask)
-    greedy = params.temperature < MIN_TEMPERATURE
-    filters: list[Filter] = []
-    if not greedy:
-        if params.top_k:
-            filters.append(_top_k)
-        if params.top_p < 1:
-            filters.append(_top_p)
-        if params.min_p > 0:
-            filters.append(_min_p)
-    return Chain(params, tuple(processors), tuple(filters), greedy,
+    sampler: Sampler | None = None
+    filters = ((_top_p,) if params.top_p < 1 else ()) + ((_min_p,) if params.min_p > 0 else ())
+    if params.temperature >= MIN_TEMPERATURE:
+        sampler = _sample_top_k if params.top_k else _sample_nucleus if params.top_p < 1 else _sample_plain
+    return Chain(params, tuple(processors), sampler, filters,
                  np.array([t for t, _ in params.logit_bias], dtype=np.int32),
                  np.array([b for _, b in params.logit_bias], dtype=np.float32), eos)
 
@@ -199,15 +204,11 @@ def process(logits: mx.array, rows: Sequence[RowInput], history: TokenHistory | 
     return x
 
 
-# ---- sampling filters over the sorted distribution -----------------------------------------
+# ---- samplers: (b, V) processed logits of rows sharing one sampler -> (b,) int32 tokens --------
 
 
 def _param(rows: Sequence[RowInput], name: str) -> mx.array:
     return mx.array([getattr(r.chain.params, name) for r in rows], dtype=mx.float32)
-
-
-def _top_k(d: SortedProbs, rows: Sequence[RowInput], n: mx.array | None) -> mx.array:
-    return top_k_limit(d, mx.array([r.chain.params.top_k or d.vocab for r in rows], dtype=mx.int32), n)
 
 
 def _top_p(d: SortedProbs, rows: Sequence[RowInput], n: mx.array | None) -> mx.array:
@@ -218,30 +219,68 @@ def _min_p(d: SortedProbs, rows: Sequence[RowInput], n: mx.array | None) -> mx.a
     return min_p_limit(d, _param(rows, "min_p"), n)
 
 
-_FILTERS: tuple[Filter, ...] = (_top_k, _top_p, _min_p)
+_FILTERS: tuple[Filter, ...] = (_top_p, _min_p)
 
 
-def _sample_rows(x: mx.array, rows: Sequence[RowInput], u: np.ndarray) -> mx.array:
-    """Sampled rows: ``x`` (b, V) processed logits -> (b,) int32 tokens, ``u`` (b,) uniforms."""
-    d = sort_probs(x, _param(rows, "temperature"))
+def _draw_filtered(d: SortedProbs, rows: Sequence[RowInput], u: mx.array) -> mx.array:
+    """The rows' filters (those any row uses; the others' values are neutral), then the draw."""
     n: mx.array | None = None
     for f in _FILTERS:
         if any(f in r.chain.filters for r in rows):
             n = f(d, rows, n)
-    return draw_sorted(d, n, mx.array(u, dtype=mx.float32))
+    return draw_sorted(d, n, u)
+
+
+def _sample_top_k(z: mx.array, rows: Sequence[RowInput], u: mx.array) -> mx.array:
+    """Rows sharing one ``top_k`` = k: the k largest logits (``argpartition``, O(V)), then
+    temperature, top-p and min-p over their renormalized distribution, sorted (k entries)."""
+    k = rows[0].chain.params.top_k
+    if k >= z.shape[-1]:
+        return _draw_filtered(sort_probs(z, _param(rows, "temperature")), rows, u)
+    candidates = mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k]
+    d = sort_probs(mx.take_along_axis(z, candidates, axis=-1), _param(rows, "temperature"))
+    return mx.take_along_axis(candidates, _draw_filtered(d, rows, u)[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def _sample_nucleus(z: mx.array, rows: Sequence[RowInput], u: mx.array) -> mx.array:
+    """Rows with top-p and no top-k: the whole vocabulary sorted, top-p, min-p."""
+    return _draw_filtered(sort_probs(z, _param(rows, "temperature")), rows, u)
+
+
+def _sample_plain(z: mx.array, rows: Sequence[RowInput], u: mx.array) -> mx.array:
+    """Rows with neither top-k nor top-p: temperature and min-p need no sort (a draw in token-id
+    order has the same distribution)."""
+    z = z.astype(mx.float32)
+    probs = mx.softmax((z - z.max(axis=-1, keepdims=True)) / _param(rows, "temperature")[:, None], axis=-1)
+    if any(_min_p in r.chain.filters for r in rows):
+        threshold = _param(rows, "min_p") * probs.max(axis=-1)
+        probs = mx.where(probs >= threshold[:, None], probs, 0.0)
+    return draw_unsorted(probs, u)
+
+
+def _group(chain: "Chain") -> tuple:
+    """Rows batched into one sampler call: same sampler (and, for top-k, the same k), so that
+    no row's arithmetic depends on its batchmates."""
+    return (chain.sampler, chain.params.top_k if chain.sampler is _sample_top_k else 0)
 
 
 def sample(x: mx.array, rows: Sequence[RowInput], u: np.ndarray | None = None) -> mx.array:
     """``x`` (B, V) processed logits -> (B,) int32 tokens: argmax for greedy rows, the chain's
-    filters and one uniform for sampled rows (``u``: one per sampled row, in row order; None:
+    sampler and one uniform for sampled rows (``u``: one per sampled row, in row order; None:
     drawn from each sampled row's ``rng``)."""
     tokens = mx.argmax(x, axis=-1).astype(mx.int32)
     sampled = [i for i, r in enumerate(rows) if not r.chain.greedy]
-    if sampled:
-        if u is None:
-            u = np.array([rows[i].rng.random() for i in sampled])
-        idx = mx.array(sampled, dtype=mx.int32)
-        tokens[idx] = _sample_rows(x[idx], [rows[i] for i in sampled], u)
+    if not sampled:
+        return tokens
+    if u is None:
+        u = np.array([rows[i].rng.random() for i in sampled])
+    draws = dict(zip(sampled, np.asarray(u, dtype=np.float64).tolist()))
+    groups: dict[tuple, list[int]] = {}
+    for i in sampled:
+        groups.setdefault(_group(rows[i].chain), []).append(i)
+    for (sampler, _), members in groups.items():
+        idx = mx.array(members, dtype=mx.int32)
+        tokens[idx] = sampler(x[idx], [rows[i] for i in members], mx.array([draws[i] for i in members], dtype=mx.float32))
     return tokens
 
 
@@ -251,28 +290,33 @@ def sample(x: mx.array, rows: Sequence[RowInput], u: np.ndarray | None = None) -
 @dataclass
 class Logprobs:
     """Log-probabilities of the batch rows at ``positions`` (the rows whose params ask):
-    ``chosen`` (b,) of the sampled token, ``top_ids`` / ``top_values`` (b, N) the N most probable
-    (descending; N the largest request), ``counts`` each row's own N."""
+    ``chosen`` (b,) float32 of the sampled tokens, and per group of rows asking the same N > 0
+    (``tops``: their indices into ``positions``, ids (g, N) int32, values (g, N) float32) the N
+    most probable tokens, descending."""
 
     positions: list[int]
-    counts: list[int]
     chosen: mx.array
-    top_ids: mx.array | None = None
-    top_values: mx.array | None = None
+    tops: list[tuple[list[int], mx.array, mx.array]] = field(default_factory=list)
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+        return [self.chosen] + [a for _, ids, vals in self.tops for a in (ids, vals)]
 
     def to_host(self) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
         """Per asking row: (chosen logprob, top-N (token id, logprob) pairs)."""
-        chosen = np.array(self.chosen).tolist()
-        ids = np.array(self.top_ids).tolist() if self.top_ids is not None else None
-        vals = np.array(self.top_values).tolist() if self.top_values is not None else None
-        out = []
-        for j, n in enumerate(self.counts):
-            top = tuple(zip(ids[j][:n], vals[j][:n])) if n else ()
-            out.append((chosen[j], top))
-        return out
+        top: list[tuple[tuple[int, float], ...]] = [()] * len(self.positions)
+        for members, ids, vals in self.tops:
+            for j, i_row, v_row in zip(members, np.array(ids).tolist(), np.array(vals).tolist()):
+                top[j] = tuple(zip(i_row, v_row))
+        return list(zip(np.array(self.chosen).tolist(), top))
+
+
+def _top_n(lp: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The ``n`` largest of ``lp`` (g, V), descending: (ids, values)."""
+    n = min(n, lp.shape[-1])
+    part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n].astype(mx.int32)
+    vals = mx.take_along_axis(lp, part, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
 
 
 def _logprobs(x: mx.array, rows: Sequence[RowInput], tokens: mx.array) -> Logprobs | None:
@@ -282,15 +326,13 @@ def _logprobs(x: mx.array, rows: Sequence[RowInput], tokens: mx.array) -> Logpro
     idx = mx.array(use, dtype=mx.int32)
     sub = x[idx].astype(mx.float32)
     lp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
-    counts = [rows[i].chain.params.logprobs for i in use]
-    out = Logprobs(use, counts, mx.take_along_axis(lp, tokens[idx][:, None], axis=-1)[:, 0])
-    n = max(counts)
-    if n:
-        part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n].astype(mx.int32)
-        vals = mx.take_along_axis(lp, part, axis=-1)
-        o = mx.argsort(-vals, axis=-1)
-        out.top_ids = mx.take_along_axis(part, o, axis=-1)
-        out.top_values = mx.take_along_axis(vals, o, axis=-1)
+    out = Logprobs(use, mx.take_along_axis(lp, tokens[idx][:, None], axis=-1)[:, 0])
+    by_n: dict[int, list[int]] = {}
+    for j, i in enumerate(use):
+        if rows[i].chain.params.logprobs:
+            by_n.setdefault(rows[i].chain.params.logprobs, []).append(j)
+    for n, members in by_n.items():  # one call per N: a row's top-N never depends on its batchmates
+        out.tops.append((members, *_top_n(lp[mx.array(members, dtype=mx.int32)], n)))
     return out
 
 

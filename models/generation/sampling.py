@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 __all__ = ["MAX_LOGPROBS", "MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "SortedProbs", "draw_sorted",
-           "greedy", "min_p_limit", "sample_top_p", "sort_probs", "top_k_limit", "top_p_limit"]
+           "draw_unsorted", "greedy", "min_p_limit", "sample_top_p", "sort_probs", "top_p_limit"]
 
 #: Temperatures below this are greedy decoding (see the module docstring).
 MIN_TEMPERATURE = 1e-5
@@ -224,15 +224,11 @@ def sort_probs(logits: mx.array, temperature: mx.array) -> SortedProbs:
     return SortedProbs(order, sorted_p, mx.cumsum(sorted_p, axis=-1))
 
 
-def top_k_limit(d: SortedProbs, top_k: mx.array, n: mx.array | None) -> mx.array:
-    """Top-k: at most ``top_k`` (b,) int32 tokens (``V``: all) of the ``n`` (b,) kept so far
-    (None: all). Returns the new count of kept tokens (a prefix of the sorted order)."""
-    return top_k if n is None else mx.minimum(n, top_k)
-
-
 def top_p_limit(d: SortedProbs, top_p: mx.array, n: mx.array | None) -> mx.array:
-    """Top-p (nucleus): of the ``n`` kept so far, the tokens whose preceding mass, renormalized
-    over those ``n``, is below ``top_p`` (b,) float32 (the token crossing it included; 1: all)."""
+    """Top-p (nucleus): of the ``n`` (b,) int32 kept so far (None: all), the tokens whose
+    preceding mass, renormalized over those ``n``, is below ``top_p`` (b,) float32 (the token
+    crossing it included; 1: all). Returns the new count of kept tokens (a prefix of the sorted
+    order)."""
     if n is None:
         threshold, n = top_p, mx.full(top_p.shape, d.vocab, dtype=mx.int32)
     else:
@@ -258,6 +254,16 @@ def draw_sorted(d: SortedProbs, n: mx.array | None, u: mx.array) -> mx.array:
     k = (d.cum < (u * mass)[:, None]).sum(axis=-1)
     k = mx.minimum(k, n_keep - 1)
     return mx.take_along_axis(d.order, k[:, None], axis=-1)[:, 0].astype(mx.int32)
+
+
+def draw_unsorted(probs: mx.array, u: mx.array) -> mx.array:
+    """Inverse-CDF draw in token-id order from ``probs`` (b, V) float32 (zeros: excluded; rows
+    need not sum to 1) with ``u`` (b,) uniforms in [0, 1): the first token whose running mass
+    exceeds ``u`` times the row's mass, never one of probability 0. Returns (b,) int32 ids."""
+    cum = mx.cumsum(probs, axis=-1)
+    k = (cum <= (u * cum[:, -1])[:, None]).sum(axis=-1)
+    last = mx.max(mx.where(probs > 0, mx.arange(probs.shape[-1]), 0), axis=-1)
+    return mx.minimum(k, last).astype(mx.int32)
 
 
 def sample_top_p(logits: mx.array, temperature: mx.array, top_p: mx.array, u: mx.array) -> mx.array:

@@ -79,7 +79,7 @@ def test_temperature() -> None:
     _assert_matches(_draw(SamplingParams(temperature=2.5)), _softmax(Z / 2.5))
 
 
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [1, 3, 7, V])
 def test_top_k(k: int) -> None:
     _assert_matches(_draw(SamplingParams(temperature=1.0, top_k=k)), _top_k(_softmax(Z), k))
 
@@ -150,7 +150,10 @@ def _mixed_rows() -> list[SamplingParams]:
             SamplingParams(temperature=1.1, top_p=0.6, min_p=0.05, logit_bias={3: 1.5}),
             SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2, logprobs=3),
             SamplingParams(temperature=0.5, min_tokens=2, eos_token_ids=(0,), logprobs=0),
-            SamplingParams(temperature=1.7, min_p=0.2, frequency_penalty=-0.5)]
+            SamplingParams(temperature=1.7, min_p=0.2, frequency_penalty=-0.5),
+            SamplingParams(temperature=1.0, top_k=5, top_p=0.7, min_p=0.01, seed=2),
+            SamplingParams(temperature=0.6, top_k=3, logprobs=1),
+            SamplingParams(temperature=1.0, top_p=0.9, logprobs=3, logit_bias={0: -1.0})]
 
 
 def test_rows_are_bit_identical_alone_and_batched() -> None:
