@@ -14,11 +14,13 @@ Per request (observed when a completion's final item arrives; label ``model_name
   ``length``, ``tool_calls``; ``abort`` for a request its client left).
 
 Read from ``Client.stats()`` at each scrape (no second bookkeeping): ``num_requests_running`` /
-``num_requests_waiting`` (rows = sequences: ``running`` / ``queued``), ``kv_cache_usage_perc`` (KV
-blocks used / total, a fraction in [0, 1] as in vLLM), ``prefix_cache_queries_total`` /
-``prefix_cache_hits_total`` (prompt tokens looked up / found in the prefix cache, as vLLM counts
-them), ``num_preemptions_total`` and ``serving_requests_total{outcome}`` (the serving's
-``completed``, ``failed``, ``cancelled``, ``expired``, ``rejected``).
+``num_requests_waiting`` (sequences: the engine's running ones, ``backend.seqs_running``; those
+queued in the serving, ``queued``, plus those waiting in the engine, ``backend.seqs_waiting``),
+``kv_cache_usage_perc`` (KV blocks used / total, a fraction in [0, 1] as in vLLM),
+``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens looked up / found in
+the prefix cache, as vLLM counts them), ``num_preemptions_total`` and
+``serving_requests_total{outcome}`` (the serving's ``completed``, ``failed``, ``cancelled``,
+``expired``, ``rejected``).
 
 Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``).
 """
@@ -125,9 +127,10 @@ class _StatsCollector(Collector):
         outcomes = CounterMetricFamily(PREFIX + "serving_requests", "Requests ended, by outcome (ServingStats).",
                                        labels=["model_name", "outcome"])
         for model, s in self._stats().items():
-            running.add_metric([model], s.running)
-            waiting.add_metric([model], s.queued)
             kv = s.backend
+            # rows admitted into the engine may still wait in its own queue (seqs_waiting)
+            running.add_metric([model], kv.get("seqs_running", s.running))
+            waiting.add_metric([model], s.queued + kv.get("seqs_waiting", 0))
             if kv.get("blocks_total"):
                 usage.add_metric([model], kv.get("blocks_used", 0) / kv["blocks_total"])
             queries.add_metric([model], kv.get("prefix_query_tokens", 0))

@@ -37,6 +37,7 @@ def test_disconnect_mid_stream_cancels_the_row(server: Server):
             first = [next(data) for _ in range(3)]  # three chunks: generating
             assert all('"finish_reason": null' in chunk for chunk in first)
             assert server.handle.stats().running == 1
+            assert _samples(server.url)[("mlx_serving:num_requests_running", (("model_name", MODEL),))] == 1
         # leaving the block closed the connection mid-stream
     wait_for(lambda: server.handle.stats().cancelled == before.cancelled + 1, what="the request to be cancelled")
     after = server.handle.stats()
