@@ -35,7 +35,8 @@ from mlx_serving.models.generation.kv_cache import init_paged_kv_cache  # noqa: 
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.qwen3.model import compiled_decode, decode_path  # noqa: E402
+from mlx_serving.models.generation.attention import compiled_decode  # noqa: E402
+from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
 
 
 def run(state: Any, prompts: list[list[int]], new: int, layout: str) -> dict[str, Any]:

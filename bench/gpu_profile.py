@@ -39,7 +39,8 @@ from mlx_serving.models.qwen3 import Engine, SamplingParams, load  # noqa: E402
 from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.qwen3.model import Rows, forward  # noqa: E402
+from mlx_serving.models.generation.attention import Rows
+from mlx_serving.models.qwen3.model import forward  # noqa: E402
 
 
 def clock(fn: Callable[[], Any]) -> float:

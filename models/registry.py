@@ -45,6 +45,6 @@ def load(path: str | Path, **options: Any) -> Any:
 
 
 def family_model(state: Any) -> ModuleType:
-    """The ``model`` module of ``state``'s family: ``forward(state, cache, rows)``,
-    ``decode_path(state)``, ``compiled_decode(state, max_len, kv_len)``."""
+    """The ``model`` module of ``state``'s family: ``forward(state, cache, rows)`` (through the
+    KV-cache seam of :mod:`models.generation.attention`) and ``decode_path(state)``."""
     return importlib.import_module(f"{__package__}.{state.family}.model")

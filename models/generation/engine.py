@@ -38,8 +38,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from ..qwen3.model import Rows
 from ..registry import family_model
+from .attention import Rows, compiled_decode
 from .events import FinishReason, SeqEvent
 from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ConstraintFactory, TokenConstraint
@@ -574,7 +574,7 @@ class Engine:
         fn = self._compiled.get((hi, span))
         block_size = self._kv.block_size if self._kv is not None else 0
         if fn is None:
-            fn = self._compiled[(hi, span)] = self._model.compiled_decode(self.state, self.max_len, span,
+            fn = self._compiled[(hi, span)] = compiled_decode(self.state, self.max_len, span,
                                                                           block_size)
         args = [self._tokens[:hi, None], mx.array(start), mx.array(n_valid)]
         if self._kv is not None:

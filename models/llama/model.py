@@ -3,15 +3,16 @@
 Per layer (pre-norm): RMSNorm -> q/k/v projections (+ bias with ``attention_bias``) ->
 RoPE (split-half unless ``rope_traditional``; base ``rope_theta``, or the "llama3" frequency
 table, or positions divided by a "linear" factor; per-row offsets) -> K/V into the cache and
-GQA attention over each row's valid prefix (:func:`models.qwen3.model.attend`, the seam a
-family calls: this module holds no cache logic) -> o_proj -> residual; RMSNorm -> SwiGLU MLP
+GQA attention over each row's valid prefix (:func:`models.generation.attention.attend`, the
+seam a family calls: this module holds no cache logic) -> o_proj -> residual; RMSNorm -> SwiGLU MLP
 (+ bias with ``mlp_bias``) -> residual. Then the final norm and the (tied or separate) head,
 for one position per row only. Unlike Qwen3: no q/k norm. Architecture: transformers
 ``LlamaModel`` / mlx-lm ``mlx_lm/models/llama.py`` (the parity reference in the tests).
 
 Every projection sees 2-D activations ``(rows, features)``, as in Qwen3. There are no custom
 CUDA kernels for this family (they fold Qwen3's q/k norm in): :func:`decode_path` is never
-"fused", and :func:`compiled_decode` is the family-generic one of :mod:`models.qwen3.model`.
+"fused"; the engine compiles its decode with the family-generic
+:func:`models.generation.attention.compiled_decode`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..generation.attention import Cache, Rows, Step, attend, make_step
 from ..qwen3 import model as _qwen3_model
-from ..qwen3.model import Rows, attend, compiled_decode, make_step
 from .config import LlamaConfig
 from .loader import Layer, State
 
-__all__ = ["Rows", "compiled_decode", "decode_path", "forward", "rope_frequencies"]
+__all__ = ["decode_path", "forward", "rope_frequencies"]
 
 
 @partial(mx.compile, shapeless=True)
@@ -75,7 +76,8 @@ def decode_path(state: State) -> str:
     return "sdpa" if _qwen3_model.DECODE_PATH == "sdpa" else "matmul"
 
 
-def _layer(layer: Layer, h: mx.array, cache, i: int, step, rope, state: State) -> mx.array:
+def _layer(layer: Layer, h: mx.array, cache: Cache, i: int, step: Step, rope: Callable[[mx.array], mx.array],
+           state: State) -> mx.array:
     c = state.config
     b, t = step.rows.tokens.shape
     d, eps = c.head_dim, c.rms_norm_eps
@@ -90,17 +92,17 @@ def _layer(layer: Layer, h: mx.array, cache, i: int, step, rope, state: State) -
     return h + layer.down_proj(_swiglu(gate, up))
 
 
-def forward(state: State, cache, rows: Rows) -> mx.array:
+def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at
     token index ``rows.last``. Does not update the cache's lengths (the caller does). Any
-    cache :func:`models.qwen3.model.make_step` / ``attend`` accept works here.
+    cache :func:`models.generation.attention.make_step` / ``attend`` accept works here.
     """
     b, t = rows.tokens.shape
     c = state.config
     h = state.embed_tokens.rows(rows.tokens.reshape(-1))
-    step = make_step(rows, cache, c.head_dim, c.rope_theta)
+    step = make_step(rows, cache, c.head_dim, c.rope_theta, sdpa_decode=decode_path(state) == "sdpa")
     rope = _rope(state, rows)
     for i, layer in enumerate(state.layers):
         h = _layer(layer, h, cache, i, step, rope, state)

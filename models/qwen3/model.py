@@ -13,18 +13,15 @@ Every projection sees 2-D activations ``(rows, features)``: on MLX's CUDA build 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
-from ..generation.slot_cache import KVCache
+from ..generation.attention import Cache, Rows, Step, attend, make_step
 from .kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 from .loader import Layer, State
 
-__all__ = ["Rows", "attend", "compiled_decode", "decode_path", "forward", "make_step"]
+__all__ = ["decode_path", "forward"]
 
 #: How a decode forward (one token per row, slots ``0..B-1``) runs: "fused" (the custom
 #: CUDA kernels of :mod:`.kernels`: 8 launches per layer, no mask), "matmul" (generic
@@ -39,72 +36,6 @@ def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-@dataclass
-class Rows:
-    """Which cache slots (or KV blocks) a forward call covers, and where each row's tokens go.
-
-    ``tokens`` (B, T) int32; ``slots`` (B,) int32 cache slot per row, or None for slots
-    ``0..B-1``; ``start`` (B,) int32 position of each row's first token (its cache
-    length before the call); ``n_valid`` (B,) int32 real tokens per row (the rest is
-    padding: written to the scratch column, never attended); ``kv_len`` the attention
-    span (max over rows of start + n_valid); ``last`` (B,) int32 index in ``[0, T)`` of
-    the token whose logits each row returns; ``dense`` True when B == 1 and the row has
-    no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
-    ``block_table`` (B, W) int32, for a paged cache (:class:`~models.generation.kv_cache.PagedKVCache`):
-    the KV blocks of each row in order (W >= ceil(kv_len / block_size); unused entries and
-    padding rows 0, the null block); ``slots`` is ignored then.
-    """
-
-    tokens: mx.array
-    slots: mx.array | None
-    start: mx.array
-    n_valid: mx.array
-    kv_len: int
-    last: mx.array
-    dense: bool = False
-    block_table: mx.array | None = None
-
-
-def _mask(rows: Rows, t: int) -> mx.array | str | None:
-    if rows.dense:
-        return "causal" if t > 1 else None
-    j = mx.arange(rows.kv_len)
-    qpos = rows.start[:, None] + mx.arange(t)[None, :]
-    end = (rows.start + rows.n_valid)[:, None, None]
-    mask = (j <= qpos[:, :, None]) & (j < end)
-    return (mask | (j == 0))[:, None]  # key 0 always open: no fully masked row
-
-
-def _write_positions(rows: Rows, t: int, scratch: int) -> mx.array:
-    offs = mx.arange(t)[None, :]
-    pos = rows.start[:, None] + offs
-    return mx.where(offs < rows.n_valid[:, None], pos, scratch)
-
-
-def _decode_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      mask: mx.array) -> mx.array:
-    """One query per row, ``q`` (B, H, 1, D) over ``keys``/``values`` (B, Hkv, S, D) with a
-    boolean ``mask`` (B, 1, 1, S): plain batched matmuls with the query heads of one KV
-    head as the matrix rows (no K/V broadcast or copy). MLX's CUDA build routes a masked
-    one-token ``scaled_dot_product_attention`` to cuDNN or its composite fallback, which
-    builds a new graph per (B, S) shape; this path costs one cuBLAS plan per shape.
-    """
-    b, h, _, d = q.shape
-    hkv = keys.shape[1]
-    scores = (q * scale).reshape(b, hkv, h // hkv, d) @ keys.swapaxes(-1, -2)
-    scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
-    probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ values).reshape(b, h, 1, d)
-
-
-def _sdpa(q: mx.array, keys: mx.array, values: mx.array, scale: float,
-          mask: mx.array | str | None) -> mx.array:
-    """Attention ``(B, H, T, D)``; masked one-token rows go through :func:`_decode_attention`."""
-    if q.shape[2] == 1 and isinstance(mask, mx.array) and DECODE_PATH != "sdpa":
-        return _decode_attention(q, keys, values, scale, mask)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-
-
 def decode_path(state: State) -> str:
     """The decode path :func:`forward` takes for ``state``: :data:`DECODE_PATH`, or when that
     is None "fused" where the kernels run (MLX's CUDA build, a supported shape), else "matmul"."""
@@ -114,78 +45,7 @@ def decode_path(state: State) -> str:
     return "fused" if kernels_available() and supports(c.hidden_size, c.head_dim) else "matmul"
 
 
-@dataclass
-class _Step:
-    """Per-forward values shared by every layer (built once, not once per layer)."""
-
-    rows: Rows
-    write_rows: mx.array  # (B, 1) cache slot of each row, for the K/V scatter
-    pos: mx.array  # (B, T) cache position of each token (scratch for padding)
-    mask: mx.array | str | None
-    rope: Callable[[mx.array], mx.array]
-    write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
-    read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
-
-
-def make_step(rows: Rows, cache: Any, head_dim: int, rope_theta: float) -> _Step:
-    """The per-forward values every layer's :func:`attend` shares (split-half RoPE).
-
-    ``cache`` is a slot :class:`KVCache`, or a paged cache (then ``rows.block_table`` is set):
-    the block table becomes flat write and read indices once per forward, not per layer."""
-    b, t = rows.tokens.shape
-    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=rope_theta, scale=1.0,
-                   offset=rows.start)
-    if rows.block_table is not None:
-        bs, table = cache.block_size, rows.block_table
-        offs = mx.arange(t)[None, :]
-        pos = rows.start[:, None] + offs
-        blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
-        write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
-        j = mx.arange(rows.kv_len)
-        read = table[:, j // bs] * bs + (j % bs)[None, :]
-        return _Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=_mask(rows, t),
-                     rope=rope, write_idx=write.reshape(-1), read_idx=read)
-    return _Step(
-        rows=rows,
-        write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
-        pos=_write_positions(rows, t, cache.max_len),
-        mask=_mask(rows, t),
-        rope=rope,
-    )
-
-
-def attend(cache: KVCache, i: int, q: mx.array, k: mx.array, v: mx.array, step: _Step) -> mx.array:
-    """Attention of layer ``i`` over the KV cache: the seam between a model family and the
-    cache. ``q`` (B, H, T, D) and ``k`` (B, Hkv, T, D) already normed and rotated, ``v``
-    (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
-    prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
-
-    On a paged cache (``step.read_idx`` set by :func:`make_step`) K/V are written at each
-    token's flat block position and each row's blocks are gathered into ``(B, Hkv, kv_len, D)``
-    before the same masked attention."""
-    rows = step.rows
-    b, h, t, d = q.shape
-    if step.read_idx is not None:
-        hkv = k.shape[1]
-        cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
-        cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
-        keys = cache.keys[i][step.read_idx].transpose(0, 2, 1, 3)
-        values = cache.values[i][step.read_idx].transpose(0, 2, 1, 3)
-        out = _sdpa(q, keys, values, d**-0.5, step.mask)
-        return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
-    cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
-    cache.values[i][step.write_rows, :, step.pos] = v
-    if rows.slots is None:
-        keys = cache.keys[i][:b, :, : rows.kv_len, :]
-        values = cache.values[i][:b, :, : rows.kv_len, :]
-    else:
-        keys = cache.keys[i][..., : rows.kv_len, :][rows.slots]
-        values = cache.values[i][..., : rows.kv_len, :][rows.slots]
-    out = _sdpa(q, keys, values, d**-0.5, step.mask)
-    return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
-
-
-def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
+def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step, state: State) -> mx.array:
     c = state.config
     b, t = step.rows.tokens.shape
     d = c.head_dim
@@ -198,7 +58,7 @@ def _attention(layer: Layer, x: mx.array, cache: KVCache, i: int, step: _Step, s
     return layer.o_proj(attend(cache, i, q, k, v, step))
 
 
-def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, step: _Step, state: State) -> mx.array:
+def _layer(layer: Layer, h: mx.array, cache: Cache, i: int, step: Step, state: State) -> mx.array:
     eps = state.config.rms_norm_eps
     x = mx.fast.rms_norm(h, layer.input_layernorm, eps)
     h = h + _attention(layer, x, cache, i, step, state)
@@ -207,7 +67,7 @@ def _layer(layer: Layer, h: mx.array, cache: KVCache, i: int, step: _Step, state
     return h + layer.down_proj(_swiglu(gate, up))
 
 
-def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
+def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row,
@@ -218,7 +78,7 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     c = state.config
     if t == 1 and rows.slots is None and decode_path(state) == "fused":
         return _fused_decode(state, cache, rows, h)
-    step = make_step(rows, cache, c.head_dim, c.rope_theta)
+    step = make_step(rows, cache, c.head_dim, c.rope_theta, sdpa_decode=DECODE_PATH == "sdpa")
     for i, layer in enumerate(state.layers):
         h = _layer(layer, h, cache, i, step, state)
     if t > 1:
@@ -227,7 +87,7 @@ def forward(state: State, cache: KVCache, rows: Rows) -> mx.array:
     return state.lm_head(h)
 
 
-def _fused_decode(state: State, cache: KVCache, rows: Rows, h: mx.array) -> mx.array:
+def _fused_decode(state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array:
     """The decode forward through :mod:`.kernels` (rows ``0..B-1`` = cache slots, or on a paged
     cache the blocks of ``rows.block_table``); the K/V cache is written in place. Same contract as
     :func:`forward`."""
@@ -245,35 +105,3 @@ def _fused_decode(state: State, cache: KVCache, rows: Rows, h: mx.array) -> mx.a
         after = state.layers[i + 1].input_layernorm if i + 1 < len(state.layers) else state.norm
         h, x = add_rms_norm(h, layer.down_proj(act), after, eps)
     return state.lm_head(x)
-
-
-def compiled_decode(state: State, max_len: int, kv_len: int, block_size: int = 0) -> Callable[..., tuple]:
-    """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``
-    (unused by the "fused" path, which reads each row's own length).
-
-    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
-    with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the
-    new per-layer buffers (the caller stores them back). With ``block_size`` > 0 the cache is
-    paged: call as ``fn(tokens, start, n_valid, block_table (B, W) int32, keys, values)``.
-    Weights are captured as constants. MLX retraces once per new input shape. The forward traced
-    is that of ``state``'s family (``models.registry.family_model``): every family shares this
-    function.
-    """
-    from ..generation.kv_cache import PagedKVCache
-    from ..registry import family_model
-
-    fwd = family_model(state).forward  # the forward of state's family (qwen3, llama, ...)
-
-    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
-             values: list[mx.array]) -> tuple:
-        cache = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), max_len)
-        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start))
-        return fwd(state, cache, rows), cache.keys, cache.values
-
-    def paged_step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
-                   keys: list[mx.array], values: list[mx.array]) -> tuple:
-        cache = PagedKVCache(list(keys), list(values), block_size)
-        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start), block_table=table)
-        return fwd(state, cache, rows), cache.keys, cache.values
-
-    return mx.compile(paged_step if block_size else step)

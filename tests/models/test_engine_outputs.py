@@ -14,7 +14,8 @@ from mlx_serving.models.generation import Engine
 from mlx_serving.models.generation.events import FinishReason, SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.generation.slot_cache import init_kv_cache, kv_bytes_per_token
-from mlx_serving.models.qwen3.model import Rows, forward
+from mlx_serving.models.generation.attention import Rows
+from mlx_serving.models.qwen3.model import forward
 
 
 def _prompt(seed: int, n: int) -> list[int]:

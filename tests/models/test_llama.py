@@ -99,7 +99,8 @@ def test_greedy_ids_match_mlx_lm_bfloat16(ckpts):
 def test_prefill_and_decode_logits_match_mlx_lm(ckpts):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_serving.models.llama.model import Rows, forward
+    from mlx_serving.models.generation.attention import Rows
+    from mlx_serving.models.llama.model import forward
     from mlx_serving.models.qwen3 import init_kv_cache
 
     state = registry.load(ckpts["f32_bias"])
@@ -164,7 +165,8 @@ def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path, quantized):
 def test_dequantized_load_is_close(ckpts):
     quant, dense = load(ckpts["q4_bias_untied"]), load(ckpts["q4_bias_untied"], dequantize=True)
     assert dense.layers[0].qkv.merged.scales is None and dense.layers[0].qkv.merged.bias is not None
-    from mlx_serving.models.llama.model import Rows, forward
+    from mlx_serving.models.generation.attention import Rows
+    from mlx_serving.models.llama.model import forward
     from mlx_serving.models.qwen3 import init_kv_cache
 
     t = len(ELIXIR)

@@ -16,7 +16,8 @@ from mlx_serving.models.qwen3 import generate, init_kv_cache, load
 from mlx_serving.tokenization import data_path
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
 from mlx_serving.models.qwen3.config import config_from_dict, read_config
-from mlx_serving.models.qwen3.model import Rows, forward
+from mlx_serving.models.generation.attention import Rows
+from mlx_serving.models.qwen3.model import forward
 
 PROMPT = [7985, 825, 11652, 911, 468, 97772, 13]
 REF_CONFIG = json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())
