@@ -1,16 +1,21 @@
 """Text generation as a Serving: Qwen3 (MLX) with continuous batching, streaming and stop strings.
 
 Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat template applied),
-optionally with per-request ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-``enable_thinking``, ``tools``; or a list of these. Output for one input:
-``{"results": [{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input",
-"output"}, "timing"}]}``; a list input returns a list of those, in order. ``finish_reason`` is
-"stop" (EOS or a stop string) or "length" (max_new_tokens), the values of :class:`FinishReason`.
+optionally with per-request options (OpenAI / vLLM names): ``max_new_tokens``, ``temperature``,
+``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``min_tokens``, ``seed``, ``logprobs``, ``top_logprobs``,
+``n``, ``response_format``, ``priority``, ``stop``, ``enable_thinking``, ``tools``; or a list of
+these. Output for one input: ``{"results": [...]}`` with one entry per completion (``n``), each
+``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input", "output"},
+"timing"}`` plus ``logprobs`` (when asked for), ``reasoning_content`` (``enable_thinking`` true and
+the output thought) and ``tool_calls`` (``tools`` given and called); a list input returns a list
+of those, in order. ``finish_reason`` is "stop" (EOS, a stop string or a complete
+``response_format``), "length" (max_new_tokens) or "tool_calls", values of :class:`FinishReason`.
 
 Sampling (as in mlx-lm and the OpenAI API): ``temperature`` 0 (the default; anything below 1e-5
-too) is greedy decoding; a larger one samples at that temperature from the ``top_p`` nucleus
-(default 1.0: plain temperature sampling), reproducibly when ``seed`` (an int in [0, 2**64)) is
-given. Types and ranges of every option: ``_inputs.preprocess`` and docs/qwen3.md.
+too) is greedy decoding; a larger one samples at that temperature (after top-k, top-p, min-p),
+reproducibly when ``seed`` (an int in [0, 2**64)) is given. Types, ranges and defaults of every
+option: ``_inputs.preprocess``, ``_request`` and docs/qwen3.md ("Request options").
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ._events import TokenEvent
 from ._inputs import RequestInfo, max_bytes_per_token, needs_thread, preprocess
 from ._options import GenerationOptions
 from ._stream import GenerationTransducer, collect
+from ._structured import GrammarConstraint, GrammarFactory, constraint_factory
 
 __all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "serving"]
 
@@ -51,14 +57,16 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     (every per-request option is checked there: ``_inputs.preprocess``), and a prompt too long
     for ``max_len`` whatever its tokenization (more UTF-8 bytes than ``max_len`` times the
     tokenizer's longest token, x3 for NFC; see ``_inputs.max_bytes_per_token``) is refused before
-    it is tokenized.
+    it is tokenized. A ``response_format`` is compiled in the caller; the engine's llguidance
+    constraint factory is built on the first constrained sequence (``_LazyConstraints``).
     """
     opts = GenerationOptions(**options)
     _check_budget(state, opts)
     tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
     per_token = max_bytes_per_token(tokenizer)  # prompts longer than this x max_len never fit
+    constraints = _LazyConstraints(tokenizer, state.config.vocab_size)
     return (
-        Serving.new(GenerationBackend(state, opts))
+        Serving.new(GenerationBackend(state, opts, constraint_factory=constraints))
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts, per_token), offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
@@ -94,6 +102,22 @@ def _check_budget(state: State, opts: GenerationOptions) -> None:
     """ValueError unless the KV budget holds at least one sequence of ``max_len``."""
     if opts.kv_cache_bytes is not None:
         budget_slots(state, opts.max_len, opts.kv_cache_bytes)
+
+
+class _LazyConstraints:
+    """The engine's constraint factory (``_structured.constraint_factory``), built on the first
+    sequence with a ``response_format``: llguidance's tokenizer costs ~0.6 s once per tokenizer and
+    llguidance is an optional extra, so a serving that never gets a format pays nothing. Called on
+    the executor thread only (``Engine.add``)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._factory: GrammarFactory | None = None
+
+    def __call__(self, grammar: str, eos_token_ids: tuple[int, ...]) -> GrammarConstraint:
+        if self._factory is None:
+            self._factory = constraint_factory(self._tokenizer, self._vocab_size)
+        return self._factory(grammar, eos_token_ids)
 
 
 def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> Any:
