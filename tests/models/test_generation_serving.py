@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import BLOCK_SIZE, Engine
 from mlx_serving.models.generation.events import SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.qwen3 import State
@@ -161,6 +161,19 @@ def test_n_completions_equal_solo_runs_with_the_derived_seeds(gen: Serving) -> N
     greedy = Serving.run(gen, [{"text": PROMPT, "n": 2}, "Hello"])
     assert [len(g["results"]) for g in greedy] == [2, 1]
     assert greedy[0]["results"][0]["generated_text"] == greedy[0]["results"][1]["generated_text"]
+
+
+def test_n_completions_prefill_the_shared_prompt_once(gen: Serving, tok: Tokenizer) -> None:
+    """The n rows share the prompt's full KV blocks: the later n - 1 reuse them from the prefix
+    cache instead of computing them again (the last, partial block is each row's own)."""
+    text = " ".join(f"w{i}" for i in range(40))
+    shared = (len(tok.encode(text)) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert shared >= 4 * BLOCK_SIZE
+    with gen.start() as h:
+        results = h.run({"text": text, "n": 3, "temperature": 1.0, "max_new_tokens": 2})["results"]
+        backend = h.stats().backend
+    assert len(results) == 3
+    assert (backend["prefix_hits"], backend["prefix_hit_tokens"]) == (2, 2 * shared)
 
 
 # ---- streams and the async API -------------------------------------------------------------------
