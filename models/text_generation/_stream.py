@@ -147,7 +147,8 @@ class GenerationTransducer:
         if output.logprobs:
             assert self._texts is not None
             delta["logprobs"] = [self._texts.entry(event)]
-        items: list[Any] = [delta] if delta["content"] or len(delta) > 2 else []
+        has_more = len(delta) > 2  # reasoning, tool calls or logprobs beside index and content
+        items: list[Any] = [delta] if delta["content"] or has_more else []
         if row.finish_reason is not None:
             final = self._final(row_index, row)
             if parser.called:

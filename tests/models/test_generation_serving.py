@@ -22,7 +22,7 @@ from mlx_serving.models.generation.events import SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.qwen3 import State
 from mlx_serving.models.text_generation._request import completion_seed
-from mlx_serving.models.text_generation._structured import compile_response_format, constraint_factory
+from mlx_serving.models.text_generation._structured import constraint_factory
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 
