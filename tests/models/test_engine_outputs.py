@@ -295,3 +295,18 @@ def test_without_prefix_caching_each_completion_prefills(tiny32) -> None:
     engine = Engine(tiny32, 4, 64, prefix_caching=False)
     run(engine, reqs)
     assert engine.kv_stats().prefix_hit_tokens == 0
+
+
+def test_constrained_sequences_survive_preemption(tiny32) -> None:
+    script = list(range(300, 316))
+    reqs = [(_prompt(95 + i, 10), SamplingParams(max_new_tokens=20, temperature=1.0, seed=i,
+                                                 grammar="subset:500:520" if i % 2 else "script:" + ",".join(map(str, script))))
+            for i in range(4)]
+    made.clear()
+    alone = [tokens(run(Engine(tiny32, 1, 64, constraint_factory=factory), [r])[0]) for r in reqs]
+    engine = Engine(tiny32, 4, 64, block_size=4, kv_cache_bytes=_bytes_for_blocks(tiny32, 4, 20),
+                    constraint_factory=factory)
+    out = run(engine, reqs)
+    assert engine.kv_stats().preemptions > 0
+    assert [tokens(out[i]) for i in range(4)] == alone
+    assert alone[0] == script and all(500 <= t < 520 for t in alone[1])
