@@ -36,6 +36,7 @@ from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import compiled_decode  # noqa: E402
+from mlx_serving.models.qwen3 import kernels  # noqa: E402
 from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
 
 
@@ -86,6 +87,57 @@ def device_step_ms(state: Any, b: int, pos: int, layout: str, iters: int = 30) -
     return statistics.median(times[3:]) * 1e3
 
 
+def copy_bandwidth_gbs(nbytes: int = 1 << 32) -> float:
+    """Measured device copy bandwidth, GB/s: bytes read + written by ``y = x + 0`` over a
+    ``nbytes`` array (median of 5)."""
+    x = mx.zeros((nbytes // 2 // 1024, 1024), dtype=mx.bfloat16)
+    mx.eval(x)
+    times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        mx.eval(x + 0)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+
+
+def context_study(state: Any, batches: list[int], positions: list[int], copy_bytes: int) -> list[dict[str, Any]]:
+    """Device-only paged decode step (ms) by rows and context position, split-K on (the default
+    heuristic) and off, against the floor: (weight bytes + live KV bytes) / copy bandwidth."""
+    c = state.config
+    weights = sum({id(v): v.nbytes for v in _arrays(state)}.values())  # a tied head counted once
+    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * state.dtype.size
+    bw = copy_bandwidth_gbs(copy_bytes)
+    rows = []
+    one = kernels.split_count
+    for b in batches:
+        for pos in positions:
+            floor_ms = (weights + b * (pos + 1) * kv_per_token) / (bw * 1e9) * 1e3
+            split = device_step_ms(state, b, pos, "paged")
+            kernels.split_count = lambda r, h: 1
+            try:
+                unsplit = device_step_ms(state, b, pos, "paged")
+            finally:
+                kernels.split_count = one
+            rows.append({"batch": b, "pos": pos, "split_k_ms": split, "one_split_ms": unsplit,
+                         "floor_ms": floor_ms, "split_k_over_floor": split / floor_ms, "copy_gbs": bw})
+            print(f"B={b:4d} pos={pos:5d}  split-K {split:6.2f} ms  one split {unsplit:6.2f} ms  "
+                  f"floor {floor_ms:5.2f} ms  ({split / floor_ms:.2f}x floor)", flush=True)
+    return rows
+
+
+def _arrays(tree: Any) -> list[mx.array]:
+    """Every mx.array reachable from a loaded state (dataclasses, lists, dicts)."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [a for x in tree for a in _arrays(x)]
+    if isinstance(tree, dict):
+        return [a for x in tree.values() for a in _arrays(x)]
+    if hasattr(tree, "__dict__"):
+        return [a for k, x in vars(tree).items() if k != "config" for a in _arrays(x)]
+    return []
+
+
 def compare(state: Any, b: int, prompt_len: int, new: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(b)
     prompts = [rng.integers(0, 150000, prompt_len).tolist() for _ in range(b)]
@@ -118,16 +170,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_paged.json"))
     ap.add_argument("--quick", action="store_true", help="tiny preset, few tokens: a CPU smoke run")
+    ap.add_argument("--copy-bytes", type=int, default=1 << 32, help="array size of the bandwidth probe")
+    ap.add_argument("--context", default="", help="ROWS:POS,POS,... e.g. 1,128,256:200,800,1500: the "
+                    "device-only context study (split-K on/off vs the floor) instead of the layout comparison")
     args = ap.parse_args()
     if args.quick:
         args.preset, args.batches, args.prompt_len, args.new, args.repeats = "tiny", "1,4", 16, 8, 1
-        args.ckpt = Path("/tmp/qwen3-tiny-bench")
+        args.ckpt, args.copy_bytes = Path("/tmp/qwen3-tiny-bench"), 1 << 26
     if not (args.ckpt / "config.json").is_file():
         write_checkpoint(args.ckpt, args.preset, seed=0)
     state = load(args.ckpt, dequantize=True)
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
                            "decode_path": decode_path(state), "prompt_len": args.prompt_len, "new": args.new,
                            "results": []}
+    if args.context:
+        batches, positions = ([int(x) for x in part.split(",")] for part in args.context.split(":"))
+        out["context"] = context_study(state, batches, positions, args.copy_bytes)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=1))
+        return
     for b in (int(x) for x in args.batches.split(",")):
         r = compare(state, b, args.prompt_len, args.new, args.repeats)
         out["results"].append(r)

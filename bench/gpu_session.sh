@@ -16,6 +16,7 @@ python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__
   2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
 case "${1:-paged}" in
   paged) python3 bench/gpu_paged.py --out "$OUT/gpu_paged.json" 2>&1 | tail -10 ;;
+  context) python3 bench/gpu_paged.py --context 1,32,128,256:200,800,1500 --out "$OUT/gpu_context.json" 2>&1 | tail -14 ;;
   throughput) python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 \
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
 esac

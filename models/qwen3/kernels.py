@@ -7,9 +7,12 @@ nodes to 8 (four of them the projections):
 
 - :func:`decode_attention`: per (row, KV head) block, from the fused q/k/v projection:
   q_norm/k_norm (RMSNorm), split-half RoPE at the row's position, the new K/V written into
-  the slot KV cache, then one-token GQA attention of the ``G = H / Hkv`` query heads over
+  the KV cache, then one-token GQA attention of the ``G = H / Hkv`` query heads over
   the row's valid prefix with an online softmax (running max and sum; Milakov &
-  Gimelshein, arXiv:1805.02867), warps splitting the keys and merged through shared memory.
+  Gimelshein, arXiv:1805.02867), warps splitting the keys and merged through shared memory;
+  the cache is the paged KV cache, read through each row's block table, or the slot cache; when
+  rows x KV heads leave the GPU's SMs idle, several blocks share each row's keys and a second
+  kernel merges their partial softmax sums (split-K, flash-decoding).
 - :func:`add_rms_norm`: residual add and the next RMSNorm in one pass.
 - :func:`swiglu`: ``silu(gate) * up`` straight from the fused gate/up projection.
 
@@ -27,7 +30,7 @@ from functools import cache
 
 import mlx.core as mx
 
-__all__ = ["add_rms_norm", "decode_attention", "kernels_available", "supports", "swiglu"]
+__all__ = ["add_rms_norm", "decode_attention", "kernels_available", "split_count", "supports", "swiglu"]
 
 _BLOCK_REDUCE = r"""
 template <int NW>
@@ -49,6 +52,7 @@ _ATTENTION = r"""
     constexpr int HALF = D / 2;
     const int g = blockIdx.x;
     const int b = blockIdx.y;
+    const int split = blockIdx.z;
     const int t = threadIdx.x;
     const int warp = t / 32;
     const int lane = t % 32;
@@ -74,6 +78,8 @@ _ATTENTION = r"""
     __shared__ float red[W];
     __shared__ float rot[D];
     __shared__ float qs[G][D];
+    __shared__ float kself[D];
+    __shared__ float vself[D];
 
     // q/k heads: RMSNorm (weight), then RoPE (split halves) at position pos.
     const T* row = qkv + (size_t)b * (H + 2 * HKV) * D;
@@ -93,11 +99,13 @@ _ATTENTION = r"""
         __syncthreads();
         if (!is_k) {
             qs[j][t] = o;
-        } else if (real) {
-            const_cast<T*>(keys)[kv_at(pos) + t] = static_cast<T>(o);
+        } else {
+            kself[t] = static_cast<float>(static_cast<T>(o));
+            if (real && split == 0) const_cast<T*>(keys)[kv_at(pos) + t] = static_cast<T>(o);
         }
     }
-    if (real) {
+    vself[t] = static_cast<float>(row[(H + HKV + g) * D + t]);
+    if (real && split == 0) {
         const_cast<T*>(values)[kv_at(pos) + t] = row[(H + HKV + g) * D + t];
     }
     __syncthreads();
@@ -110,12 +118,7 @@ _ATTENTION = r"""
         l[h] = 0.f;
         for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
     }
-    for (int j = warp; j < n; j += W) {
-        const size_t at = kv_at(j) + lane * E;
-        const T* kr = keys + at;
-        const T* vr = values + at;
-        float kf[E], vf[E];
-        for (int e = 0; e < E; ++e) { kf[e] = static_cast<float>(kr[e]); vf[e] = static_cast<float>(vr[e]); }
+    auto visit = [&](const float* kf, const float* vf) {
         for (int h = 0; h < G; ++h) {
             float s = 0.f;
             for (int e = 0; e < E; ++e) s += qs[h][lane * E + e] * kf[e];
@@ -128,6 +131,25 @@ _ATTENTION = r"""
             for (int e = 0; e < E; ++e) acc[h][e] = acc[h][e] * c + p * vf[e];
             m[h] = mn;
         }
+    };
+    // keys before pos come from the cache: this block's share of them (split-K over blockIdx.z,
+    // flash-decoding; at most one split per MIN_SPLIT keys); the new key (pos) from registers
+    const int splits = min(SPLITS, max(1, (pos + MIN_SPLIT - 1) / MIN_SPLIT));
+    const int per = (pos + splits - 1) / splits;
+    const int lo = split * per;
+    const int hi = split < splits ? min(pos, lo + per) : lo;
+    for (int j = lo + warp; j < hi; j += W) {
+        const size_t at = kv_at(j) + lane * E;
+        const T* kr = keys + at;
+        const T* vr = values + at;
+        float kf[E], vf[E];
+        for (int e = 0; e < E; ++e) { kf[e] = static_cast<float>(kr[e]); vf[e] = static_cast<float>(vr[e]); }
+        visit(kf, vf);
+    }
+    if (real && split == 0 && warp == (pos % W)) {
+        float kf[E], vf[E];
+        for (int e = 0; e < E; ++e) { kf[e] = kself[lane * E + e]; vf[e] = vself[lane * E + e]; }
+        visit(kf, vf);
     }
     __shared__ float sm_m[W][G];
     __shared__ float sm_l[W][G];
@@ -150,6 +172,34 @@ _ATTENTION = r"""
         }
         out[((size_t)b * H + g * G + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);
     }
+"""
+
+# the split-K variant writes each split's unnormalized partial (running max, sum, weighted values)
+_ATTENTION_SPLIT = _ATTENTION.replace(
+    "        out[((size_t)b * H + g * G + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);",
+    """        const size_t slot = ((size_t)b * H + g * G + h) * SPLITS + split;
+        part_acc[slot * D + t] = num;
+        if (t == 0) { part_ml[slot * 2] = top; part_ml[slot * 2 + 1] = den; }""")
+
+_COMBINE = r"""
+    // block (h, b): threads D; merge the SPLITS partials of query head h of row b.
+    const int h = blockIdx.x;
+    const int b = blockIdx.y;
+    const int t = threadIdx.x;
+    const size_t base = ((size_t)b * H + h) * SPLITS;
+    float top = -INFINITY;
+    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_ml[(base + s) * 2]);
+    float den = 0.f, num = 0.f;
+    if (top > -INFINITY) {
+        for (int s = 0; s < SPLITS; ++s) {
+            const float m = part_ml[(base + s) * 2];
+            if (m == -INFINITY) continue;
+            const float c = expf(m - top);
+            den += part_ml[(base + s) * 2 + 1] * c;
+            num += part_acc[(base + s) * D + t] * c;
+        }
+    }
+    out[((size_t)b * H + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);
 """
 
 _ADD_RMS_NORM = r"""
@@ -202,6 +252,21 @@ def _attention_kernel(eps: float, rope_theta: float) -> object:
 
 
 @cache
+def _attention_split_kernel(eps: float, rope_theta: float) -> object:
+    return mx.fast.cuda_kernel(
+        name=f"qwen3_decode_attention_split_{abs(hash((eps, rope_theta)))}",
+        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "table", "meta"],
+        output_names=["part_acc", "part_ml"], source=_literals(_ATTENTION_SPLIT, eps, rope_theta),
+        header=_BLOCK_REDUCE)
+
+
+@cache
+def _combine_kernel() -> object:
+    return mx.fast.cuda_kernel(name="qwen3_decode_attention_combine", input_names=["part_acc", "part_ml"],
+                               output_names=["out"], source=_COMBINE)
+
+
+@cache
 def _add_rms_norm_kernel(eps: float) -> object:
     return mx.fast.cuda_kernel(name=f"qwen3_add_rms_norm_{abs(hash(eps))}", input_names=["h", "delta", "w"],
                                output_names=["h_out", "x_out"], source=_literals(_ADD_RMS_NORM, eps),
@@ -223,6 +288,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+#: Streaming multiprocessors of the GPU class the split heuristic targets (H100 / H200: 132).
+GPU_SMS = 132
+#: Most thread blocks sharing one (row, KV head)'s keys, and the fewest keys each takes.
+MAX_SPLITS = 32
+MIN_SPLIT_KEYS = 64
 #: Most block-table columns the paged kernel stages in shared memory (16 KiB of int32 ids: with
 #: 16-token blocks, sequences of up to 65,536 positions).
 MAX_TABLE_WIDTH = 4096
@@ -247,7 +317,8 @@ def supports(hidden_size: int, head_dim: int) -> bool:
 
 def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: mx.array, n_valid: mx.array,
                      keys: mx.array, values: mx.array, *, heads: int, eps: float, rope_theta: float,
-                     block_table: mx.array | None = None, block_size: int = 0) -> mx.array:
+                     block_table: mx.array | None = None, block_size: int = 0,
+                     splits: int | None = None) -> mx.array:
     """One decode token per row: q/k norm, RoPE, K/V cache write (in place), attention.
 
     ``qkv`` (B, (H + 2 Hkv) * D): the fused q/k/v projection of rows ``0..B-1``; ``q_norm``/``k_norm``
@@ -262,7 +333,9 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
       ``start`` must be in the table; W at most :data:`MAX_TABLE_WIDTH`).
 
     RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5`` over positions
-    ``0..start`` (the new token included). Returns (B, H * D) in ``qkv``'s dtype (head-major).
+    ``0..start`` (the new token included). ``splits``: thread blocks per (row, KV head) sharing
+    its keys (split-K; their partial softmax sums merged by a second kernel), default
+    :func:`split_count`; 1 is the one-kernel path. Returns (B, H * D) in ``qkv``'s dtype (head-major).
     H = ``heads`` must be a multiple of Hkv; D a multiple of 32, at most 1024. Raises ValueError
     on shape mismatch.
     """
@@ -280,13 +353,31 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
         table, block_size = _NO_TABLE, 0
     if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024:
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
-    return _attention_kernel(float(eps), float(rope_theta))(
-        inputs=[qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, table, _meta(length)],
-        template=[("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
-                  ("TW", _pow2(length) if paged else 1)],
-        grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
-        output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype],
-    )[0]
+    if splits is None:
+        splits = split_count(b, hkv)
+    inputs = [qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, table, _meta(length)]
+    template = [("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
+                ("TW", _pow2(length) if paged else 1), ("SPLITS", splits)]
+    if splits == 1:
+        return _attention_kernel(float(eps), float(rope_theta))(
+            inputs=inputs, template=[*template, ("MIN_SPLIT", 1)], grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
+            output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype])[0]
+    part_acc, part_ml = _attention_split_kernel(float(eps), float(rope_theta))(
+        inputs=inputs, template=[*template, ("MIN_SPLIT", MIN_SPLIT_KEYS)], grid=(hkv * d, b, splits),
+        threadgroup=(d, 1, 1), output_shapes=[(b * heads * splits * d,), (b * heads * splits * 2,)],
+        output_dtypes=[mx.float32, mx.float32])
+    return _combine_kernel()(
+        inputs=[part_acc, part_ml], template=[("T", qkv.dtype), ("H", heads), ("D", d), ("SPLITS", splits)],
+        grid=(heads * d, b, 1), threadgroup=(d, 1, 1), output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype])[0]
+
+
+def split_count(rows: int, kv_heads: int) -> int:
+    """How many thread blocks share one (row, KV head)'s keys in :func:`decode_attention` (split-K,
+    flash-decoding: Dao et al. 2023, "Flash-Decoding for long-context inference"): enough for
+    about two blocks per SM of an H100/H200 (:data:`GPU_SMS`) when ``rows * kv_heads`` alone is
+    fewer, at most :data:`MAX_SPLITS`; 1 when the batch fills the GPU. At run time a row uses at
+    most one split per :data:`MIN_SPLIT_KEYS` keys, so short contexts stay on one."""
+    return max(1, min(MAX_SPLITS, -(-2 * GPU_SMS // (rows * kv_heads))))
 
 
 def add_rms_norm(h: mx.array, delta: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:

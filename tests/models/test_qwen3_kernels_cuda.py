@@ -70,6 +70,35 @@ def test_paged_decode_attention_matches_reference():
     np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=1e-4)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "paged"])
+@pytest.mark.parametrize("splits", [1, 3, 32])
+def test_split_k_decode_attention_matches_reference(paged, splits):
+    """Split-K: the keys of each (row, KV head) shared by several blocks and merged by the combine
+    kernel give the reference output, for long and short rows (a row uses one split per 64 keys at
+    most, so the 40-key row runs on one), with the new K/V written once."""
+    b, h, hkv, d, bs = 3, 8, 2, 128, 16
+    lengths = np.array([700, 0, 40], dtype=np.int32)  # row 1: padding
+    n_valid = mx.array([1, 0, 1], dtype=mx.int32)
+    qkv = mx.random.normal((b, (h + 2 * hkv) * d))
+    qw, kw = mx.random.normal((d,)), mx.random.normal((d,))
+    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6)
+    if paged:
+        width = 48
+        keys, values = mx.random.normal(((1 + b * width) * bs, hkv, d)), mx.random.normal(((1 + b * width) * bs, hkv, d))
+        table = mx.array(1 + np.random.default_rng(1).permutation(b * width).reshape(b, width).astype(np.int32))
+        kw_args.update(block_table=table, block_size=bs)
+    else:
+        keys, values = mx.random.normal((b, hkv, 720, d)), mx.random.normal((b, hkv, 720, d))
+    ref_keys, ref_values = mx.array(np.array(keys)), mx.array(np.array(values))
+    start = mx.array(lengths)
+    out = decode_attention(qkv, qw, kw, start, n_valid, keys, values, splits=splits, **kw_args)
+    mx.eval(out)
+    want = ref_decode_attention(qkv, qw, kw, start, n_valid, ref_keys, ref_values, **kw_args)
+    np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=2e-4)
+    cut = slice(bs, None) if paged else (slice(None), slice(None), slice(0, -1))
+    np.testing.assert_allclose(np.array(keys)[cut], np.array(ref_keys)[cut], atol=1e-4)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_generation_equals_generic_path(tiny32, compiled):
     """Greedy ids of a ragged continuous batch: fused path (eager or compiled) == generic."""
