@@ -27,7 +27,8 @@ from typing import Any
 from ...serving import Serving
 from ...tokenization import Tokenizer
 
-from ..qwen3 import FinishReason, State, load
+from ..generation.events import FinishReason
+from ..generation.protocol import ModelState
 from ..generation.slot_cache import budget_slots
 from ._backend import GenerationBackend
 from ._events import TokenEvent
@@ -41,7 +42,7 @@ __all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "s
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
 
-def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
+def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
     """A text-generation Serving over a loaded Qwen3 ``state``.
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
@@ -98,7 +99,7 @@ def _check_option_names(options: dict[str, Any]) -> None:
         raise TypeError(f"unknown text-generation options {unknown} (known: {sorted(known)})")
 
 
-def _check_budget(state: State, opts: GenerationOptions) -> None:
+def _check_budget(state: ModelState, opts: GenerationOptions) -> None:
     """ValueError unless the KV budget holds at least one sequence of ``max_len``."""
     if opts.kv_cache_bytes is not None:
         budget_slots(state, opts.max_len, opts.kv_cache_bytes)

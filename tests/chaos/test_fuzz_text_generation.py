@@ -33,7 +33,9 @@ GOOD: list[Any] = [
 ]
 TEXT: dict[str, Any] = {"text": "Hello"}
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}]}
-KEYS = {"text", "messages", "stop", "enable_thinking", "tools", "max_new_tokens", "temperature", "top_p", "seed"}
+KEYS = {"text", "messages", "stop", "enable_thinking", "tools", "max_new_tokens", "temperature", "top_p", "seed",
+        "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens",
+        "logprobs", "top_logprobs", "n", "response_format", "priority"}
 MESSAGE_KEYS = {"role", "content", "reasoning_content", "thinking", "reasoning", "tool_calls", "name", "tool_call_id"}
 
 # ---- strategies: every value drawn here is invalid where it is put ----------------------------
