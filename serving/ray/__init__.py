@@ -4,6 +4,8 @@
   contract over Ray actors, one started Serving per actor.
 - ``ServingDeployment`` / ``serving_app``: a Ray Serve deployment, one started Serving per
   replica (imported on first use: ``ray.serve`` is heavier than ``ray``).
+- ``OpenAIDeployment`` / ``openai_app``: the same with the OpenAI-compatible server
+  (``mlx_serving.server``, the ``server`` extra) as its HTTP ingress, one app per replica.
 
 Nothing in ``mlx_serving.serving`` imports this package (nor ray) unless ``backend="ray"`` is
 asked for.
@@ -13,12 +15,15 @@ from typing import Any
 
 from ._pool import RayServingPool
 
-__all__ = ["RayServingPool", "ServingDeployment", "serving_app"]
+__all__ = ["OpenAIDeployment", "RayServingPool", "ServingDeployment", "openai_app", "serving_app"]
+
+_LAZY = {"ServingDeployment": "_deployment", "serving_app": "_deployment", "OpenAIDeployment": "_ingress",
+         "openai_app": "_ingress"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("ServingDeployment", "serving_app"):
-        from . import _deployment
+    if name in _LAZY:
+        from importlib import import_module
 
-        return getattr(_deployment, name)
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,8 +39,10 @@ _GAUGES = ("queued", "running", "rows_in_flight", "batches_run", "steps_run", "m
 _DEFAULT_MAX_ONGOING = 64  # Serve's own default (5) would cap each replica's batches at 5 rows
 
 
-class _ServingReplica:
-    """One replica: a started Serving (see the module docstring)."""
+class _Replica:
+    """A started Serving in a Serve replica: the handle verbs, ``check_health`` and the gauges
+    (shared by ``ServingDeployment`` and the OpenAI ingress, ``_ingress.OpenAIDeployment``).
+    Defines no ``__call__``: ``serve.ingress`` refuses a class that has one."""
 
     def __init__(self, factory: Factory, process_options: dict[str, Any] | None = None, *,
                  stuck_after: float = 60.0) -> None:
@@ -67,20 +69,6 @@ class _ServingReplica:
         async with await self._handle.stream_async(input, deadline=deadline) as stream:
             async for item in stream:
                 yield item
-
-    async def __call__(self, request: Any) -> Any:
-        """HTTP: the JSON body in, the JSON result out (503 overloaded, 504 deadline)."""
-        from starlette.responses import JSONResponse
-
-        deadline = request.query_params.get("deadline")
-        try:
-            result = await self._handle.run_async(await request.json(),
-                                                  deadline=None if deadline is None else float(deadline))
-        except ServingOverloaded as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503)
-        except DeadlineExceeded as exc:
-            return JSONResponse({"error": str(exc)}, status_code=504)
-        return JSONResponse(result)
 
     async def stats(self) -> Any:
         """The serving's ``ServingStats`` (also exported as gauges)."""
@@ -113,6 +101,24 @@ class _ServingReplica:
             handle.close()
 
 
+class _ServingReplica(_Replica):
+    """One replica: a started Serving (see the module docstring)."""
+
+    async def __call__(self, request: Any) -> Any:
+        """HTTP: the JSON body in, the JSON result out (503 overloaded, 504 deadline)."""
+        from starlette.responses import JSONResponse
+
+        deadline = request.query_params.get("deadline")
+        try:
+            result = await self._handle.run_async(await request.json(),
+                                                  deadline=None if deadline is None else float(deadline))
+        except ServingOverloaded as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        except DeadlineExceeded as exc:
+            return JSONResponse({"error": str(exc)}, status_code=504)
+        return JSONResponse(result)
+
+
 ServingDeployment = serve.deployment(name="ServingDeployment", max_ongoing_requests=_DEFAULT_MAX_ONGOING)(
     _ServingReplica
 )
@@ -124,7 +130,13 @@ def serving_app(factory: Factory, *, process_options: dict[str, Any] | None = No
     serving's ``max_queue`` (when given) so that Serve, not the serving, queues the excess;
     ``deployment_options`` go to ``.options()`` (``num_replicas``, ``ray_actor_options``,
     ``max_queued_requests``, ``health_check_period_s``, ...)."""
+    options = _queue_in_serve(process_options, deployment_options)
+    return ServingDeployment.options(**options).bind(factory, process_options, stuck_after=stuck_after)
+
+
+def _queue_in_serve(process_options: dict[str, Any] | None, deployment_options: dict[str, Any]) -> dict[str, Any]:
+    """``deployment_options`` with ``max_ongoing_requests`` defaulting to the serving's ``max_queue``."""
     max_queue = (process_options or {}).get("max_queue")
-    if max_queue is not None:
-        deployment_options.setdefault("max_ongoing_requests", max_queue)
-    return ServingDeployment.options(**deployment_options).bind(factory, process_options, stuck_after=stuck_after)
+    if max_queue is None:
+        return deployment_options
+    return {"max_ongoing_requests": max_queue, **deployment_options}

@@ -1,9 +1,13 @@
-"""ServingDeployment: a started Serving per Ray Serve replica (real Serve on the local cluster)."""
+"""ServingDeployment and the OpenAI ingress (OpenAIDeployment): a started Serving per Ray Serve
+replica (real Serve on the local cluster, its HTTP proxy on a free 127.0.0.1 port)."""
 
 from __future__ import annotations
 
+import functools
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,11 +33,19 @@ def wait_until(predicate, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def serve_instance(ray_cluster):
-    serve.start(proxy_location="Disabled")  # handles only: no HTTP port taken on a shared machine
+    """Serve with its HTTP proxy on loopback only; yields the proxy's base URL."""
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        yield serve
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
 
@@ -85,3 +97,67 @@ def test_check_health_fails_when_the_serving_is_stuck(ray_cluster):
 def test_overload_maps_to_max_ongoing_requests():
     app = serving_app("pool_servings:double", process_options={"batch_size": 2, "max_queue": 6})
     assert app._bound_deployment.max_ongoing_requests == 6
+
+
+MODEL = "tiny"
+OPTIONS = dict(max_new_tokens=8, max_len=320, max_batch=32)
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_serving(tiny_ckpt: Path):
+    from mlx_serving import text_generation
+
+    serving = text_generation.from_mlx4bit(tiny_ckpt, **OPTIONS)
+    yield serving
+    serving.close()
+
+
+def test_openai_server_as_the_serve_ingress(serve_instance, tiny_ckpt, tiny_serving):
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi", reason="the server extra (mlx-serving[server]) is not installed")
+    from mlx_serving import Serving, text_generation
+    from mlx_serving.serving.ray import openai_app
+
+    factory = functools.partial(text_generation.from_mlx4bit, str(tiny_ckpt), **OPTIONS)
+    app = openai_app(factory, model=MODEL, process_options={"max_queue": 256}, num_replicas=2,
+                     ray_actor_options={"num_cpus": 0}, name="openai")
+    assert app._bound_deployment.max_ongoing_requests == 256
+    handle = serve.run(app, name="openai", route_prefix="/")
+    client = openai.OpenAI(base_url=f"{serve_instance}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def expected(input: dict) -> str:
+        return tiny_serving.run(input)["results"][0]["generated_text"]
+
+    # concurrent requests batch inside the replicas' servings (no @serve.batch on top): a replica's
+    # serving ran fewer steps than its requests take one at a time
+    prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(24)]
+    with Serving.start(tiny_serving) as alone:
+        alone.run({"messages": prompts[0], "max_new_tokens": 4})
+        steps_alone = alone.stats().steps_run
+    with ThreadPoolExecutor(24) as executor:
+        replies = list(executor.map(
+            lambda m: client.chat.completions.create(model=MODEL, messages=m, max_tokens=4), prompts))
+    stats = handle.stats.remote().result()  # the replica the handle picked
+    assert [r.choices[0].message.content for r in replies] == [
+        expected({"messages": m, "max_new_tokens": 4}) for m in prompts]
+    assert stats.completed >= 2 and stats.steps_run < steps_alone * stats.completed
+
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6)
+    assert reply.choices[0].message.content == expected({"messages": MESSAGES, "max_new_tokens": 6})
+    assert reply.model == MODEL and reply.usage.completion_tokens == 6
+    sampled = dict(temperature=0.8, seed=3)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True,
+                                                 **sampled))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected(
+        {"messages": MESSAGES, "max_new_tokens": 6, **sampled})
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+    assert completion.choices[0].text == expected({"text": "Once upon a time", "max_new_tokens": 5})
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{serve_instance}/health", timeout=30).json() == {"status": "ok"}
+    metrics = httpx.get(f"{serve_instance}/metrics", timeout=30).text
+    assert f'model_name="{MODEL}"' in metrics  # the replica's server metrics
+
+    serve.delete("openai")
