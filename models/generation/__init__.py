@@ -3,14 +3,20 @@ cache (block pool, block tables, automatic prefix caching with LRU eviction, pre
 
 Model families (``models/qwen3``, ...) provide the forward pass (``forward(state, cache, rows)``
 reading and writing K/V through ``attend``); everything else (batching, KV memory, sampling) is
-here. See docs/generation.md.
+here. Sampling (:mod:`.sampling`, :mod:`.logits`): per-request :class:`SamplingParams` run as a
+sampler chain for the whole batch on the device; structured output plugs in through a
+:data:`ConstraintFactory` making :class:`TokenConstraint` objects. See docs/generation.md.
 """
 
 from .block_pool import BlockPool, block_hash
 from .engine import Engine
+from .events import FinishReason, SeqEvent
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_manager import KVManager, KVStats, SeqBlocks
 from .policy import FCFSPolicy, Policy, PriorityPolicy, make_policy
+from .protocol import ConstraintFactory, TokenConstraint
+from .sampling import SamplingParams
 
-__all__ = ["BLOCK_SIZE", "BlockPool", "Engine", "FCFSPolicy", "KVManager", "KVStats", "PagedKVCache", "Policy",
-           "PriorityPolicy", "SeqBlocks", "block_hash", "init_paged_kv_cache", "make_policy", "plan_blocks"]
+__all__ = ["BLOCK_SIZE", "BlockPool", "ConstraintFactory", "Engine", "FCFSPolicy", "FinishReason", "KVManager", "KVStats",
+           "PagedKVCache", "Policy", "PriorityPolicy", "SamplingParams", "SeqBlocks", "SeqEvent", "TokenConstraint",
+           "block_hash", "init_paged_kv_cache", "make_policy", "plan_blocks"]
