@@ -49,6 +49,7 @@ from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 
+_RETRIES = 5
 _WORDS = ("river", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "quartz", "ember", "violet")
 
 
@@ -83,7 +84,27 @@ async def inproc_round(handle: Any, texts: list[str], max_tokens: int) -> tuple[
     return list(samples), time.perf_counter() - start
 
 
-async def http_round(url: str, model: str, texts: list[str], max_tokens: int) -> tuple[list[Sample], float]:
+async def _stream_one(client: httpx.AsyncClient, body: dict[str, Any], t0: float) -> Sample:
+    first, tokens, pieces = None, None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices") or ()):
+                pieces += 1
+                first = first if first is not None else time.perf_counter() - t0
+    return Sample(first if first is not None else float("nan"), time.perf_counter() - t0,
+                  tokens if tokens is not None else pieces)
+
+
+async def http_round(url: str, model: str, texts: list[str], max_tokens: int,
+                     retries: list[int]) -> tuple[list[Sample], float]:
+    """Every client streams one completion; ``retries[0]`` counts requests sent again after their
+    connection was refused or reset (TTFT still counts from the first send)."""
     limits = httpx.Limits(max_connections=len(texts) + 8, max_keepalive_connections=len(texts) + 8)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
         start = time.perf_counter()
@@ -92,20 +113,15 @@ async def http_round(url: str, model: str, texts: list[str], max_tokens: int) ->
             body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                     "stream_options": {"include_usage": True}}
             t0 = time.perf_counter()
-            first, tokens, pieces = None, None, 0
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:") or line.endswith("[DONE]"):
-                        continue
-                    chunk = json.loads(line[5:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if any(c.get("text") for c in chunk.get("choices") or ()):
-                        pieces += 1
-                        first = first if first is not None else time.perf_counter() - t0
-            return Sample(first if first is not None else float("nan"), time.perf_counter() - t0,
-                          tokens if tokens is not None else pieces)
+            for attempt in range(_RETRIES + 1):
+                try:
+                    return await _stream_one(client, body, t0)
+                except httpx.TransportError:  # refused or reset (mlx_lm.server's accept backlog is 5)
+                    if attempt == _RETRIES:
+                        raise
+                    retries[0] += 1
+                    await asyncio.sleep(0.05 * (attempt + 1))
+            raise AssertionError("unreachable")
 
         samples = await asyncio.gather(*(one(t) for t in texts))
         return list(samples), time.perf_counter() - start
@@ -179,6 +195,7 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     texts = prompts(args.clients)
     name = model.resolve().name
     rounds: dict[str, list[tuple[list[Sample], float]]] = {m: [] for m in modes}
+    retries: dict[str, list[int]] = {}
     port_serve, port_mlx = _free_port(), _free_port()
     serve_cmd = [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(model), "--port", str(port_serve),
                  "--max-batch", str(args.clients), "--max-len", str(args.max_len), "--max-new-tokens", str(args.max_tokens),
@@ -189,9 +206,10 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
-            rounds[mode].append(one_round(mode, model, name, texts, args, serve_cmd, mlx_cmd, port_serve, port_mlx))
+            rounds[mode].append(one_round(mode, model, name, texts, args, serve_cmd, mlx_cmd, port_serve, port_mlx,
+                                          retries.setdefault(mode, [0])))
             print(f"round {r} {mode}: {summarize(rounds[mode][-1:])}", file=sys.stderr)
-    out = {mode: summarize(rs) for mode, rs in rounds.items()}
+    out = {mode: {**summarize(rs), "retries": retries.get(mode, [0])[0]} for mode, rs in rounds.items()}
     if "inproc" in rounds:
         for mode in modes:
             ratios = [rs[1] and (sum(s.tokens for s in rs[0]) / rs[1]) /
@@ -201,7 +219,7 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def one_round(mode: str, model: Path, name: str, texts: list[str], args: argparse.Namespace, serve_cmd: list[str],
-              mlx_cmd: list[str], port_serve: int, port_mlx: int) -> tuple[list[Sample], float]:
+              mlx_cmd: list[str], port_serve: int, port_mlx: int, retries: list[int]) -> tuple[list[Sample], float]:
     """One round of ``mode``: a fresh server (or handle) per round, warmed up by one request first."""
     if mode == "inproc":
         serving = text_generation.from_mlx4bit(model, max_len=args.max_len, max_batch=args.clients)
@@ -211,8 +229,8 @@ def one_round(mode: str, model: Path, name: str, texts: list[str], args: argpars
     command, port, ready, model_id = ((serve_cmd, port_serve, "/health", name) if mode == "serve"
                                       else (mlx_cmd, port_mlx, "/v1/models", str(model)))
     with subprocess_server(command, port, ready) as url:
-        return _warm_then(lambda: http_round(url, model_id, texts, args.max_tokens),
-                          lambda: http_round(url, model_id, texts[:1], 2))
+        return _warm_then(lambda: http_round(url, model_id, texts, args.max_tokens, retries),
+                          lambda: http_round(url, model_id, texts[:1], 2, retries))
 
 
 def _warm_then(measure: Callable[[], Awaitable[Any]], warm: Callable[[], Awaitable[Any]]) -> Any:

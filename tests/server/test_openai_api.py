@@ -157,6 +157,16 @@ def test_deadline_is_504(client: openai.OpenAI, server: Server):
     assert info.value.status_code == 504 and info.value.body["code"] == "deadline_exceeded"
 
 
+def test_deadline_mid_stream_ends_the_stream_with_an_error(client: openai.OpenAI):
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True,
+                                            extra_body={"deadline": 0.5})
+    pieces = []
+    with pytest.raises(openai.APIError, match="deadline"):
+        for chunk in stream:  # headers were sent: the error arrives as the last event
+            pieces.append(chunk.choices[0].delta.content or "")
+    assert "".join(pieces)  # some text streamed before the deadline
+
+
 def test_overloaded_is_503_with_retry_after(tiny_serving: Serving):
     with Serving.start(tiny_serving, batch_size=1, max_queue=1) as handle, serve(create_app({MODEL: handle})) as url:
         body = {"prompt": "busy", "max_tokens": 300, "stream": True}
