@@ -135,8 +135,8 @@ class Engine:
     Sampling follows each sequence's :class:`~.sampling.SamplingParams` through its sampler chain
     (:mod:`.logits`), for the whole batch on the device. ``constraint_factory`` makes the
     :class:`~.protocol.TokenConstraint` of a sequence whose ``params.grammar`` is set (structured
-    output); while such a sequence runs, each step first lands the previous step's tokens, since
-    its mask depends on them.
+    output); a step after one that gave such a sequence a token first lands that token, since the
+    sequence's mask depends on it.
     """
 
     def __init__(self, state: Any, max_batch: int, max_len: int, prefill_chunk: int = 512,
@@ -430,7 +430,7 @@ class Engine:
         usually returns nothing for that sequence.
         """
         events: list[SeqEvent] = []
-        if self._flight is not None and any(s is not None and s.constraint is not None for s in self._slots):
+        if self._flight is not None and any(s.constraint is not None and not s.done for s in self._flight.produced):
             events += self._land(self._flight)  # a constrained row's mask needs its last token
             self._flight = None
         self._admit()
