@@ -60,7 +60,7 @@ from mlx_serving.models.qwen3.checkpoint import PRESETS, write_checkpoint  # noq
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
-__all__ = ["Workload", "load_models", "make_workload", "summary"]
+__all__ = ["Workload", "load_ours", "load_peer", "make_workload", "summary"]
 
 TTFT_P99_TARGET_S = 3.0  # issue 17: TTFT p99 <= 3 s at batch 128
 RATIO_TARGET = 15.0  # issue 17: >= 15x mlx-lm batch_generate aggregate tok/s at batch 256
@@ -89,23 +89,26 @@ def summary(values_s: list[float]) -> dict[str, float]:
             "max": float(ms.max()), "mean": float(ms.mean())}
 
 
-def load_models(ckpt: Path, preset: str, weights: str) -> tuple[tokenizers.Tokenizer, Tokenizer, State, Any, Any]:
+def load_ours(ckpt: Path, preset: str, weights: str) -> tuple[tokenizers.Tokenizer, Tokenizer, State]:
     """Write the seeded checkpoint if missing, check it has ``preset``'s shape (ValueError if not:
-    a checkpoint of another preset left at that path), and load both sides: the raw tokenizer, ours
-    (EOS ignored), our state (dense when ``weights`` is "dequantized"), mlx-lm's model and
-    tokenizer (EOS ignored)."""
+    a checkpoint of another preset left at that path), and load our side: the raw tokenizer, ours
+    with EOS ignored, and the state (projections dense when ``weights`` is "dequantized")."""
     if not (ckpt / "config.json").is_file():
         write_checkpoint(ckpt, preset, seed=0)
     config = json.loads((ckpt / "config.json").read_text())
     if config["hidden_size"] != PRESETS[preset]["hidden_size"]:
         raise ValueError(f"--ckpt {ckpt} holds a hidden_size {config['hidden_size']} checkpoint, not preset {preset!r}")
+    raw = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    return raw, Tokenizer(raw, eos_token_ids=()), load(ckpt, dequantize=weights == "dequantized")
+
+
+def load_peer(ckpt: Path) -> tuple[Any, Any]:
+    """mlx-lm's model (as stored) and tokenizer, EOS ignored."""
     from mlx_lm import load as mlxlm_load
 
-    raw = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    state = load(ckpt, dequantize=weights == "dequantized")
     model, mlxlm_tok = mlxlm_load(str(ckpt))
     mlxlm_tok.eos_token_ids = set()
-    return raw, Tokenizer(raw, eos_token_ids=()), state, model, mlxlm_tok
+    return model, mlxlm_tok
 
 
 def make_workload(raw: tokenizers.Tokenizer, tok: Tokenizer, n: int, prompt_range: tuple[int, int],
@@ -233,7 +236,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    raw, tok, state, model, mlxlm_tok = load_models(args.ckpt, args.preset, args.weights)
+    raw, tok, state = load_ours(args.ckpt, args.preset, args.weights)
+    model, mlxlm_tok = load_peer(args.ckpt)
     work = make_workload(raw, tok, args.requests, args.prompt_range, args.new_range, args.seed)
     warm = make_workload(raw, tok, args.warmup, args.prompt_range, (1, min(32, args.new_range[1])), args.seed + 1)
     batches = [int(b) for b in args.batches.split(",")]

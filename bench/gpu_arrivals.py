@@ -1,0 +1,289 @@
+"""Arrivals (issue 17): Poisson arrivals of long shared-prefix prompts, streamed clients, per rate.
+
+Workload per rate r (requests/s): arrival times are a seeded Poisson process (exponential gaps of
+mean 1/r seconds) over ``--duration`` seconds; each request is plain text = a shared system part of
+``--system-tokens`` tokens (one per rate run, so each rate starts with it uncached) followed by its
+own ``--user-tokens`` unique tokens (random one-token words that round-trip through the tokenizer:
+``gpu_throughput.word_prompts``), ``--new`` greedy new tokens with EOS ignored. Each client awaits
+its arrival time, then calls ``Serving.stream_async`` on one event loop with ``deadline=--deadline``.
+Our text-generation serving: ``max_batch`` = ``--max-batch``, prefix caching on (unless
+``--no-prefix-caching``), seeded Qwen3-0.6B-shaped checkpoint, projections dequantized.
+
+Measured per rate, all from the client's stream (times in ms):
+
+- TTFT of a request = its submission (just before ``stream_async`` is awaited) -> the first item its
+  stream yields; p50 / p99 / max over requests;
+- ITL = gaps between consecutive text items of one request (one item per token, except that a token
+  completing no UTF-8 character yields none: ``tokens`` and ``text_events`` are reported); p50 / p99
+  over all gaps of all requests;
+- goodput = fraction of arrived requests with TTFT <= ``--ttft-slo`` (1 s) and their own ITL p99 <=
+  ``--itl-slo`` (50 ms); a request past its deadline counts as missing it; the rate "meets goodput"
+  when that fraction is >= ``--goodput-target`` (0.9);
+- peak memory MLX allocated during the rate (``mx.get_peak_memory()`` after
+  ``mx.reset_peak_memory()``, bytes: device memory on a GPU; the process's peak RSS, MB, is
+  reported once for the whole run as ``peak_rss_mb_process``), the largest KV
+  blocks in use, sequences running / waiting (``handle.stats().backend`` sampled every 50 ms) and
+  the prefix-cache counters of the rate (``prefix_queries``, ``prefix_hits``, ``prefix_query_tokens``,
+  ``prefix_hit_tokens``, ``preemptions``, ``evictions``: differences over the rate);
+- client scheduling lag (actual submission - scheduled arrival), p99, to show when the client loop
+  itself fell behind; generated tok/s = tokens / (last item - first arrival).
+
+Search: the listed ``--rates`` run in ascending order; then ``--search-steps`` more rates, each the
+midpoint of the highest rate that met goodput and the lowest above it that did not (or double the
+highest when none failed, half the lowest when none passed). Reported: the highest rate that met
+goodput and that bracket. Total time is bounded: each rate takes at most duration + deadline.
+
+Prints one table; writes JSON (``--out``, default bench/results/gpu_arrivals.json) with issue 17's
+targets (at 8 and 16 requests/s: ITL p99 <= 25 ms, TTFT p99 <= 300 ms) marked met or not where run.
+Run (MLX CUDA build): ``python bench/gpu_arrivals.py``; on CPU ``--quick`` (tiny preset, 2 and 4
+requests/s for 4 s each, short prompts, one search step) is a smoke run of under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+import numpy as np
+import tokenizers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_mixed import load_ours, summary  # noqa: E402
+from gpu_throughput import word_prompts  # noqa: E402
+from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.qwen3.checkpoint import PRESETS  # noqa: E402
+from mlx_serving.serving import DeadlineExceeded, Serving  # noqa: E402
+from mlx_serving.tokenization import Tokenizer  # noqa: E402
+
+__all__ = ["Client", "next_rate", "poisson_arrivals"]
+
+COUNTERS = ("prefix_queries", "prefix_hits", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "evictions")
+TARGET_RATES = (8.0, 16.0)  # issue 17: at these rates ITL p99 <= 25 ms and TTFT p99 <= 300 ms
+TARGET_ITL_P99_MS, TARGET_TTFT_P99_MS = 25.0, 300.0
+SAMPLE_S = 0.05  # backend stats sampling period
+
+
+@dataclass
+class Client:
+    """What one streamed client saw (perf_counter seconds)."""
+
+    scheduled: float
+    submitted: float = 0.0
+    first: float | None = None
+    text_times: list[float] = field(default_factory=list)
+    tokens: int = 0
+    expired: bool = False
+
+    def gaps(self) -> list[float]:
+        t = self.text_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def good(self, ttft_slo: float, itl_slo: float) -> bool:
+        """TTFT <= ``ttft_slo`` and this request's ITL p99 <= ``itl_slo`` (seconds); False if expired."""
+        if self.expired or self.first is None or self.first - self.submitted > ttft_slo:
+            return False
+        gaps = self.gaps()
+        return not gaps or float(np.percentile(gaps, 99)) <= itl_slo
+
+
+def poisson_arrivals(rate: float, duration: float, rng: np.random.Generator) -> list[float]:
+    """Arrival offsets (s) of a Poisson process of ``rate`` per second within ``[0, duration)``."""
+    gaps = rng.exponential(1.0 / rate, size=int(rate * duration * 2 + 20))
+    times = np.cumsum(gaps)
+    return times[times < duration].tolist()
+
+
+def next_rate(results: dict[float, bool]) -> float:
+    """The next rate to try given ``{rate: met goodput}``: midpoint of the highest passing and the
+    lowest failing rate above it; double the highest if none failed; half the lowest if none passed."""
+    passed = [r for r, ok in results.items() if ok]
+    lo = max(passed) if passed else None
+    failed = [r for r, ok in results.items() if not ok and (lo is None or r > lo)]
+    hi = min(failed) if failed else None
+    if lo is None:
+        return round(hi / 2, 2)
+    return round(2 * lo if hi is None else (lo + hi) / 2, 2)
+
+
+async def one_client(handle: Any, c: Client, text: str, new: int, deadline: float) -> None:
+    await anyio.sleep(max(0.0, c.scheduled - time.perf_counter()))
+    c.submitted = time.perf_counter()
+    try:
+        async with await Serving.stream_async(handle, {"text": text, "max_new_tokens": new}, deadline=deadline) as s:
+            async for item in s:
+                now = time.perf_counter()
+                c.first = c.first or now
+                if isinstance(item, str):
+                    c.text_times.append(now)
+                else:
+                    c.tokens = item["num_tokens"]
+    except DeadlineExceeded:
+        c.expired = True
+
+
+async def sample_backend(handle: Any, peaks: dict[str, float], stop: anyio.Event) -> None:
+    """Largest ``blocks_used`` / ``seqs_running`` / ``seqs_waiting`` seen until ``stop``."""
+    while not stop.is_set():
+        backend = handle.stats().backend
+        for key in ("blocks_used", "seqs_running", "seqs_waiting"):
+            peaks[key] = max(peaks.get(key, 0), backend.get(key, 0))
+        await anyio.sleep(SAMPLE_S)
+
+
+async def drive(handle: Any, arrivals: list[float], texts: list[str], new: int,
+                deadline: float) -> tuple[list[Client], dict[str, float]]:
+    """Run every client at its arrival offset; return the clients and the sampled backend peaks."""
+    start = time.perf_counter() + 0.05
+    clients = [Client(start + a) for a in arrivals]
+    peaks: dict[str, float] = {}
+    stop = anyio.Event()
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(sample_backend, handle, peaks, stop)
+        async with anyio.create_task_group() as tg:
+            for c, text in zip(clients, texts):
+                tg.start_soon(one_client, handle, c, text, new, deadline)
+        stop.set()
+    return clients, peaks
+
+
+def run_rate(handle: Any, raw: tokenizers.Tokenizer, tok: Tokenizer, rate: float, index: int,
+             args: argparse.Namespace) -> dict[str, Any]:
+    """One rate: fresh system part, Poisson arrivals, metrics (see the module docstring)."""
+    rng = np.random.default_rng(args.seed + 1 + index)
+    arrivals = poisson_arrivals(rate, args.duration, rng)
+    system = word_prompts(raw, 1, args.system_tokens, seed=10_000 + args.seed + index)[0]
+    users = word_prompts(raw, len(arrivals), args.user_tokens, seed=20_000 + args.seed + index)
+    texts = [raw.decode(system + u) for u in users]
+    if texts and tok.encode(texts[0]) != system + users[0]:
+        raise ValueError("the prompt does not round-trip through the tokenizer")
+    before = handle.stats().backend
+    mx.reset_peak_memory()
+    clients, peaks = anyio.run(drive, handle, arrivals, texts, args.new, args.deadline)
+    after = handle.stats().backend
+    return metrics(rate, clients, args) | {
+        "peak_memory_bytes": mx.get_peak_memory(), "peaks": peaks,
+        "prefix": {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}}
+
+
+def metrics(rate: float, clients: list[Client], args: argparse.Namespace) -> dict[str, Any]:
+    """Client-side metrics of one rate (TTFT, ITL, goodput, lag, tok/s)."""
+    done = [c for c in clients if c.first is not None]
+    good = sum(c.good(args.ttft_slo, args.itl_slo) for c in clients)
+    fraction = good / len(clients) if clients else float("nan")
+    tokens = sum(c.tokens for c in clients)
+    end = max((c.text_times[-1] for c in done if c.text_times), default=float("nan"))
+    span = end - clients[0].scheduled if clients else float("nan")
+    return {"rate": rate, "requests": len(clients), "expired": sum(c.expired for c in clients),
+            "ttft_ms": summary([c.first - c.submitted for c in done]),
+            "itl_ms": summary([g for c in done for g in c.gaps()]),
+            "goodput": fraction, "meets_goodput": fraction >= args.goodput_target,
+            "lag_ms": summary([c.submitted - c.scheduled for c in clients]),
+            "tokens": tokens, "text_events": sum(len(c.text_times) for c in clients),
+            "tok_s": tokens / span if span > 0 else float("nan")}
+
+
+def warm_up(handle: Any, raw: tokenizers.Tokenizer, args: argparse.Namespace) -> None:
+    """A few concurrent requests with another system part, so kernel builds are not timed."""
+    system = word_prompts(raw, 1, args.system_tokens, seed=99_999)[0]
+    texts = [raw.decode(system + u) for u in word_prompts(raw, 4, args.user_tokens, seed=99_998)]
+    anyio.run(drive, handle, [0.0] * len(texts), texts, args.new, args.deadline * 4)
+
+
+def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 17's arrival targets at 8 and 16 requests/s, where run."""
+    res: dict[str, Any] = {}
+    for r in runs:
+        if r["rate"] in TARGET_RATES:
+            itl, ttft = r["itl_ms"]["p99"], r["ttft_ms"]["p99"]
+            res[f"rate_{r['rate']:g}"] = {"itl_p99_ms": itl, "ttft_p99_ms": ttft,
+                                         "met": itl <= TARGET_ITL_P99_MS and ttft <= TARGET_TTFT_P99_MS}
+    return res
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
+    ap.add_argument("--preset", default="0.6b", choices=sorted(PRESETS))
+    ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized")
+    ap.add_argument("--rates", default="8,16,32", help="requests/s, comma-separated")
+    ap.add_argument("--duration", type=float, default=20.0, help="arrival window per rate, seconds")
+    ap.add_argument("--system-tokens", type=int, default=1000, help="shared system part, tokens")
+    ap.add_argument("--user-tokens", type=int, default=64, help="unique user part, tokens")
+    ap.add_argument("--new", type=int, default=128, help="new tokens per request (EOS ignored)")
+    ap.add_argument("--max-batch", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT bound, seconds")
+    ap.add_argument("--itl-slo", type=float, default=0.05, help="goodput: per-request ITL p99 bound, seconds")
+    ap.add_argument("--goodput-target", type=float, default=0.9, help="fraction of requests meeting both bounds")
+    ap.add_argument("--search-steps", type=int, default=2, help="extra rates tried after --rates")
+    ap.add_argument("--deadline", type=float, default=30.0, help="per-request deadline, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_arrivals.json"))
+    ap.add_argument("--quick", action="store_true", help="tiny preset, short prompts, 2 rates x 4 s: a CPU smoke run")
+    args = ap.parse_args()
+    if args.quick:
+        args.preset, args.rates, args.duration, args.search_steps = "tiny", "2,4", 4.0, 1
+        args.system_tokens, args.user_tokens, args.new, args.max_batch, args.deadline = 128, 16, 8, 8, 15.0
+    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    raw, tok, state = load_ours(args.ckpt, args.preset, args.weights)
+    gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_batch=args.max_batch,
+                                  max_len=args.system_tokens + args.user_tokens + args.new + 8,
+                                  prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
+    runs: list[dict[str, Any]] = []
+    with Serving.start(gen, batch_timeout=0.002) as handle:
+        warm_up(handle, raw, args)
+        plan = sorted(float(r) for r in args.rates.split(","))
+        print(HEADER)
+        for i in range(len(plan) + args.search_steps):
+            rate = plan[i] if i < len(plan) else next_rate({r["rate"]: r["meets_goodput"] for r in runs})
+            runs.append(run_rate(handle, raw, tok, rate, i, args))
+            print_row(runs[-1])
+    outcome = {r["rate"]: r["meets_goodput"] for r in runs}
+    passed = [r for r, ok in outcome.items() if ok]
+    best = max(passed, default=None)
+    above = [r for r, ok in outcome.items() if not ok and (best is None or r > best)]
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
+           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "runs": runs, "max_goodput_rate": best, "bracket": [best, min(above, default=None)],
+           "targets": targets(runs), "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"highest rate meeting goodput (>= {args.goodput_target:.0%} of requests with TTFT <= {args.ttft_slo:g} s "
+          f"and ITL p99 <= {args.itl_slo * 1e3:g} ms): {best} requests/s; bracket {out['bracket']}")
+    for name, t in out["targets"].items():
+        print(f"target {name}: ITL p99 {t['itl_p99_ms']:.1f} ms (<= {TARGET_ITL_P99_MS:g}), TTFT p99 "
+              f"{t['ttft_p99_ms']:.0f} ms (<= {TARGET_TTFT_P99_MS:g}) -> {'met' if t['met'] else 'NOT met'}")
+
+
+HEADER = (f"{'req/s':>7}{'reqs':>6}{'TTFT p50':>10}{'p99 ms':>9}{'ITL p50':>9}{'p99 ms':>9}{'goodput':>9}"
+          f"{'tok/s':>8}{'peak GB':>9}{'hit tok':>9}{'of':>9}{'lag p99':>9}")
+
+
+def print_row(r: dict[str, Any]) -> None:
+    """One table line per rate (under ``HEADER``)."""
+    p = r["prefix"]
+    print(f"{r['rate']:>7g}{r['requests']:>6}{r['ttft_ms']['p50']:>10.0f}{r['ttft_ms']['p99']:>9.0f}"
+          f"{r['itl_ms']['p50']:>9.1f}{r['itl_ms']['p99']:>9.1f}{r['goodput']:>9.2f}{r['tok_s']:>8.0f}"
+          f"{r['peak_memory_bytes'] / 1e9:>9.2f}{p['prefix_hit_tokens']:>9}{p['prefix_query_tokens']:>9}"
+          f"{r['lag_ms']['p99']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
