@@ -59,7 +59,7 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_mixed import load_ours, summary  # noqa: E402
+from gpu_mixed import load_ours, save, summary  # noqa: E402
 from gpu_throughput import word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import PRESETS  # noqa: E402
@@ -246,30 +246,34 @@ def main() -> None:
     gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_batch=args.max_batch,
                                   max_len=args.system_tokens + args.user_tokens + args.new + 8,
                                   prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
-    runs: list[dict[str, Any]] = []
+    out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
+                           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                           "runs": []}
     with Serving.start(gen, batch_timeout=0.002) as handle:
         warm_up(handle, raw, args)
         plan = sorted(float(r) for r in args.rates.split(","))
         print(HEADER)
         for i in range(len(plan) + args.search_steps):
-            rate = plan[i] if i < len(plan) else next_rate({r["rate"]: r["meets_goodput"] for r in runs})
-            runs.append(run_rate(handle, raw, tok, rate, i, args))
-            print_row(runs[-1])
-    outcome = {r["rate"]: r["meets_goodput"] for r in runs}
-    passed = [r for r, ok in outcome.items() if ok]
-    best = max(passed, default=None)
-    above = [r for r, ok in outcome.items() if not ok and (best is None or r > best)]
-    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
-           "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "runs": runs, "max_goodput_rate": best, "bracket": [best, min(above, default=None)],
-           "targets": targets(runs), "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+            rate = plan[i] if i < len(plan) else next_rate({r["rate"]: r["meets_goodput"] for r in out["runs"]})
+            out["runs"].append(run_rate(handle, raw, tok, rate, i, args))
+            print_row(out["runs"][-1])
+            save(args.out, conclude(out))
     print(f"highest rate meeting goodput (>= {args.goodput_target:.0%} of requests with TTFT <= {args.ttft_slo:g} s "
-          f"and ITL p99 <= {args.itl_slo * 1e3:g} ms): {best} requests/s; bracket {out['bracket']}")
+          f"and ITL p99 <= {args.itl_slo * 1e3:g} ms): {out['max_goodput_rate']} requests/s; bracket {out['bracket']}")
     for name, t in out["targets"].items():
         print(f"target {name}: ITL p99 {t['itl_p99_ms']:.1f} ms (<= {TARGET_ITL_P99_MS:g}), TTFT p99 "
               f"{t['ttft_p99_ms']:.0f} ms (<= {TARGET_TTFT_P99_MS:g}) -> {'met' if t['met'] else 'NOT met'}")
+
+
+def conclude(out: dict[str, Any]) -> dict[str, Any]:
+    """Add the highest rate that met goodput, its bracket, the targets and the process's peak RSS
+    (MB) to ``out`` from the runs so far; returns ``out``."""
+    outcome = {r["rate"]: r["meets_goodput"] for r in out["runs"]}
+    best = max((r for r, ok in outcome.items() if ok), default=None)
+    above = min((r for r, ok in outcome.items() if not ok and (best is None or r > best)), default=None)
+    out.update(max_goodput_rate=best, bracket=[best, above], targets=targets(out["runs"]),
+               peak_rss_mb_process=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    return out
 
 
 HEADER = (f"{'req/s':>7}{'reqs':>6}{'TTFT p50':>10}{'p99 ms':>9}{'ITL p50':>9}{'p99 ms':>9}{'goodput':>9}"

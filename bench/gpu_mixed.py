@@ -14,7 +14,8 @@ Measured (``wall`` = first submission -> last token, seconds, prefill included):
   requests ``{"text", "max_new_tokens"}`` through ``Serving.stream_async`` on one event loop:
   aggregate tok/s = generated tokens / wall; TTFT (ms) of each request = time from its submission
   (just before ``stream_async`` is awaited) to the first item its stream yields (measured on the
-  client, not derived from server timings), p50 / p99 / max;
+  client, not derived from server timings), p50 / p99 / max; also ``ttft_from_start_ms``, from the
+  moment the first request was submitted (the clients' own submission spread included);
 - mlx-lm ``batch_generate`` with its defaults (``completion_batch_size`` 32, ``prefill_batch_size``
   8) and per-request ``max_tokens`` (a list: the same output lengths): aggregate tok/s only (it
   does not stream);
@@ -129,16 +130,18 @@ def make_workload(raw: tokenizers.Tokenizer, tok: Tokenizer, n: int, prompt_rang
 async def ours_streams(handle: Any, work: Workload) -> dict[str, Any]:
     """Submit every request at once through ``stream_async``; TTFT per request from its stream."""
     ttft: list[float] = []
+    firsts: list[float] = []
     counts: list[int] = []
 
     async def one(text: str, new: int) -> None:
-        t0 = time.perf_counter()
+        submitted = time.perf_counter()
         first = None
         async with await Serving.stream_async(handle, {"text": text, "max_new_tokens": new}) as stream:
             async for item in stream:
                 if first is None:
                     first = time.perf_counter()
-                    ttft.append(first - t0)
+                    ttft.append(first - submitted)
+                    firsts.append(first - t0)
                 if isinstance(item, dict):
                     counts.append(item["num_tokens"])
 
@@ -147,7 +150,8 @@ async def ours_streams(handle: Any, work: Workload) -> dict[str, Any]:
         for text, new in zip(work.texts, work.new):
             tg.start_soon(one, text, new)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": sum(counts), "tok_s": sum(counts) / wall, "ttft_ms": summary(ttft)}
+    return {"wall_s": wall, "tokens": sum(counts), "tok_s": sum(counts) / wall, "ttft_ms": summary(ttft),
+            "ttft_from_start_ms": summary(firsts)}
 
 
 def run_ours(tok: Tokenizer, state: State, batch: int, work: Workload, warm: Workload,
@@ -237,11 +241,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     raw, tok, state = load_ours(args.ckpt, args.preset, args.weights)
-    model, mlxlm_tok = load_peer(args.ckpt)
     work = make_workload(raw, tok, args.requests, args.prompt_range, args.new_range, args.seed)
     warm = make_workload(raw, tok, args.warmup, args.prompt_range, (1, min(32, args.new_range[1])), args.seed + 1)
     batches = [int(b) for b in args.batches.split(",")]
-    peers = [p for p in args.peer.split(",") if p]
     out: dict[str, Any] = {
         "device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(), "preset": args.preset,
         "ours_weights": args.weights, "requests": args.requests, "prompt_range": args.prompt_range,
@@ -249,22 +251,45 @@ def main() -> None:
         "new_tokens": work.total_new, "ours": {}, "mlx_lm_batch_generator": {}}
     for b in batches:
         out["ours"][str(b)] = run_ours(tok, state, b, work, warm, args.prefill_chunk)
-        check_tokens(f"ours at batch {b}", out["ours"][str(b)], work)
+        record(args.out, out, f"ours at max_batch {b}", out["ours"][str(b)], work)
+    run_peers(args, out, work, warm, batches)
+    out["ratios"] = ratios(out, batches)
+    out["targets"] = targets(out)
+    save(args.out, out)
+    print_table(out, batches)
+
+
+def run_peers(args: argparse.Namespace, out: dict[str, Any], work: Workload, warm: Workload,
+              batches: list[int]) -> None:
+    """The mlx-lm sides named in ``--peer``, each after a warm-up on ``warm``, into ``out``."""
+    peers = [p for p in args.peer.split(",") if p]
+    if not peers:
+        return
+    model, mlxlm_tok = load_peer(args.ckpt)
     if "batch_generate" in peers:
         mlxlm_batch_generate(model, mlxlm_tok, warm)
         out["mlx_lm_batch_generate"] = mlxlm_batch_generate(model, mlxlm_tok, work)
-        check_tokens("mlx-lm batch_generate", out["mlx_lm_batch_generate"], work)
+        record(args.out, out, "mlx-lm batch_generate", out["mlx_lm_batch_generate"], work)
     if "batch_generator" in peers:
         for b in batches:
             pb = args.peer_prefill_batch or b
             mlxlm_generator(model, warm, b, pb)
-            out["mlx_lm_batch_generator"][str(b)] = {**mlxlm_generator(model, work, b, pb), "prefill_batch_size": pb}
-            check_tokens(f"mlx-lm BatchGenerator at {b}", out["mlx_lm_batch_generator"][str(b)], work)
-    out["ratios"] = ratios(out, batches)
-    out["targets"] = targets(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print_table(out, batches)
+            r = out["mlx_lm_batch_generator"][str(b)] = {**mlxlm_generator(model, work, b, pb), "prefill_batch_size": pb}
+            record(args.out, out, f"mlx-lm BatchGenerator at {b}", r, work)
+
+
+def record(path: Path, out: dict[str, Any], name: str, result: dict[str, Any], work: Workload) -> None:
+    """Check ``result`` generated the requested tokens, print a progress line and write ``out`` as
+    JSON (after every side, so a later side's failure keeps the earlier ones)."""
+    check_tokens(name, result, work)
+    print(f"{name}: {result['tok_s']:.0f} tok/s, wall {result['wall_s']:.2f} s", flush=True)
+    save(path, out)
+
+
+def save(path: Path, out: dict[str, Any]) -> None:
+    """Write ``out`` as JSON to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
 
 
 def ratios(out: dict[str, Any], batches: list[int]) -> dict[str, dict[str, float]]:
