@@ -42,7 +42,6 @@ requests/s for 4 s each, short prompts, one search step) is a smoke run of under
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import sys
@@ -86,6 +85,7 @@ class Client:
     expired: bool = False
 
     def gaps(self) -> list[float]:
+        """Seconds between consecutive text items."""
         t = self.text_times
         return [b - a for a, b in zip(t, t[1:])]
 
@@ -117,6 +117,7 @@ def next_rate(results: dict[float, bool]) -> float:
 
 
 async def one_client(handle: Any, c: Client, text: str, new: int, deadline: float) -> None:
+    """Wait for ``c.scheduled``, stream the request and note what arrives when, into ``c``."""
     await anyio.sleep(max(0.0, c.scheduled - time.perf_counter()))
     c.submitted = time.perf_counter()
     try:

@@ -61,7 +61,7 @@ from mlx_serving.models.qwen3.checkpoint import PRESETS, write_checkpoint  # noq
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
-__all__ = ["Workload", "load_ours", "load_peer", "make_workload", "summary"]
+__all__ = ["Workload", "load_ours", "load_peer", "make_workload", "save", "summary"]
 
 TTFT_P99_TARGET_S = 3.0  # issue 17: TTFT p99 <= 3 s at batch 128
 RATIO_TARGET = 15.0  # issue 17: >= 15x mlx-lm batch_generate aggregate tok/s at batch 256
