@@ -18,14 +18,21 @@ replica's request, and the server withdraws its rows from the serving.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+import ray
 from ray import serve
 
 from .._pool._worker import Factory
 from ._deployment import _DEFAULT_MAX_ONGOING, _queue_in_serve, _Replica
 
 __all__ = ["OpenAIDeployment", "openai_app"]
+
+if inspect.signature(serve.ingress).parameters["app"].default is not None:  # an older Serve: no late binding
+    raise ImportError(f"the OpenAI ingress needs Ray Serve's late-bound ingress (serve.ingress() with no app, then "
+                      f"__serve_build_asgi_app__), which ray {ray.__version__} lacks: upgrade ray[serve] "
+                      f"(tested with 2.60)")
 
 
 class _OpenAIReplica(_Replica):
