@@ -165,8 +165,9 @@ def summarize(rounds: list[tuple[list[Sample], float]]) -> dict[str, float]:
     per_round = []
     for samples, wall in rounds:
         ttft = np.array([s.ttft for s in samples]) * 1e3
-        per_round.append({"ttft_p50_ms": float(np.nanpercentile(ttft, 50)), "ttft_p99_ms": float(np.nanpercentile(ttft, 99)),
-                          "tok_s": sum(s.tokens for s in samples) / wall, "tokens": sum(s.tokens for s in samples)})
+        tokens = sum(s.tokens for s in samples)
+        per_round.append({"ttft_p50_ms": float(np.nanpercentile(ttft, 50)),
+                          "ttft_p99_ms": float(np.nanpercentile(ttft, 99)), "tok_s": tokens / wall, "tokens": tokens})
     return {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
 
 
@@ -198,8 +199,8 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     retries: dict[str, list[int]] = {}
     port_serve, port_mlx = _free_port(), _free_port()
     serve_cmd = [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(model), "--port", str(port_serve),
-                 "--max-batch", str(args.clients), "--max-len", str(args.max_len), "--max-new-tokens", str(args.max_tokens),
-                 "--log-level", "warning"]
+                 "--max-batch", str(args.clients), "--max-len", str(args.max_len),
+                 "--max-new-tokens", str(args.max_tokens), "--log-level", "warning"]
     mlx_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port_mlx),
                "--decode-concurrency", str(args.clients), "--prompt-concurrency", str(args.clients),
                "--log-level", "WARNING"]

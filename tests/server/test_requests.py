@@ -26,7 +26,8 @@ def test_chat_fields_map_to_the_input():
     })
     assert call.input == {
         "messages": [{"role": "system", "content": "ab"},
-                     {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+                     {"role": "assistant", "content": "",
+                      "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
         "max_new_tokens": 7, "temperature": 0.5, "min_p": 0.1, "seed": 3, "stop": ["x"], "logit_bias": {"12": 1.0},
         "n": 2, "logprobs": True, "top_logprobs": 3, "response_format": {"type": "json_object"},
         "tools": [{"type": "function"}], "enable_thinking": False,
