@@ -160,4 +160,16 @@ def test_openai_server_as_the_serve_ingress(serve_instance, tiny_ckpt, tiny_serv
     metrics = httpx.get(f"{serve_instance}/metrics", timeout=30).text
     assert f'model_name="{MODEL}"' in metrics  # the replica's server metrics
 
+    # a client that disconnects mid-stream: Serve cancels the replica's request, the row leaves
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 300, "stream": True}
+    with httpx.Client(base_url=serve_instance, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            data = (line for line in response.iter_lines() if line.startswith("data:"))
+            assert all('"finish_reason": null' in next(data) for _ in range(3))  # generating
+
+    def withdrawn() -> bool:  # each stats call reaches one replica: poll until the one that held the row answers
+        stats = handle.stats.remote().result()
+        return stats.cancelled == 1 and stats.rows_in_flight == 0
+
+    wait_until(withdrawn)
     serve.delete("openai")
