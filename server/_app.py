@@ -51,6 +51,8 @@ class _Served:
         self.progress: dict[str, Progress] = {}
 
     def ready(self, clients: Models, owned: bool) -> None:
+        if not clients:
+            raise ValueError("no model to serve: give at least one {name: client}")
         self.clients, self.owned = dict(clients), owned
         self.progress = {name: Progress(self._stuck_after) for name in clients}
         self.status = "ready"
@@ -84,8 +86,11 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     ``Authorization: Bearer <api_key>`` (401 otherwise). ``request_timeout``: the deadline in
     seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
     ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
+    Raises ValueError for an empty mapping.
     """
     served = _Served(stuck_after)
+    if not callable(models):
+        served.ready(models, owned=False)
     metrics = Metrics(served.stats)
     loader_thread: list[threading.Thread] = []
 
@@ -103,8 +108,6 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
         if callable(models):
             loader_thread.append(threading.Thread(target=load, name="mlx-serving-load", daemon=True))
             loader_thread[0].start()
-        else:
-            served.ready(models, owned=False)
         yield
         if loader_thread:
             await anyio.to_thread.run_sync(loader_thread[0].join)

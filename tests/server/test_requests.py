@@ -93,3 +93,10 @@ def test_stream_items_of_n_completions_and_list_inputs():
         chunks += state.chunks(event(item, True, 2))
     assert '"index": 3' in chunks[0] and '"text": "x"' in chunks[0] and '"finish_reason": "length"' in chunks[1]
     assert list(state.finals) == [3] and not state.done
+
+
+def test_an_app_needs_a_model():
+    from mlx_serving.server import create_app
+
+    with pytest.raises(ValueError, match="no model"):
+        create_app({})

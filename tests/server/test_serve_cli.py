@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_serving.server._cli import API_KEY_ENV
+from mlx_serving.server._cli import API_KEY_ENV, _model_specs
 
 from server_helpers import wait_for
 
@@ -89,3 +89,17 @@ def test_ctrl_c_stops_the_server(cli_server: tuple[str, subprocess.Popen]):
     assert "mlx-serving: interrupted" in stderr and "Traceback" not in stderr, stderr
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health")
+
+
+def test_served_model_names(tmp_path: Path):
+    from mlx_serving.models.__main__ import _parser
+
+    args = _parser().parse_args(["serve", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b")])
+    assert [name for name, _ in _model_specs(args)] == ["a", "b"]
+    args = _parser().parse_args(["serve", "--model", str(tmp_path / "a"), "--served-model-name", "qwen"])
+    assert _model_specs(args) == [("qwen", tmp_path / "a")]
+    assert _model_specs(_parser().parse_args(["serve"])) == [("default", None)]  # the embedded checkpoint
+    for bad in (["--model", "x", "--model", "y", "--served-model-name", "one"],
+                ["--model", "x/m", "--model", "y/m"], ["--workers", "0"]):
+        with pytest.raises(ValueError):
+            _model_specs(_parser().parse_args(["serve", *bad]))
