@@ -183,15 +183,20 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
-        results = run(model, args)
+        run(model, args)
+    print(args.out.read_text())
+
+
+def write_report(args: argparse.Namespace, results: dict[str, Any], rounds_done: int) -> None:
+    """Write the results so far (after every round: a run stopped early keeps what it measured)."""
     report = {"model": str(args.model or "tiny (seed 0)"), "clients": args.clients, "max_tokens": args.max_tokens,
-              "rounds": args.rounds, "cpu_count": os.cpu_count(), "modes": results}
-    print(json.dumps(report, indent=2))
+              "rounds": rounds_done, "cpu_count": os.cpu_count(), "modes": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run(model: Path, args: argparse.Namespace) -> None:
+    """All rounds of every mode; the report is rewritten after each round."""
     modes = args.modes.split(",")
     texts = prompts(args.clients)
     name = model.resolve().name
@@ -210,11 +215,16 @@ def run(model: Path, args: argparse.Namespace) -> dict[str, Any]:
             rounds[mode].append(one_round(mode, model, name, texts, args, serve_cmd, mlx_cmd, port_serve, port_mlx,
                                           retries.setdefault(mode, [0])))
             print(f"round {r} {mode}: {summarize(rounds[mode][-1:])}", file=sys.stderr)
+        write_report(args, _results(rounds, retries, modes), r + 1)
+
+
+def _results(rounds: dict[str, list[tuple[list[Sample], float]]], retries: dict[str, list[int]],
+             modes: list[str]) -> dict[str, Any]:
     out = {mode: {**summarize(rs), "retries": retries.get(mode, [0])[0]} for mode, rs in rounds.items()}
     if "inproc" in rounds:
         for mode in modes:
-            ratios = [rs[1] and (sum(s.tokens for s in rs[0]) / rs[1]) /
-                      (sum(s.tokens for s in base[0]) / base[1]) for rs, base in zip(rounds[mode], rounds["inproc"])]
+            ratios = [(sum(s.tokens for s in rs[0]) / rs[1]) / (sum(s.tokens for s in base[0]) / base[1])
+                      for rs, base in zip(rounds[mode], rounds["inproc"])]
             out[mode]["tok_s_vs_inproc"] = statistics.median(ratios)
     return out
 
