@@ -3,6 +3,7 @@ replica (real Serve on the local cluster, its HTTP proxy on a free 127.0.0.1 por
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import socket
 import threading
@@ -73,6 +74,27 @@ def test_run_stream_stats_and_batching(serve_instance):
     wait_until(lambda: counter.stats.remote().result().cancelled == 1)
     wait_until(lambda: counter.stats.remote().result().running == 0)
     serve.delete("counter")
+
+
+def test_200_concurrent_calls_through_a_handle_and_http(serve_instance):
+    """2 replicas: every call answered, both replicas used, requests batched inside a replica."""
+    httpx = pytest.importorskip("httpx")
+    app = serving_app("pool_servings:probe", process_options={"batch_size": 16, "batch_timeout": 0.02},
+                      num_replicas=2, ray_actor_options=LIGHT, name="probe")
+    handle = serve.run(app, name="probe", route_prefix="/probe")
+    by_handle = [response.result(timeout_s=60) for response in [handle.run.remote(i) for i in range(200)]]
+
+    async def over_http() -> list:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=serve_instance, timeout=60, limits=limits) as http:
+            return await asyncio.gather(*(http.post("/probe", json=i) for i in range(200)))
+
+    responses = asyncio.run(over_http())
+    assert [r.status_code for r in responses] == [200] * 200
+    for answers in (by_handle, [r.json() for r in responses]):
+        assert len({a["pid"] for a in answers}) == 2  # both replicas served
+        assert max(a["rows"] for a in answers) > 1  # batched by the replica's serving (no @serve.batch)
+    serve.delete("probe")
 
 
 def test_check_health_fails_when_the_serving_is_stuck(ray_cluster):
