@@ -41,8 +41,7 @@ class _OpenAIReplica(_Replica):
     def __init__(self, factory: Factory, process_options: dict[str, Any] | None = None, *, model: str,
                  api_key: str | None = None, request_timeout: float | None = None,
                  stuck_after: float = 60.0) -> None:
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"model must be a non-empty str (the model's id in the API), got {model!r}")
+        _check_model(model)
         super().__init__(factory, process_options, stuck_after=stuck_after)
         self._app_options = {"api_key": api_key, "request_timeout": request_timeout, "stuck_after": stuck_after}
         self._model = model
@@ -77,8 +76,12 @@ def openai_app(factory: Factory, *, model: str, process_options: dict[str, Any] 
     Returns the bound application, for ``serve.run(app, route_prefix="/")``. Raises ValueError for
     an empty ``model`` (here, before any replica starts).
     """
-    if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a non-empty str (the model's id in the API), got {model!r}")
+    _check_model(model)
     options = _queue_in_serve(process_options, deployment_options)
     return OpenAIDeployment.options(**options).bind(factory, process_options, model=model, api_key=api_key,
                                                     request_timeout=request_timeout, stuck_after=stuck_after)
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty str (the model's id in the API), got {model!r}")

@@ -121,6 +121,16 @@ def test_overload_maps_to_max_ongoing_requests():
     assert app._bound_deployment.max_ongoing_requests == 6
 
 
+def test_openai_app_options_are_checked_before_any_replica_starts():
+    from mlx_serving.serving.ray import openai_app
+
+    with pytest.raises(ValueError, match="model"):
+        openai_app("pool_servings:double", model="")
+    assert openai_app("pool_servings:double", model="m")._bound_deployment.max_ongoing_requests == 64
+    app = openai_app("pool_servings:double", model="m", process_options={"max_queue": 6}, max_ongoing_requests=3)
+    assert app._bound_deployment.max_ongoing_requests == 3  # an explicit deployment option wins
+
+
 MODEL = "tiny"
 OPTIONS = dict(max_new_tokens=8, max_len=320, max_batch=32)
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
