@@ -98,3 +98,35 @@ def test_tools_reach_the_template(client: openai.OpenAI, tiny_serving: Serving):
     without = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS,
                                              tool_choice="none")
     assert without.usage.prompt_tokens < reply.usage.prompt_tokens  # tool_choice none: no tools in the prompt
+
+
+# A regex response_format makes the random-weight model write a think block or a tool call, so
+# the server's reasoning_content and tool_calls fields can be checked on real output.
+THINK = {"type": "regex", "regex": "<think>\nhm\n</think>\n\nhi"}
+CALL = {"type": "regex", "regex": '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}\n'
+                                  '</tool_call>'}
+
+
+def test_reasoning_content(client: openai.OpenAI):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=30, response_format=THINK,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert (message.content, message.reasoning_content) == ("hi", "hm")
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == "hm"
+    assert "".join(d.content or "" for d in chunks) == "hi"
+
+
+def test_tool_calls(client: openai.OpenAI):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=60, response_format=CALL, tools=TOOLS)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function", "get_weather", {"city": "Paris"})
+    assert call.id.startswith("call_")
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    calls = [t for c in chunks for t in c.delta.tool_calls or ()]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})]
+    assert chunks[-1].finish_reason == "tool_calls"
