@@ -10,7 +10,11 @@ Modes:
 - ``serve``: ``mlx-serving serve`` in a subprocess (``--max-batch`` = clients), one asyncio task per
   client streaming ``POST /v1/completions`` (SSE) with httpx;
 - ``mlx_lm``: ``python -m mlx_lm.server`` in a subprocess (``--decode-concurrency`` = clients), the
-  same HTTP client code.
+  same HTTP client code;
+- ``echo`` (the front end's ceiling): the server app (``create_app``) in a subprocess over an
+  iterative serving with no model, whose every step emits one text piece per row at once, so the
+  tok/s measured is what the HTTP layer (uvicorn, SSE, the client contract, the client) streams
+  at most on this machine.
 
 Per mode: TTFT p50/p99 (send -> first non-empty text), aggregate tok/s (completion tokens / wall
 time from the first send to the last end; tokens from the final ``usage`` chunk), each as the
@@ -60,6 +64,69 @@ class Sample:
     ttft: float
     end: float
     tokens: int
+
+
+class _Instant:
+    """An iterative backend with no model: each step emits one event per row (a countdown)."""
+
+    def init(self, mode: str, arg: Any, partitions: int) -> dict[int, int]:
+        return {}
+
+    def admit(self, state: dict[int, int], rows: list[tuple[int, int]], partition: int) -> list[Any]:
+        state.update(rows)
+        return []
+
+    def free_slots(self, state: dict[int, int]) -> int:
+        return 4096
+
+    def step(self, state: dict[int, int]) -> list[tuple[int, int, bool]]:
+        out = []
+        for row in list(state):
+            state[row] -= 1
+            out.append((row, state[row], state[row] == 0))
+            if state[row] == 0:
+                del state[row]
+        return out
+
+    def cancel(self, state: dict[int, int], row_ids: list[int]) -> None:
+        for row in row_ids:
+            state.pop(row, None)
+
+    def active(self, state: dict[int, int]) -> int:
+        return len(state)
+
+
+class _Pieces:
+    """Transducer of the echo serving: a text piece per event, then the final dict."""
+
+    def __init__(self, info: Any) -> None:
+        self.tokens = 0
+
+    def feed(self, row: int, left: int) -> list[Any]:
+        self.tokens += 1
+        if left:
+            return [" tok"]
+        return [" tok", {"finish_reason": "length", "num_tokens": self.tokens,
+                         "token_summary": {"input": 1, "output": self.tokens}}]
+
+    def stop_rows(self) -> list[int]:
+        return []
+
+    def close(self) -> list[Any]:
+        return []
+
+
+def serve_echo(port: int) -> None:
+    """Run the server app over the instant serving on 127.0.0.1:``port`` (blocks)."""
+    import uvicorn
+
+    from mlx_serving.serving import Batch
+    from mlx_serving.server import create_app
+
+    serving = (Serving.new(_Instant()).client_preprocessing(lambda x: (Batch.stack([x["max_new_tokens"]]), None))
+               .streaming(_Pieces).client_postprocessing(lambda result, info: result))
+    with Serving.start(serving, batch_size=4096, batch_timeout=0.005) as handle:
+        uvicorn.run(create_app({"echo": handle}), host="127.0.0.1", port=port, log_level="warning")
 
 
 def prompts(n: int) -> list[str]:
@@ -180,7 +247,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default="inproc,serve,mlx_lm")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "http_load.json")
+    ap.add_argument("--serve-echo", type=int, default=None, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_echo is not None:
+        serve_echo(args.serve_echo)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
         run(model, args)
@@ -237,8 +308,11 @@ def one_round(mode: str, model: Path, name: str, texts: list[str], args: argpars
         with Serving.start(serving) as handle:
             return _warm_then(lambda: inproc_round(handle, texts, args.max_tokens),
                               lambda: inproc_round(handle, texts[:1], 2))
-    command, port, ready, model_id = ((serve_cmd, port_serve, "/health", name) if mode == "serve"
-                                      else (mlx_cmd, port_mlx, "/v1/models", str(model)))
+    command, port, ready, model_id = {
+        "serve": (serve_cmd, port_serve, "/health", name),
+        "mlx_lm": (mlx_cmd, port_mlx, "/v1/models", str(model)),
+        "echo": ([sys.executable, __file__, "--serve-echo", str(port_serve)], port_serve, "/health", "echo"),
+    }[mode]
     with subprocess_server(command, port, ready) as url:
         return _warm_then(lambda: http_round(url, model_id, texts, args.max_tokens, retries),
                           lambda: http_round(url, model_id, texts[:1], 2, retries))
