@@ -35,6 +35,10 @@ __all__ = ["create_app"]
 
 _log = logging.getLogger("mlx_serving.server")
 
+#: Default cap on a request body: far above any prompt a 2,048-position model takes (the serving
+#: refuses prompts that cannot fit before tokenizing them), far below what would strain memory.
+MAX_BODY_BYTES = 32 << 20
+
 Models = Mapping[str, Client]
 Loader = Callable[[], Models]
 
@@ -76,7 +80,8 @@ class _Served:
 
 
 def create_app(models: Models | Loader, *, api_key: str | None = None, request_timeout: float | None = None,
-               stuck_after: float = 60.0, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               stuck_after: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The server's ASGI app.
 
     ``models``: ``{name: client}``, served as given (the caller closes them), or a function returning
@@ -86,6 +91,7 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     ``Authorization: Bearer <api_key>`` (401 otherwise). ``request_timeout``: the deadline in
     seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
     ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
+    ``max_body_bytes``: larger request bodies are refused with 413 before they are read whole.
     Raises ValueError for an empty mapping.
     """
     served = _Served(stuck_after)
@@ -115,7 +121,8 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
             for client in served.clients.values():
                 await client.aclose()
 
-    app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  max_body_size=max_body_bytes)
     app.state.served, app.state.metrics = served, metrics
     _error_handlers(app)
     app.include_router(_v1_router(served, metrics, api_key, request_timeout))

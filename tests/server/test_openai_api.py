@@ -150,6 +150,11 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI, server: Server
     assert httpx.post(f"{server.url}/v1/completions", content=b"{not json").status_code == 400
 
 
+def test_a_huge_body_is_413(server: Server):
+    huge = b'{"prompt": "' + b"x" * (33 << 20) + b'"}'
+    assert httpx.post(f"{server.url}/v1/completions", content=huge, timeout=60).status_code == 413
+
+
 def test_deadline_is_504(client: openai.OpenAI, server: Server):
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300,
