@@ -31,7 +31,7 @@ from ._metrics import Metrics
 from ._requests import Call, chat_call, completion_call
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
 
-__all__ = ["create_app"]
+__all__ = ["MAX_BODY_BYTES", "create_app"]
 
 _log = logging.getLogger("mlx_serving.server")
 

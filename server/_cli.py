@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["API_KEY_ENV", "add_parser"]
+__all__ = ["API_KEY_ENV", "add_parser", "run"]
 
 API_KEY_ENV = "MLX_SERVING_API_KEY"
 _log = logging.getLogger("mlx_serving.server")

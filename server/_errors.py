@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..serving import DeadlineExceeded, ServingOverloaded, ServingStopped
 
-__all__ = ["APIError", "from_exception"]
+__all__ = ["RETRY_AFTER_S", "APIError", "from_exception"]
 
 #: Seconds a client is told to wait (``Retry-After``) when the serving's queue is full.
 RETRY_AFTER_S = 1

@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Event", "StreamState", "Kind", "chat_response", "completion_response", "event", "new_id", "usage"]
+__all__ = ["MIN_LOGPROB", "Event", "Kind", "StreamState", "chat_logprobs", "chat_response", "completion_logprobs",
+           "completion_response", "event", "new_id", "usage"]
 
 Kind = Literal["chat", "completion"]
 #: The log-probability sent for -inf (JSON has no infinity; vLLM's value).
