@@ -42,7 +42,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 def test_chat_page_streams_and_stop_cancels(browser: webdriver.Chrome, server: Server, tmp_path: Path):
     browser.get(server.url + "/")
-    wait = WebDriverWait(browser, 30)
+    wait = WebDriverWait(browser, 30, poll_frequency=0.02)  # fast polls: Stop must land mid-stream
     wait.until(lambda d: [o.text for o in Select(d.find_element(By.ID, "model")).options] == [MODEL])
     browser.find_element(By.ID, "system").send_keys("You are terse.")
     thinking = browser.find_element(By.ID, "thinking")
