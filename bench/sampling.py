@@ -7,7 +7,11 @@ Regimes (``--rows`` 32 rows each):
   the whole vocabulary per row);
 - ``mixed``: rows cycling through 8 option sets (greedy; top-p; top-k; min-p; the three
   penalties; logit_bias + min_tokens; logprobs 5; top-k + top-p + min-p + frequency penalty +
-  logprobs 2), so 4 rows use top-p without top-k.
+  logprobs 2), so 4 rows use top-p without top-k;
+- ``json`` (engine part only): every row greedy under a structured-output constraint
+  (llguidance through ``models/text_generation/_structured.py``, the Qwen3 tokenizer): a JSON
+  object whose one string property has at least 200 characters, so no row ends early. Its steps
+  are not pipelined (each lands the previous step's tokens before masking).
 
 Parts:
 
@@ -19,7 +23,7 @@ Parts:
   vocabulary) with ``rows`` sequences of ``--prompt`` random tokens, ``--max-new`` new tokens each
   (EOS ignored), all added at once; median wall ms of the steps in which every row decodes (the
   step time of the pipelined engine: the device's step plus the host's work), regimes interleaved
-  over ``--rounds`` fresh engines.
+  over ``--rounds`` fresh engines; ``per_token_ms``: step time / rows.
 
 Run: ``.venv/bin/python bench/sampling.py [--preset tiny|0.6b] [--parts sampler,engine]`` (writes
 bench/results/sampling_<preset>.json).
@@ -81,6 +85,19 @@ def sampler_part(args: argparse.Namespace) -> dict:
     return {r: {"ms_p50": round(float(np.median(v)), 1), "ms_min": round(min(v), 1)} for r, v in times.items()}
 
 
+def json_rows(state, rows: int, max_new: int) -> tuple[list, object]:
+    """Greedy rows constrained to a JSON object with a long string, and the constraint factory."""
+    from mlx_serving.models.generation.sampling import SamplingParams
+    from mlx_serving.models.text_generation._structured import compile_response_format, constraint_factory
+    from mlx_serving.tokenization import Tokenizer
+
+    tokenizer = Tokenizer.qwen3()
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 200}}, "required": ["text"]}
+    grammar = compile_response_format({"type": "json_schema", "json_schema": {"name": "long", "schema": schema}})
+    params = SamplingParams(max_new_tokens=max_new, grammar=grammar, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)))
+    return [params] * rows, constraint_factory(tokenizer, state.config.vocab_size)
+
+
 def engine_part(args: argparse.Namespace, ckpt: Path) -> dict:
     from mlx_serving.models.generation import Engine
     from mlx_serving.models.qwen3 import load
@@ -88,19 +105,22 @@ def engine_part(args: argparse.Namespace, ckpt: Path) -> dict:
     state = load(ckpt)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 150_000, args.prompt).tolist() for _ in range(args.rows)]
-    times: dict[str, list[float]] = {r: [] for r in REGIMES}
+    regimes = {r: (params_for(r, args.rows, args.max_new), None) for r in REGIMES}
+    regimes["json"] = json_rows(state, args.rows, args.max_new)
+    times: dict[str, list[float]] = {r: [] for r in regimes}
     for _ in range(args.rounds):
-        for r in REGIMES:
+        for r, (params, factory) in regimes.items():
             max_len = -(-(args.prompt + args.max_new) // 16) * 16  # whole KV blocks: all rows fit at once
-            engine = Engine(state, args.rows, max_len, prefill_chunk=512)
-            for i, (prompt, p) in enumerate(zip(prompts, params_for(r, args.rows, args.max_new))):
+            engine = Engine(state, args.rows, max_len, prefill_chunk=512, constraint_factory=factory)
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 engine.add(i, prompt, p)
             while engine.num_active:
                 t = time.perf_counter()
                 events = engine.step()
                 if len(events) == args.rows == engine.num_active:  # all rows decoding
                     times[r].append((time.perf_counter() - t) * 1e3)
-    return {r: {"step_ms_p50": round(float(np.median(v)), 1), "steps": len(v)} for r, v in times.items()}
+    return {r: {"step_ms_p50": round(float(np.median(v)), 1), "per_token_ms": round(float(np.median(v)) / args.rows, 2),
+                "steps": len(v)} for r, v in times.items()}
 
 
 def main() -> None:
@@ -134,7 +154,7 @@ def main() -> None:
     for part, key in (("sampler", "ms_p50"), ("engine", "step_ms_p50")):
         if part in doc:
             g = doc[part]["greedy"][key]
-            summary[part] = {r: round(doc[part][r][key] / g, 2) for r in ("top_p", "mixed")}
+            summary[part] = {r: round(v[key] / g, 2) for r, v in doc[part].items() if r != "greedy"}
     doc["over_greedy"] = summary
     path = ROOT / "bench" / "results" / f"sampling_{args.preset}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")
