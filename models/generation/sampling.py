@@ -1,18 +1,21 @@
-"""Token sampling and per-request sampling parameters.
+"""Per-request sampling parameters and the device primitives of sampling.
 
-Semantics as in mlx-lm and the OpenAI API: ``temperature == 0`` is greedy decoding (argmax);
-``temperature > 0`` samples from the softmax at that temperature, restricted to the nucleus of
-``top_p`` (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration": keep the
-smallest set of tokens, in order of decreasing probability, whose total probability reaches
-``top_p``, the token that crosses it included, renormalize); ``top_p == 1`` is plain temperature
-sampling. Sampling runs on the device (:func:`sample_top_p`).
+:class:`SamplingParams` holds every option (the table in docs/generation.md, "Sampling"); the
+sampler chain that applies them to a batch is :mod:`.logits`. Semantics as in mlx-lm, vLLM and
+the OpenAI API: ``temperature == 0`` is greedy decoding (argmax); ``temperature > 0`` samples from
+the softmax at that temperature, restricted by top-k, the nucleus of ``top_p`` (Holtzman et al.
+2020, "The Curious Case of Neural Text Degeneration": keep the smallest set of tokens, in order of
+decreasing probability, whose total probability reaches ``top_p``, the token that crosses it
+included, renormalize) and min-p. The primitives here work on a sorted distribution
+(:func:`sort_probs`, :func:`top_p_limit`, :func:`min_p_limit`, :func:`draw_sorted`) or an
+unsorted one (:func:`draw_unsorted`); :func:`sample_top_p` is nucleus sampling built from them.
 
 Numerics: a temperature below :data:`MIN_TEMPERATURE` (1e-5) is greedy decoding, like 0. At such a
 temperature the softmax is already one-hot in float32 except between logits closer than ~1e-3, and
 dividing raw logits by it would overflow (1e-38 gave ``inf / inf`` = NaN probabilities and the last
 token id of the vocabulary) or divide by zero (a float64 below ~1.4e-45 is 0 in float32). Above it,
-:func:`sample_top_p` subtracts each row's largest logit before dividing, so every scaled logit is
-<= 0 and the softmax never sees ``inf``.
+:func:`sort_probs` (and the unsorted path of :mod:`.logits`) subtract each row's largest logit
+before dividing, so every scaled logit is <= 0 and the softmax never sees ``inf``.
 
 Randomness: each request owns a ``numpy.random.Generator`` seeded from its ``seed``; each sampled
 token consumes exactly one uniform draw from it, so a request's tokens do not depend on its
