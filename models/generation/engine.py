@@ -112,7 +112,7 @@ class Engine:
     ``prefill_chunk`` prompt tokens per sequence per step. KV memory is a pool of blocks of
     ``block_size`` (16) tokens allocated up front for a budget: ``kv_cache_bytes`` (absolute), or
     ``kv_cache_fraction`` of the device's available memory, or a default (1 GiB on the CPU, half
-    the available memory on a GPU), never more than ``max_batch x (max_len + 1)`` tokens (see
+    the available memory on a GPU), never more than ``max_batch x ceil(max_len / block_size)`` blocks (see
     :mod:`.kv_cache`). ``prefix_caching`` (default on) reuses the blocks of cached prefixes.
     ``policy``: "fcfs" (default) or "priority" (:mod:`.policy`; ``add(..., priority=)``, lower
     first) orders the waiting sequences and picks who is preempted. ``max_step_tokens``: a per-step

@@ -10,7 +10,8 @@ attended and never handed to a sequence.
 
 The budget (:func:`plan_blocks`): ``kv_cache_bytes`` absolute, or ``kv_cache_fraction`` of the
 device's available memory, or by default 1 GiB on the CPU (half the available memory on a GPU);
-never more than the slot design needed (``max_batch x (max_len + 1)`` tokens) and never less
+never more than every row at full length needs (``max_batch x ceil(max_len / block_size)``
+blocks) and never less
 than one sequence of ``max_len``. The pool is allocated up front for that budget.
 """
 
@@ -92,9 +93,9 @@ def plan_blocks(state: Any, max_batch: int, max_len: int, kv_cache_bytes: int | 
         budget = available_memory() // 2
     else:
         budget = DEFAULT_CPU_BYTES
-    budget = min(budget, per_token * max_batch * (max_len + 1))  # never more than the slot design
-    one_seq = -(-max_len // block_size)
-    return max(budget // (per_token * block_size), one_seq)
+    one_seq = -(-max_len // block_size)  # blocks of one sequence of max_len (whole blocks)
+    blocks = min(budget // (per_token * block_size), max_batch * one_seq)  # never more than every row needs
+    return max(blocks, one_seq)
 
 
 def init_paged_kv_cache(state: Any, num_blocks: int, block_size: int = BLOCK_SIZE) -> PagedKVCache:

@@ -82,8 +82,8 @@ def test_budget_is_allocated_up_front_and_logged(tiny32, caplog):
     assert engine.paged and engine.kv_stats().blocks_total == 200
     assert engine.cache.nbytes == _budget(tiny32, 201)  # + the null block
     assert any("KV cache: 200 blocks of 16 tokens" in r.getMessage() for r in caplog.records)
-    default = Engine(tiny32, max_batch=4, max_len=100)  # never more than the slot design
-    assert default.kv_stats().blocks_total == 4 * 101 // BS
+    default = Engine(tiny32, max_batch=4, max_len=100)  # never more than every row at full length needs
+    assert default.kv_stats().blocks_total == 4 * -(-100 // BS)
 
 
 @pytest.mark.parametrize("shared", [48, 47, 64])
@@ -303,3 +303,16 @@ def test_serving_stats_carry_the_kv_and_prefix_cache_counters(tiny32_ckpt):
         stats = h.stats().backend
     assert stats["prefix_queries"] == 2 and stats["prefix_hits"] >= 1 and stats["prefix_hit_tokens"] >= 16
     assert stats["blocks_used"] == 0 and stats["blocks_free"] == stats["blocks_total"]
+
+
+def test_default_budget_runs_every_row_at_full_length(tiny32):
+    """A max_len that is not a multiple of the block size still gets whole blocks for every row:
+    all max_batch sequences of max_len run at once (the cap counts blocks, not tokens)."""
+    engine = Engine(tiny32, max_batch=8, max_len=28)
+    for i in range(8):
+        engine.add(i, [1 + i] * 20, SamplingParams(max_new_tokens=8, eos_token_ids=()))
+    engine.step()
+    assert engine.num_waiting == 0 and engine.kv_stats().preemptions == 0
+    while engine.num_active:
+        engine.step()
+    assert engine.kv_stats().preemptions == 0
