@@ -65,8 +65,6 @@ def chat_call(body: dict[str, Any]) -> Call:
             spec["top_logprobs"] = body["top_logprobs"]
     elif body.get("top_logprobs") is not None:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
-        spec["response_format"] = body["response_format"]
     _tools(body, spec)
     _template_kwargs(body.get("chat_template_kwargs"), spec)
     return _call(body, spec, prompts=1)
@@ -122,6 +120,8 @@ def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, .
     for field, key in _PASS.items():
         if body.get(field) is not None:
             spec[key] = body[field]
+    if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
+        spec["response_format"] = body["response_format"]  # chat and completions alike
     if spec.get("top_k") == -1:  # vLLM's spelling of "off" (the serving's is 0)
         del spec["top_k"]
 

@@ -83,6 +83,18 @@ def test_response_format_json_schema(client: openai.OpenAI):
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+def test_completions_honour_response_format(client: openai.OpenAI):
+    """/v1/completions applies response_format as chat does (JSON out; a bad format is 400)."""
+    reply = client.completions.create(model=MODEL, prompt="The sea", max_tokens=60, temperature=0.7, seed=1,
+                                      extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "cat", "schema": SCHEMA, "strict": True}}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), SCHEMA)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="The sea", extra_body={"response_format": {"type": "xml"}})
+    assert info.value.body["param"] == "response_format"
+
+
 def test_bad_response_format_is_400(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES,
