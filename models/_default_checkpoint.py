@@ -12,7 +12,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .qwen3.checkpoint import write_checkpoint
 
 __all__ = ["DEFAULT_PRESET", "DEFAULT_SEED", "cache_dir", "default_checkpoint"]
 
@@ -52,6 +51,8 @@ def default_checkpoint() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
     try:
         bar = partial(tqdm, desc=f"writing the default checkpoint to {target}", unit="layer")
+        from .qwen3.checkpoint import write_checkpoint  # on use: `python -m ...qwen3.checkpoint` stays warning-free
+
         write_checkpoint(tmp, DEFAULT_PRESET, DEFAULT_SEED, progress=bar)
         try:
             tmp.rename(target)  # atomic; fails if another process renamed its copy first

@@ -47,6 +47,8 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
     p.add_argument("--temperature", type=float, default=0.0,
                    help="default temperature of a request that gives none (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request that gives none")
+    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="scheduling: first come first served, or by each request's priority (lower first)")
     p.add_argument("--kv-cache-fraction", type=float, default=None,
                    help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -125,7 +127,8 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..models.text_generation import GenerationOptions
 
     options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, max_batch=args.max_batch,
-                   temperature=args.temperature, top_p=args.top_p, kv_cache_fraction=args.kv_cache_fraction)
+                   temperature=args.temperature, top_p=args.top_p, kv_cache_fraction=args.kv_cache_fraction,
+                   policy=args.policy)
     GenerationOptions(**options)  # a bad option fails before the server starts
     if args.max_queue < args.max_batch:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch ({args.max_batch})")

@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_serving.server._cli import API_KEY_ENV, _model_specs
+from mlx_serving.server._cli import API_KEY_ENV, _generation_options, _model_specs
 
 from server_helpers import wait_for
 
@@ -103,3 +103,12 @@ def test_served_model_names(tmp_path: Path):
                 ["--model", "x/m", "--model", "y/m"], ["--workers", "0"]):
         with pytest.raises(ValueError):
             _model_specs(_parser().parse_args(["serve", *bad]))
+
+
+def test_policy_option_reaches_the_serving_options():
+    from mlx_serving.models.__main__ import _parser
+
+    assert _generation_options(_parser().parse_args(["serve", "--policy", "priority"]))["policy"] == "priority"
+    assert _generation_options(_parser().parse_args(["serve"]))["policy"] == "fcfs"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--policy", "lifo"])
