@@ -81,7 +81,7 @@ _EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_PROG, formatter_class=_HelpFormatter,
-                                 description="Qwen3 (MLX) text generation through a Serving.")
+                                 description="MLX text generation (Qwen3, Llama, Mistral) through a Serving.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve}")
     gen = sub.add_parser("generate", formatter_class=_HelpFormatter, epilog=_EPILOG,
