@@ -64,6 +64,11 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (1 = plain temperature sampling)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (0 = off)")
+    p.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min-p x the top token's probability (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide the logits of tokens already in the context by this (1 = off)")
     p.add_argument("--seed", type=_seed, default=None,
                    help="random seed for sampling, an integer >= 0 (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
@@ -116,6 +121,12 @@ def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
     return text_generation.from_mlx4bit(default_checkpoint(), **options)
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The per-request sampling options given on the command line (the serving checks them)."""
+    given = {"top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    return {key: value for key, value in given.items() if value is not None}
+
+
 def _stream_reply(serving: Serving, request: dict[str, Any], out: IO[str]) -> tuple[str, dict[str, Any]]:
     """Stream one request's pieces to ``out`` as they come; ``(text, final dict)``. Leaving early
     (Ctrl-C) closes the stream, which withdraws the request."""
@@ -142,7 +153,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     serving = _serving(args, chat=args.chat)
     try:
-        request: dict[str, Any] = {"text": prompt}
+        request: dict[str, Any] = {"text": prompt, **_sampling(args)}
         if args.seed is not None:
             request["seed"] = args.seed
         _, final = _stream_reply(serving, request, sys.stdout)
@@ -196,7 +207,7 @@ def _chat_loop(serving: Serving, args: argparse.Namespace) -> None:
             print(_CHAT_HELP, file=sys.stderr, flush=True)
             continue
         user = {"role": "user", "content": text}
-        request: dict[str, Any] = {"messages": [*system, *history, user]}
+        request: dict[str, Any] = {"messages": [*system, *history, user], **_sampling(args)}
         if args.no_thinking:
             request["enable_thinking"] = False
         if args.seed is not None:

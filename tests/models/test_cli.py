@@ -153,6 +153,17 @@ def test_generate_passes_sampling_options_and_chat(
                                  top_p=0.5) + "\n"
 
 
+def test_generate_passes_top_k_min_p_and_repetition_penalty(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], recorders: list[_Recorder]) -> None:
+    args = ["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--temperature", "0.8", "--seed", "3",
+            "--top-k", "5", "--min-p", "0.1", "--repetition-penalty", "1.3"]
+    assert cli.main(args) == 0
+    request = {"text": "Hi", "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "seed": 3}
+    assert recorders[0].requests == [request]
+    assert capsys.readouterr().out == _greedy_text(tiny_ckpt, request, temperature=0.8) + "\n"
+    assert cli.main(["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--top-k", "-2"]) != 0  # checked
+
+
 def test_timing_line_has_prompt_and_decode_rates_and_peak_memory(
         tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL]) == 0
