@@ -64,11 +64,11 @@ def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (1 = plain temperature sampling)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (0 = off)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (default: off)")
     p.add_argument("--min-p", type=float, default=None,
-                   help="drop tokens below min-p x the top token's probability (0 = off)")
+                   help="drop tokens below min-p x the top token's probability (default: off)")
     p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide the logits of tokens already in the context by this (1 = off)")
+                   help="divide the logits of tokens already in the context by this (default: off)")
     p.add_argument("--seed", type=_seed, default=None,
                    help="random seed for sampling, an integer >= 0 (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",

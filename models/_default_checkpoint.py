@@ -9,9 +9,9 @@ import shutil
 import tempfile
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
-
 
 __all__ = ["DEFAULT_PRESET", "DEFAULT_SEED", "cache_dir", "default_checkpoint"]
 
@@ -25,6 +25,15 @@ def cache_dir() -> Path:
         return Path(os.environ["MLX_SERVING_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "mlx-serving"
+
+
+def write_checkpoint(path: Path, preset: str, seed: int, **options: Any) -> Path:
+    """``models.qwen3.checkpoint.write_checkpoint``, imported on first use: importing the package
+    does not import the writer, so ``python -m mlx_serving.models.qwen3.checkpoint`` runs without
+    runpy's "found in sys.modules" RuntimeWarning."""
+    from .qwen3.checkpoint import write_checkpoint as write
+
+    return write(path, preset, seed, **options)
 
 
 def default_checkpoint() -> Path:
@@ -51,8 +60,6 @@ def default_checkpoint() -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.writing-", dir=target.parent))
     try:
         bar = partial(tqdm, desc=f"writing the default checkpoint to {target}", unit="layer")
-        from .qwen3.checkpoint import write_checkpoint  # on use: `python -m ...qwen3.checkpoint` stays warning-free
-
         write_checkpoint(tmp, DEFAULT_PRESET, DEFAULT_SEED, progress=bar)
         try:
             tmp.rename(target)  # atomic; fails if another process renamed its copy first
