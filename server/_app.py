@@ -281,6 +281,18 @@ class _Recorder:
         self._metrics.aborted(self._model, self._call.prompts * self._call.n - self._finished)
 
 
+def _joined(items: list[Any]) -> list[Any]:
+    """``items`` with each run of consecutive text pieces joined into one: a stream that fell behind
+    the engine (several tokens waiting) is sent as one content chunk instead of one per token."""
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, str) and out and isinstance(out[-1], str):
+            out[-1] += item
+        else:
+            out.append(item)
+    return out
+
+
 async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder) -> AsyncIterator[str]:
     """The SSE data of a streamed response. Leaving early (the client disconnected: sse-starlette
     cancels this generator) closes the stream, which withdraws the request."""
@@ -290,11 +302,12 @@ async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Rec
                 yield chunk
             try:
                 async for item in stream:
-                    ev = event(item, state.is_list, state.n)
-                    for chunk in state.chunks(ev):
-                        yield chunk
-                    if ev.final is not None:
-                        record.final(ev.choice, ev.final)
+                    for one in _joined([item, *stream.take_ready()]):  # what waits goes out together
+                        ev = event(one, state.is_list, state.n)
+                        for chunk in state.chunks(ev):
+                            yield chunk
+                        if ev.final is not None:
+                            record.final(ev.choice, ev.final)
             except (ServingError, ValueError) as exc:  # headers are sent: the error goes in the stream
                 yield json.dumps(from_exception(exc).body(), ensure_ascii=False)
             if call.include_usage and state.done:

@@ -109,6 +109,21 @@ class Channel:
                     raise TimeoutError
             return self._take()
 
+    def take_ready(self) -> list[Any]:
+        """Every message that has arrived, without waiting (``[]`` when none has, or while held
+        until close), followed by ``END`` once the channel closed normally; raises the close
+        error, as ``get`` does, when the channel closed with one."""
+        with self._cond:
+            if not self._ready():
+                return []
+            items = list(self._items)
+            self._items.clear()
+            if self._closed:
+                if self._error is not None:
+                    raise self._error
+                items.append(END)
+            return items
+
     async def aget(self) -> Any:
         """Async ``get``: waits without blocking the event loop (asyncio or trio). A waiter
         that is cancelled removes its wake-up callback (as trio's ``abort_fn`` does)."""

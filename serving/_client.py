@@ -227,6 +227,22 @@ class AsyncStream(_StreamBase):
             raise
         return self._pending.popleft()
 
+    def take_ready(self) -> list[Any]:
+        """The items that have already arrived, in order, without waiting (``[]`` when none has):
+        for a writer that sends, after each awaited item, everything else already there in one
+        write. Raises what the request ended with, as iteration would (the request is withdrawn
+        then); after the last item, iteration stops."""
+        try:
+            if not self._finished:
+                for message in self._request.channel.take_ready():
+                    self._absorb(message)
+        except BaseException:
+            self._request.cancel()
+            raise
+        items = list(self._pending)
+        self._pending.clear()
+        return items
+
     async def aclose(self) -> None:
         """Stop reading; the request is withdrawn if it has not finished."""
         self.close()

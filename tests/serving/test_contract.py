@@ -218,3 +218,41 @@ def test_backend_counters_reach_stats_summed_over_partitions():
             h.run(countdown(n))
         assert h.stats().backend == {"admitted": 5}
     serving.close()
+
+
+def test_take_ready_returns_what_has_arrived_without_waiting():
+    """AsyncStream.take_ready: [] before anything arrives; once the request has finished, every
+    remaining item in order, after which iteration stops; items equal plain iteration's."""
+    serving = Serving.new(CountdownBackend(step_delay=0.01))
+
+    async def main():
+        with serving.start(batch_size=4, batch_timeout=0.0) as handle:
+            async with await handle.stream_async(countdown(6)) as stream:
+                first = await stream.__anext__()
+                wait_for(lambda: handle.stats().completed == 1)  # everything has arrived
+                rest = stream.take_ready()
+                assert [e for _, e in [first, *rest]] == [5, 4, 3, 2, 1, 0]
+                assert stream.take_ready() == []
+                assert [item async for item in stream] == []
+            async with await handle.stream_async(countdown(200)) as stream:
+                assert stream.take_ready() == []  # nothing yet: no wait, no item
+
+    anyio.run(main)
+
+
+def test_channel_take_ready_ends_with_end_or_raises():
+    from mlx_serving.serving._channel import END
+
+    channel = Channel()
+    assert channel.take_ready() == []
+    channel.put(1)
+    channel.put(2)
+    assert channel.take_ready() == [1, 2]
+    channel.put(3)
+    channel.close()
+    assert channel.take_ready() == [3, END]
+    failed = Channel()
+    failed.put(1)
+    failed.close(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        failed.take_ready()
