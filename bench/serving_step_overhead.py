@@ -49,10 +49,17 @@ class ZeroCostEngine:
         return len(self._seqs)
 
     @property
+    def num_waiting(self) -> int:
+        return 0
+
+    @property
     def free_slots(self) -> int:
         return self._max_batch - len(self._seqs)
 
-    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams) -> None:
+    def kv_stats(self) -> None:
+        return None
+
+    def add(self, seq_id: int, prompt_ids: list[int], params: SamplingParams, *, priority: int = 0) -> None:
         self._seqs[seq_id] = [params.max_new_tokens, 0]
 
     def cancel(self, seq_id: int) -> None:
