@@ -28,7 +28,7 @@ Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,6 +37,8 @@ from prometheus_client.registry import Collector
 from ..serving import ServingStats
 
 __all__ = ["PREFIX", "Metrics"]
+
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
 
 PREFIX = "mlx_serving:"
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -105,6 +107,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _per_model(kind: type[_Family], name: str, doc: str) -> _Family:
+    """A metric family ``PREFIX + name`` labelled by ``model_name`` only."""
+    return kind(PREFIX + name, doc, labels=["model_name"])
+
+
 class _StatsCollector(Collector):
     """Gauges and counters read from ``Client.stats()`` at scrape time."""
 
@@ -112,18 +119,12 @@ class _StatsCollector(Collector):
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        running = GaugeMetricFamily(PREFIX + "num_requests_running", "Sequences running in the engine.",
-                                    labels=["model_name"])
-        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Sequences waiting in the queue.",
-                                    labels=["model_name"])
-        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache blocks in use (fraction, 0-1).",
-                                  labels=["model_name"])
-        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      labels=["model_name"])
-        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   labels=["model_name"])
-        preemptions = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted for KV blocks.",
-                                          labels=["model_name"])
+        running = _per_model(GaugeMetricFamily, "num_requests_running", "Sequences running in the engine.")
+        waiting = _per_model(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting in the queue.")
+        usage = _per_model(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache blocks in use (fraction, 0-1).")
+        queries = _per_model(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        hits = _per_model(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        preemptions = _per_model(CounterMetricFamily, "num_preemptions", "Sequences preempted for KV blocks.")
         outcomes = CounterMetricFamily(PREFIX + "serving_requests", "Requests ended, by outcome (ServingStats).",
                                        labels=["model_name", "outcome"])
         for model, s in self._stats().items():
