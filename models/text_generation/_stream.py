@@ -49,6 +49,8 @@ class RowText:
     def push(self, text: str) -> str:
         """Add new text; return what is safe to emit. Sets ``finish_reason`` to STOP when a stop
         string appears (the text from it on is dropped)."""
+        if not self.stops:  # nothing to hold back (held stays ""): the common per-token path
+            return text
         buf = self.held + text
         cut = _first_stop(buf, self.stops)
         if cut is not None:
@@ -135,11 +137,11 @@ class GenerationTransducer:
 
     def _delta_items(self, row_index: int, text: str, row: RowText, event: TokenEvent) -> list[Any]:
         output, parser = self._outputs[row_index], self._parsers[row_index]
-        parts = [parser.feed(text)]
+        content, reasoning, calls = parser.feed(text)
         if row.finish_reason is not None:
-            parts.append(parser.finish())
-        delta: dict[str, Any] = {"index": output.index, "content": "".join(p[0] for p in parts)}
-        reasoning, calls = "".join(p[1] for p in parts), [c for p in parts for c in p[2]]
+            rest = parser.finish()
+            content, reasoning, calls = content + rest[0], reasoning + rest[1], calls + rest[2]
+        delta: dict[str, Any] = {"index": output.index, "content": content}
         if reasoning:
             delta["reasoning_content"] = reasoning
         if calls:
