@@ -87,6 +87,11 @@ def _whitespace_outside_strings(text: str) -> list[int]:
     return found
 
 
+def _tags(max_items: int) -> dict:
+    """Schema of an array of at most ``max_items`` tags, each "a" or "b"."""
+    return {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": max_items}
+
+
 SCHEMAS = {
     "required_fields": {
         "type": "object",
@@ -118,8 +123,7 @@ SCHEMAS = {
         "properties": {
             "user": {
                 "type": "object",
-                "properties": {"id": {"type": "integer"},
-                               "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+                "properties": {"id": {"type": "integer"}, "tags": _tags(3)},
                 "required": ["id", "tags"],
                 "additionalProperties": False,
             },
@@ -299,8 +303,7 @@ FINITE = {  # schemas with a finite language: every constrained sequence must en
     },
     "flags": {
         "type": "object",
-        "properties": {"ok": {"type": "boolean"},
-                       "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+        "properties": {"ok": {"type": "boolean"}, "tags": _tags(2)},
         "required": ["ok", "tags"],
         "additionalProperties": False,
     },
