@@ -58,10 +58,9 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_mixed import load_ours, save, summary  # noqa: E402
+from gpu_mixed import add_checkpoint_args, default_ckpt, load_ours, save, summary  # noqa: E402
 from gpu_throughput import word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import PRESETS  # noqa: E402
 from mlx_serving.serving import DeadlineExceeded, Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
@@ -214,9 +213,7 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
-    ap.add_argument("--preset", default="0.6b", choices=sorted(PRESETS))
-    ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized")
+    add_checkpoint_args(ap)
     ap.add_argument("--rates", default="8,16,32", help="requests/s, comma-separated")
     ap.add_argument("--duration", type=float, default=20.0, help="arrival window per rate, seconds")
     ap.add_argument("--system-tokens", type=int, default=1000, help="shared system part, tokens")
@@ -237,7 +234,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.rates, args.duration, args.search_steps = "tiny", "2,4", 4.0, 1
         args.system_tokens, args.user_tokens, args.new, args.max_batch, args.deadline = 128, 16, 8, 8, 15.0
-    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    args.ckpt = args.ckpt or default_ckpt(args.preset)
     return args
 
 

@@ -61,7 +61,7 @@ from mlx_serving.models.qwen3.checkpoint import PRESETS, write_checkpoint  # noq
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
-__all__ = ["Workload", "load_ours", "load_peer", "make_workload", "save", "summary"]
+__all__ = ["Workload", "add_checkpoint_args", "default_ckpt", "load_ours", "load_peer", "make_workload", "save", "summary"]
 
 TTFT_P99_TARGET_S = 3.0  # issue 17: TTFT p99 <= 3 s at batch 128
 RATIO_TARGET = 15.0  # issue 17: >= 15x mlx-lm batch_generate aggregate tok/s at batch 256
@@ -88,6 +88,20 @@ def summary(values_s: list[float]) -> dict[str, float]:
     ms = np.asarray(values_s) * 1e3
     return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
             "max": float(ms.max()), "mean": float(ms.mean())}
+
+
+def add_checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """Add ``--ckpt``, ``--preset`` and ``--weights``: the checkpoint ``load_ours`` reads. ``--ckpt``
+    stays None when not given: resolve it with ``default_ckpt`` after parsing (``--quick`` may change
+    the preset first)."""
+    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
+    ap.add_argument("--preset", default="0.6b", choices=sorted(PRESETS))
+    ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized")
+
+
+def default_ckpt(preset: str) -> Path:
+    """Where a seeded ``preset`` checkpoint is written when ``--ckpt`` is not given."""
+    return Path(f"/tmp/qwen3-{preset}-bench")
 
 
 def load_ours(ckpt: Path, preset: str, weights: str) -> tuple[tokenizers.Tokenizer, Tokenizer, State]:
@@ -215,9 +229,7 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
-    ap.add_argument("--preset", default="0.6b", choices=sorted(PRESETS))
-    ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized")
+    add_checkpoint_args(ap)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-range", type=parse_range, default=(16, 1024), help="prompt tokens LO-HI (inclusive)")
     ap.add_argument("--new-range", type=parse_range, default=(16, 512), help="new tokens LO-HI (inclusive)")
@@ -234,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.requests, args.prompt_range, args.new_range = "tiny", 8, (16, 64), (2, 8)
         args.batches, args.warmup = "8,4", 2
-    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    args.ckpt = args.ckpt or default_ckpt(args.preset)
     return args
 
 
