@@ -430,7 +430,8 @@ class Engine:
         usually returns nothing for that sequence.
         """
         events: list[SeqEvent] = []
-        if self._flight is not None and any(s.constraint is not None and not s.done for s in self._flight.produced):
+        if (self._constraint_factory is not None and self._flight is not None
+                and any(s.constraint is not None and not s.done for s in self._flight.produced)):
             events += self._land(self._flight)  # a constrained row's mask needs its last token
             self._flight = None
         self._admit()
@@ -585,16 +586,21 @@ class Engine:
 
     def _sample(self, logits: mx.array, seqs: list[_Seq], idx_slots: list[int], flight: _Flight) -> None:
         """Sample one token per row of ``logits`` (row i belongs to ``seqs[i]``) into the row
-        token array, through the rows' sampler chains (:func:`~.logits.sample_batch`)."""
-        rows = [RowInput(s.chain, s.slot, s.scheduled, _allowed(s), s.rng) for s in seqs]
-        out = sample_batch(logits, rows, self._history)
-        self._tokens = _put(self._tokens, idx_slots, out.tokens)
+        token array, through the rows' sampler chains (:func:`~.logits.sample_batch`; when every
+        chain is ``argmax_only``, the common step, its argmax directly, without building the
+        per-row inputs: ~100 us of host time per step at 64 rows)."""
+        if all(s.chain.argmax_only for s in seqs):
+            self._tokens = _put(self._tokens, idx_slots, greedy(logits))
+        else:
+            rows = [RowInput(s.chain, s.slot, s.scheduled, _allowed(s), s.rng) for s in seqs]
+            out = sample_batch(logits, rows, self._history)
+            self._tokens = _put(self._tokens, idx_slots, out.tokens)
+            flight.pending += out.pending
+            if out.logprobs is not None:
+                flight.logprobs.append(([seqs[i] for i in out.logprobs.positions], out.logprobs))
         for s in seqs:
             s.scheduled += 1
         flight.produced += seqs
-        flight.pending += out.pending
-        if out.logprobs is not None:
-            flight.logprobs.append(([seqs[i] for i in out.logprobs.positions], out.logprobs))
 
     def _land(self, flight: _Flight) -> list[SeqEvent]:
         """Read a flight's tokens (and logprobs) to the host and turn them into events."""

@@ -94,8 +94,10 @@ Sampler = Callable[[mx.array, Sequence[RowInput], mx.array], mx.array]
 @dataclass(frozen=True, eq=False)
 class Chain:
     """A request's sampler chain: its logits processors in order, its sampler (None: greedy) and
-    the filters the sampler applies (top-p, min-p), in order; ``bias_ids`` / ``bias_values`` its logit_bias, ``eos_ids`` the EOS ids masked until
-    ``params.min_tokens``. Built by :func:`make_chain`."""
+    the filters the sampler applies (top-p, min-p), in order; ``bias_ids`` / ``bias_values`` its
+    logit_bias, ``eos_ids`` the EOS ids masked until ``params.min_tokens``; ``argmax_only``: greedy,
+    no processor and no logprobs (:func:`sample_batch` would only take the argmax). Built by
+    :func:`make_chain`."""
 
     params: SamplingParams
     processors: tuple[Stage, ...]
@@ -104,6 +106,7 @@ class Chain:
     bias_ids: np.ndarray
     bias_values: np.ndarray
     eos_ids: np.ndarray
+    argmax_only: bool
 
     @property
     def greedy(self) -> bool:
@@ -137,7 +140,8 @@ def make_chain(params: SamplingParams, vocab_size: int) -> Chain:
         sampler = _sample_top_k if params.top_k else _sample_nucleus if params.top_p < 1 else _sample_plain
     return Chain(params, tuple(processors), sampler, filters,
                  np.array([t for t, _ in params.logit_bias], dtype=np.int32),
-                 np.array([b for _, b in params.logit_bias], dtype=np.float32), eos)
+                 np.array([b for _, b in params.logit_bias], dtype=np.float32), eos,
+                 argmax_only=sampler is None and not processors and params.logprobs is None)
 
 
 # ---- logits processors: (B, V) float32 logits -> (B, V) ------------------------------------

@@ -212,6 +212,15 @@ def test_stages_no_row_uses_add_no_work() -> None:
     assert out.logprobs is None and out.pending == []
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.5), SamplingParams(logit_bias={1: 2.0}),
+                                    SamplingParams(min_tokens=2, eos_token_ids=(3,)), SamplingParams(logprobs=0),
+                                    SamplingParams(repetition_penalty=1.1), SamplingParams(grammar="g")])
+def test_only_a_plain_greedy_chain_is_argmax_only(params: SamplingParams) -> None:
+    """The engine skips sample_batch for argmax_only chains: any stage must clear the flag."""
+    assert make_chain(SamplingParams(), V).argmax_only
+    assert not make_chain(params, V).argmax_only
+
+
 def test_logit_bias_ids_are_checked_against_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="logit_bias"):
         make_chain(SamplingParams(logit_bias={V: 1.0}), V)
