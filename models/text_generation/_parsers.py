@@ -53,12 +53,16 @@ class Delta:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (0 if none)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def _partial_suffix(text: str, *tags: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags`` (0 if
+    none). Also holds back partial stop strings (``_stream.RowText.push``)."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:n]):
+                best = n
+                break
+    return best
 
 
 def parse_tool_call(body: str) -> ToolCall | None:

@@ -16,6 +16,7 @@ from ..generation.events import FinishReason
 from ._events import TokenEvent
 from ._inputs import RequestInfo, RowOutput
 from ._outputs import RowParser, TokenTexts
+from ._parsers import _partial_suffix
 
 __all__ = ["GenerationTransducer", "RowText", "collect"]
 
@@ -56,7 +57,7 @@ class RowText:
         if cut is not None:
             self.held, self.finish_reason = "", FinishReason.STOP
             return buf[:cut]
-        keep = _partial_stop_len(buf, self.stops)
+        keep = _partial_suffix(buf, *self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
 
@@ -64,17 +65,6 @@ class RowText:
 def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
-
-
-def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 class GenerationTransducer:
