@@ -291,6 +291,15 @@ def test_chat_no_thinking_changes_the_rendered_prompt(
     assert plain.final(0)["token_summary"]["input"] > thinking.final(0)["token_summary"]["input"]
 
 
+def test_chat_passes_top_k_min_p_and_repetition_penalty(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, recorders: list[_Recorder]) -> None:
+    _stdin(monkeypatch, "Hello\n")
+    assert cli.main(["chat", "--model", str(tiny_ckpt), *_SMALL,
+                     "--top-k", "5", "--min-p", "0.1", "--repetition-penalty", "1.3"]) == 0
+    assert recorders[0].requests == [{"messages": [{"role": "user", "content": "Hello"}],
+                                      "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3}]
+
+
 def test_chat_turn_too_long_for_max_len_is_reported_and_the_chat_goes_on(
         tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         recorders: list[_Recorder]) -> None:
