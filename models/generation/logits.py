@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from .sampling import (MIN_TEMPERATURE, SamplingParams, SortedProbs, draw_sorted, draw_unsorted, min_p_limit,
-                       sort_probs, top_p_limit)
+                       sort_probs, tempered_probs, top_p_limit)
 
 __all__ = ["Chain", "Logprobs", "RowInput", "TokenHistory", "make_chain", "process", "sample", "sample_batch"]
 
@@ -254,8 +254,7 @@ def _sample_nucleus(z: mx.array, rows: Sequence[RowInput], u: mx.array) -> mx.ar
 def _sample_plain(z: mx.array, rows: Sequence[RowInput], u: mx.array) -> mx.array:
     """Rows with neither top-k nor top-p: temperature and min-p need no sort (a draw in token-id
     order has the same distribution)."""
-    z = z.astype(mx.float32)
-    probs = mx.softmax((z - z.max(axis=-1, keepdims=True)) / _param(rows, "temperature")[:, None], axis=-1)
+    probs = tempered_probs(z, _param(rows, "temperature"))
     if any(_min_p in r.chain.filters for r in rows):
         threshold = _param(rows, "min_p") * probs.max(axis=-1)
         probs = mx.where(probs >= threshold[:, None], probs, 0.0)

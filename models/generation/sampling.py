@@ -14,7 +14,7 @@ Numerics: a temperature below :data:`MIN_TEMPERATURE` (1e-5) is greedy decoding,
 temperature the softmax is already one-hot in float32 except between logits closer than ~1e-3, and
 dividing raw logits by it would overflow (1e-38 gave ``inf / inf`` = NaN probabilities and the last
 token id of the vocabulary) or divide by zero (a float64 below ~1.4e-45 is 0 in float32). Above it,
-:func:`sort_probs` (and the unsorted path of :mod:`.logits`) subtract each row's largest logit
+:func:`tempered_probs` (used by every sampled path, sorted or not) subtracts each row's largest logit
 before dividing, so every scaled logit is <= 0 and the softmax never sees ``inf``.
 
 Randomness: each request owns a ``numpy.random.Generator`` seeded from its ``seed``; each sampled
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 __all__ = ["MAX_LOGPROBS", "MAX_SEED", "MIN_TEMPERATURE", "SamplerKind", "SamplingParams", "SortedProbs", "draw_sorted",
-           "draw_unsorted", "greedy", "min_p_limit", "sample_top_p", "sort_probs", "top_p_limit"]
+           "draw_unsorted", "greedy", "min_p_limit", "sample_top_p", "sort_probs", "tempered_probs",
+           "top_p_limit"]
 
 #: Temperatures below this are greedy decoding (see the module docstring).
 MIN_TEMPERATURE = 1e-5
@@ -217,11 +218,18 @@ class SortedProbs:
         return self.probs.shape[-1]
 
 
+def tempered_probs(logits: mx.array, temperature: mx.array) -> mx.array:
+    """``softmax(logits / temperature)`` (b, V) float32 for ``logits`` (b, V) and ``temperature``
+    (b,) float32 >= ``MIN_TEMPERATURE``. Each row's largest logit is subtracted before the division
+    (no ``inf / inf``)."""
+    z = logits.astype(mx.float32)
+    return mx.softmax((z - z.max(axis=-1, keepdims=True)) / temperature[:, None], axis=-1)
+
+
 def sort_probs(logits: mx.array, temperature: mx.array) -> SortedProbs:
     """``logits`` (b, V) at ``temperature`` (b,) float32 >= ``MIN_TEMPERATURE`` -> the sorted
-    softmax. Each row's largest logit is subtracted before the division (no ``inf / inf``)."""
-    z = logits.astype(mx.float32)
-    probs = mx.softmax((z - z.max(axis=-1, keepdims=True)) / temperature[:, None], axis=-1)
+    softmax (:func:`tempered_probs`)."""
+    probs = tempered_probs(logits, temperature)
     order = mx.argsort(-probs, axis=-1)
     sorted_p = mx.take_along_axis(probs, order, axis=-1)
     return SortedProbs(order, sorted_p, mx.cumsum(sorted_p, axis=-1))
