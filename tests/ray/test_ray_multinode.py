@@ -8,7 +8,6 @@ Its own cluster (not the ``ray_cluster`` of the other modules), shut down at the
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -17,19 +16,12 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from mlx_serving.serving import ServingPool, WorkerCrashed  # noqa: E402
+from ray_helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 MLX = {"resources": {"mlx": 1}, "num_cpus": 0}  # one actor per node that has the resource
 NODE = {"num_cpus": 1, "resources": {"mlx": 1}}
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

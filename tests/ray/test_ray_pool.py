@@ -23,18 +23,11 @@ from mlx_serving.serving import (  # noqa: E402
     WorkerCrashed,
 )
 from mlx_serving.serving.ray import RayServingPool  # noqa: E402
+from ray_helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 LIGHT = {"num_cpus": 0}  # several small pools share the 2-CPU test cluster
-
-
-def wait_until(predicate, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def named_actors() -> set[str]:

@@ -18,20 +18,13 @@ serve = pytest.importorskip("ray.serve")
 
 from mlx_serving.serving import DeadlineExceeded  # noqa: E402
 from mlx_serving.serving.ray import ServingDeployment, serving_app  # noqa: E402
+from ray_helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 POOL_TESTS = str(Path(__file__).resolve().parent.parent / "pool")
 # replicas import pool_servings through the runtime_env, as a cluster deployment ships its code
 LIGHT = {"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONPATH": POOL_TESTS}}}
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 def free_port() -> int:
