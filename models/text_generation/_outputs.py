@@ -11,7 +11,6 @@ from typing import Any
 from ...tokenization import Tokenizer
 
 from ._events import TokenEvent
-
 from ._parsers import Delta, Qwen3OutputParser, ToolCall
 
 __all__ = ["RowParser", "TokenTexts", "tool_call_dict"]

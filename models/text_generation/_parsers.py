@@ -137,9 +137,9 @@ class Qwen3OutputParser:
         out = _Out()
         while self._state(out, final):
             pass
-        if final and not self._after_call:
-            out.content.append(self._space)
         if final:
+            if not self._after_call:
+                out.content.append(self._space)
             self._space = ""
         return out.delta()
 
