@@ -1,4 +1,4 @@
-"""Text generation as a Serving: Qwen3 (MLX) with continuous batching, streaming and stop strings.
+"""Text generation as a Serving: MLX models (Qwen3, Llama, Mistral), continuous batching, streaming, stop strings.
 
 Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat template applied),
 optionally with per-request options (OpenAI / vLLM names): ``max_new_tokens``, ``temperature``,
@@ -43,12 +43,14 @@ _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation reques
 
 
 def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
-    """A text-generation Serving over a loaded Qwen3 ``state``.
+    """A text-generation Serving over a loaded model ``state`` (any family ``models.registry``
+    loads: Qwen3, Llama, Mistral).
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
-    prefill_chunk=512, kv_cache_bytes=None). ``Serving.start`` defaults to
-    ``batch_size=max_batch`` and a 5 ms admission window. The tokenizer's byte table (streaming
+    prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
+    policy="fcfs"). ``Serving.start`` defaults to ``batch_size=max_batch`` (``2 * max_batch``
+    under policy "priority") and a 5 ms admission window. The tokenizer's byte table (streaming
     detokenization) is built here, once per tokenizer, not inside a caller's first request; async
     callers tokenize a long input (more than ~3,000 characters, see ``_inputs.needs_thread``) on
     a worker thread, so no client-side step holds their event loop for more than ~10 ms.
