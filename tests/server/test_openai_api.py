@@ -72,6 +72,16 @@ def test_streaming_completion(client: openai.OpenAI, tiny_serving: Serving):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_text_pieces_waiting_together_go_out_as_one_chunk():
+    """A stream that fell behind sends its waiting text pieces joined (one SSE chunk), other items
+    (delta dicts, finals) as they are, in order."""
+    from mlx_serving.server._app import _joined
+
+    final = {"finish_reason": "length", "num_tokens": 3}
+    assert _joined(["a", "b", {"content": "c"}, "d", "e", final]) == ["ab", {"content": "c"}, "de", final]
+    assert _joined(["only"]) == ["only"]
+
+
 def test_stop_string(client: openai.OpenAI, tiny_serving: Serving):
     full = _expected(tiny_serving, {"messages": MESSAGES, "max_new_tokens": 16})["generated_text"]
     stop = full[len(full) // 2:len(full) // 2 + 2]
