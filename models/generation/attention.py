@@ -128,7 +128,7 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
         j = mx.arange(rows.kv_len)
         read = table[:, j // bs] * bs + (j % bs)[None, :]
         return Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=_mask(rows, t),
-                     rope=rope, sdpa_decode=sdpa_decode, write_idx=write.reshape(-1), read_idx=read)
+                    rope=rope, sdpa_decode=sdpa_decode, write_idx=write.reshape(-1), read_idx=read)
     return Step(
         rows=rows,
         write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
