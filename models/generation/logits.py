@@ -70,6 +70,7 @@ class TokenHistory:
         self.counts = self.counts.at[rows, tokens].add(1.0)
 
     def arrays(self) -> list[mx.array]:
+        """``[counts, prompt]``: the state to evaluate with the step that updated it."""
         return [self.counts, self.prompt]
 
 
@@ -110,6 +111,7 @@ class Chain:
 
     @property
     def greedy(self) -> bool:
+        """True when the chain takes the argmax of its processed logits (temperature < 1e-5)."""
         return self.sampler is None
 
     @property
@@ -302,6 +304,7 @@ class Logprobs:
     tops: list[tuple[list[int], mx.array, mx.array]] = field(default_factory=list)
 
     def arrays(self) -> list[mx.array]:
+        """Every device array held (``chosen``, then each group's ids and values), to evaluate."""
         return [self.chosen] + [a for _, ids, vals in self.tops for a in (ids, vals)]
 
     def to_host(self) -> list[tuple[float, tuple[tuple[int, float], ...]]]:

@@ -215,6 +215,7 @@ class SortedProbs:
 
     @property
     def vocab(self) -> int:
+        """V, the number of sorted tokens per row."""
         return self.probs.shape[-1]
 
 
