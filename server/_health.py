@@ -1,4 +1,4 @@
-"""Stuck detection for ``/health``: the rule of the Ray deployment's ``check_health``.
+"""Stuck detection, shared by the server's ``/health`` and the Ray deployment's ``check_health``.
 
 A serving is stuck when it holds rows (``rows_in_flight`` > 0) and has made no progress (no batch,
 step or ended request: ``batches_run``, ``steps_run``, ``completed``, ``failed``, ``cancelled``,

@@ -23,13 +23,13 @@ every health check and stats call.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ray import serve
 from ray.serve import metrics
 
 from .._errors import DeadlineExceeded, ServingOverloaded
+from ...server._health import Progress  # the stuck rule /health uses (no FastAPI import)
 from .._pool._worker import Factory, resolve_factory
 
 __all__ = ["ServingDeployment", "serving_app"]
@@ -52,9 +52,7 @@ class _Replica:
         if not isinstance(serving, Serving):
             raise TypeError(f"the deployment's factory must return a Serving, got {type(serving).__name__}")
         self._handle = Serving.start(serving, **(process_options or {}))
-        self._stuck_after = stuck_after
-        self._progress: tuple[int, ...] | None = None
-        self._progress_at = time.monotonic()
+        self._progress = Progress(stuck_after)
         self._gauges = {
             name: metrics.Gauge(f"mlx_serving_{name}", description=f"the replica's Serving: {name} (ServingStats)")
             for name in _GAUGES
@@ -77,16 +75,11 @@ class _Replica:
     def check_health(self) -> None:
         """Raise when the serving holds rows and made no progress for ``stuck_after`` s."""
         stats = self._record()
-        progress = (stats.batches_run, stats.steps_run, stats.completed, stats.failed, stats.cancelled,
-                    stats.expired, stats.rejected)
-        now = time.monotonic()
-        if progress != self._progress or stats.rows_in_flight == 0:
-            self._progress, self._progress_at = progress, now
-            return
-        if now - self._progress_at > self._stuck_after:
+        idle = self._progress.stuck_for(stats)
+        if idle is not None:
             raise RuntimeError(
                 f"the replica's serving is stuck: {stats.rows_in_flight} rows in flight and no batch, step "
-                f"or finished request for {now - self._progress_at:.1f} s (stuck_after {self._stuck_after} s)"
+                f"or finished request for {idle:.1f} s (stuck_after {self._progress.stuck_after} s)"
             )
 
     def _record(self) -> Any:
