@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_serving import ServingHandle
 
@@ -53,3 +55,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "
     while not predicate():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``GET {url}/metrics`` (asserted 200, text exposition) as ``{(sample name, sorted labels): value}``."""
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}

@@ -10,9 +10,8 @@ import random
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import MODEL, Server, wait_for
+from server_helpers import MODEL, Server, metric_samples, wait_for
 
 LONG = 300  # tokens: the tiny model never reaches EOS this early, so the request is still running
 
@@ -20,12 +19,6 @@ LONG = 300  # tokens: the tiny model never reaches EOS this early, so the reques
 def _idle(server: Server) -> bool:
     stats = server.handle.stats()
     return stats.rows_in_flight == 0
-
-
-def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_disconnect_mid_stream_cancels_the_row(server: Server):
@@ -37,14 +30,14 @@ def test_disconnect_mid_stream_cancels_the_row(server: Server):
             first = [next(data) for _ in range(3)]  # three chunks: generating
             assert all('"finish_reason": null' in chunk for chunk in first)
             assert server.handle.stats().running == 1
-            assert _samples(server.url)[("mlx_serving:num_requests_running", (("model_name", MODEL),))] == 1
+            assert metric_samples(server.url)[("mlx_serving:num_requests_running", (("model_name", MODEL),))] == 1
         # leaving the block closed the connection mid-stream
     wait_for(lambda: server.handle.stats().cancelled == before.cancelled + 1, what="the request to be cancelled")
     after = server.handle.stats()
     assert after.running == 0 and after.completed == before.completed
     wait_for(lambda: server.handle.stats().backend["blocks_used"] == 0, what="its KV blocks to be returned")
     abort = ("mlx_serving:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL)))
-    wait_for(lambda: _samples(server.url).get(abort, 0) >= 1, what="the abort to be counted")
+    wait_for(lambda: metric_samples(server.url).get(abort, 0) >= 1, what="the abort to be counted")
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server: Server):
@@ -83,7 +76,7 @@ async def test_200_concurrent_streams_with_random_disconnects(server: Server):
     ended = (after.completed - before.completed) + (after.cancelled - before.cancelled)
     assert ended == 200 and after.failed == before.failed
     assert after.cancelled - before.cancelled <= sum(leave for _, leave in plans)
-    samples = _samples(server.url)
+    samples = metric_samples(server.url)
     labels = (("model_name", MODEL),)
     assert samples[("mlx_serving:num_requests_running", labels)] == 0
     assert samples[("mlx_serving:num_requests_waiting", labels)] == 0

@@ -7,21 +7,13 @@ import threading
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
 
 from mlx_serving import Batch, Serving
 from mlx_serving.server import create_app
 
-from server_helpers import MODEL, Server, serve, wait_for
+from server_helpers import MODEL, Server, metric_samples, serve, wait_for
 
 LABELS = (("model_name", MODEL),)
-
-
-def _samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = httpx.get(f"{url}/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def _delta(after: dict, before: dict, name: str, labels: tuple = LABELS) -> float:
@@ -31,13 +23,13 @@ def _delta(after: dict, before: dict, name: str, labels: tuple = LABELS) -> floa
 def test_metrics_count_the_requests_made(server: Server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     wait_for(lambda: server.handle.stats().rows_in_flight == 0, what="an idle server")
-    before = _samples(server.url)
+    before = metric_samples(server.url)
     usages = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
                                              max_tokens=3 + i).usage for i in range(3)]
     streamed = client.completions.create(model=MODEL, prompt="stream me", max_tokens=5, stream=True,
                                          stream_options={"include_usage": True})
     usages.append([c for c in streamed][-1].usage)
-    after = _samples(server.url)
+    after = metric_samples(server.url)
     prompt = sum(u.prompt_tokens for u in usages)
     generated = sum(u.completion_tokens for u in usages)
     assert generated == 3 + 4 + 5 + 5
