@@ -26,7 +26,7 @@ from sse_starlette import EventSourceResponse
 
 from ..serving import AsyncStream, Client, ServingError, ServingStats
 from ._errors import RETRY_AFTER_S, APIError, from_exception
-from ._health import Progress
+from ..serving._progress import Progress
 from ._metrics import Metrics
 from ._requests import Call, chat_call, completion_call
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id

@@ -29,8 +29,8 @@ from ray import serve
 from ray.serve import metrics
 
 from .._errors import DeadlineExceeded, ServingOverloaded
-from ...server._health import Progress  # the stuck rule /health uses (no FastAPI import)
 from .._pool._worker import Factory, resolve_factory
+from .._progress import Progress  # the stuck rule the HTTP server's /health uses too
 
 __all__ = ["ServingDeployment", "serving_app"]
 

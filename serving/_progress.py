@@ -1,4 +1,4 @@
-"""Stuck detection, shared by the server's ``/health`` and the Ray deployment's ``check_health``.
+"""Stuck detection for health checks: the HTTP server's ``/health`` and the Ray deployment's ``check_health``.
 
 A serving is stuck when it holds rows (``rows_in_flight`` > 0) and has made no progress (no batch,
 step or ended request: ``batches_run``, ``steps_run``, ``completed``, ``failed``, ``cancelled``,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..serving import ServingStats
+from ._telemetry import ServingStats
 
 __all__ = ["Progress"]
 
@@ -23,7 +23,8 @@ class Progress:
         self._since = time.monotonic()
 
     def stuck_for(self, stats: ServingStats) -> float | None:
-        """Seconds without progress while holding rows when that exceeds ``stuck_after``, else None."""
+        """Seconds (monotonic clock) without progress while holding rows, when that exceeds
+        ``stuck_after``; else None. Call it at each health check with the serving's latest stats."""
         progress = (stats.batches_run, stats.steps_run, stats.completed, stats.failed, stats.cancelled,
                     stats.expired, stats.rejected)
         now = time.monotonic()
