@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
 
         from ._app import create_app
     except ImportError as exc:
-        print(f"mlx-serving: error: 'serve' needs the server extra: pip install 'mlx-serving[server]' ({exc})",
+        print(f"mlx-serving: error: 'serve' needs the server extra: pip install -e '.[server]' from the "
+              f"repository clone, or pip install 'mlx-serving[server]' ({exc})",
               file=sys.stderr)
         return 2
     models = _model_specs(args)
