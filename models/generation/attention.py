@@ -22,7 +22,7 @@ from .kv_cache import PagedKVCache
 from .protocol import ModelState
 from .slot_cache import KVCache
 
-__all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "make_step"]
+__all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "last_hidden", "make_step", "packing", "token_ids"]
 
 #: The KV caches :func:`attend` reads and writes: the paged cache, or the slot cache.
 Cache = PagedKVCache | KVCache
@@ -42,6 +42,13 @@ class Rows:
     ``block_table`` (B, W) int32, for a paged cache (:class:`~models.generation.kv_cache.PagedKVCache`):
     the KV blocks of each row in order (W >= ceil(kv_len / block_size); unused entries and
     padding rows 0, the null block); ``slots`` is ignored then.
+
+    Packed (ragged) prefill: ``packed`` (N,) int32, the flat index in ``B * T`` of each real
+    token in row-major order, then index 0 up to N (the bucket's padding); ``unpacked``
+    (B * T,) int32, the index in ``packed`` of each padded position (0 for padding). With
+    them set a family runs embeddings, projections and MLP on the N packed tokens only and
+    lays them out as ``(B, T)`` just for attention (:meth:`Step.unpack` / :meth:`Step.pack`);
+    padding costs attention work only. :func:`packing` builds both.
     """
 
     tokens: mx.array
@@ -52,6 +59,40 @@ class Rows:
     last: mx.array
     dense: bool = False
     block_table: mx.array | None = None
+    packed: mx.array | None = None
+    unpacked: mx.array | None = None
+
+
+def packing(n_valid: np.ndarray, t: int, n: int | None = None) -> tuple[mx.array, mx.array]:
+    """The ``(packed, unpacked)`` indices of :class:`Rows` for rows of ``n_valid`` (B,) real
+    tokens each, padded to ``t`` per row, packed into ``n`` (default: the real token count;
+    must be at least that) positions. Raises ValueError when ``n`` is too small."""
+    real = int(n_valid.sum())
+    n = real if n is None else n
+    if n < real:
+        raise ValueError(f"packing: n={n} < {real} real tokens")
+    packed = np.zeros(n, dtype=np.int32)
+    packed[:real] = np.concatenate([np.arange(i * t, i * t + k, dtype=np.int32) for i, k in enumerate(n_valid)])
+    unpacked = np.zeros(len(n_valid) * t, dtype=np.int32)
+    unpacked[packed[:real]] = np.arange(real, dtype=np.int32)
+    return mx.array(packed), mx.array(unpacked)
+
+
+def token_ids(rows: Rows) -> mx.array:
+    """The token ids a family embeds: ``(N,)`` packed, else ``(B * T,)``."""
+    ids = rows.tokens.reshape(-1)
+    return ids if rows.packed is None else ids[rows.packed]
+
+
+def last_hidden(h: mx.array, rows: Rows) -> mx.array:
+    """Hidden states ``(B, F)`` at each row's ``rows.last`` token, from the layers' output
+    ``h`` (``(N, F)`` packed, ``(B * T, F)`` padded)."""
+    b, t = rows.tokens.shape
+    if t == 1:
+        return h
+    if rows.packed is not None:
+        return h[mx.take_along_axis(rows.unpacked.reshape(b, t), rows.last[:, None], axis=1)[:, 0]]
+    return mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
 
 
 def _mask(rows: Rows, t: int) -> mx.array | str | None:
@@ -107,6 +148,14 @@ class Step:
     sdpa_decode: bool = False  # one-token masked rows through mx.fast SDPA instead of the matmuls
     write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
     read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
+
+    def unpack(self, x: mx.array) -> mx.array:
+        """Packed ``(N, F)`` activations laid out as ``(B * T, F)`` (identity when not packed)."""
+        return x if self.rows.unpacked is None else x[self.rows.unpacked]
+
+    def pack(self, x: mx.array) -> mx.array:
+        """``(B * T, F)`` activations back to the packed ``(N, F)`` (identity when not packed)."""
+        return x if self.rows.packed is None else x[self.rows.packed]
 
 
 def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdpa_decode: bool = False) -> Step:

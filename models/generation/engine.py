@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..registry import family_model
-from .attention import Rows, compiled_decode
+from .attention import Rows, compiled_decode, packing
 from .events import FinishReason, SeqEvent
 from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ConstraintFactory, TokenConstraint
@@ -52,6 +52,10 @@ from .policy import Policy, make_policy
 __all__ = ["Engine"]
 
 _KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
+#: Packed (ragged) prefill: a multi-row prefill runs its projections and MLP on the real prompt
+#: tokens only (``Rows.packed``), not on the padded ``(rows, tokens)`` grid. bench/gpu_prefill.py
+#: compares both.
+PACK_PREFILL = True
 
 
 @dataclass(eq=False)
@@ -512,9 +516,14 @@ class Engine:
         slots[: len(seqs)] = [s.slot for s in seqs]
         kv_len = int((start + n_valid).max())
         span = self._span(kv_len) if self._bucket and not dense else kv_len
+        packed = unpacked = None
+        if PACK_PREFILL and not dense:  # projections and MLP on the real tokens only
+            real = int(n_valid.sum())
+            packed, unpacked = packing(n_valid, t, _pack_bucket(real) if self._bucket else real)
         rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid), span,
                     mx.array(np.maximum(n_valid - 1, 0)), dense=dense,
-                    block_table=self._table_arg(self._table(seqs, b, span)) if self._kv is not None else None)
+                    block_table=self._table_arg(self._table(seqs, b, span)) if self._kv is not None else None,
+                    packed=packed, unpacked=unpacked)
         logits = self._model.forward(self.state, self.cache, rows)
         done = []
         for i, (s, n) in enumerate(zip(seqs, n_valid)):
@@ -638,6 +647,13 @@ def _allowed(seq: _Seq) -> np.ndarray | None:
         allowed = allowed.copy()
         allowed[seq.chain.eos_ids] = True
     return allowed
+
+
+def _pack_bucket(n: int) -> int:
+    """Packed prefill tokens rounded up to 1/8 of their power-of-two bucket (at least 64): at
+    most ~8 shapes per octave, at most 12.5% padding."""
+    step = max(64, _pow2(n) // 8)
+    return -(-n // step) * step
 
 
 def _pow2(n: int) -> int:

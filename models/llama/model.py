@@ -22,7 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..generation.attention import Cache, Rows, Step, attend, make_step
+from ..generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
 from ..qwen3 import model as _qwen3_model
 from .config import LlamaConfig
 from .loader import Layer, State
@@ -82,11 +82,11 @@ def _layer(layer: Layer, h: mx.array, cache: Cache, i: int, step: Step, rope: Ca
     b, t = step.rows.tokens.shape
     d, eps = c.head_dim, c.rms_norm_eps
     x = mx.fast.rms_norm(h, layer.input_layernorm, eps)
-    q, k, v = layer.qkv(x)
+    q, k, v = (step.unpack(a) for a in layer.qkv(x))
     q = rope(q.reshape(b, t, c.num_attention_heads, d).transpose(0, 2, 1, 3))
     k = rope(k.reshape(b, t, c.num_key_value_heads, d).transpose(0, 2, 1, 3))
     v = v.reshape(b, t, c.num_key_value_heads, d)
-    h = h + layer.o_proj(attend(cache, i, q, k, v, step))
+    h = h + layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
     x = mx.fast.rms_norm(h, layer.post_attention_layernorm, eps)
     gate, up = layer.gate_up(x)
     return h + layer.down_proj(_swiglu(gate, up))
@@ -99,14 +99,11 @@ def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
     token index ``rows.last``. Does not update the cache's lengths (the caller does). Any
     cache :func:`models.generation.attention.make_step` / ``attend`` accept works here.
     """
-    b, t = rows.tokens.shape
     c = state.config
-    h = state.embed_tokens.rows(rows.tokens.reshape(-1))
+    h = state.embed_tokens.rows(token_ids(rows))
     step = make_step(rows, cache, c.head_dim, c.rope_theta, sdpa_decode=decode_path(state) == "sdpa")
     rope = _rope(state, rows)
     for i, layer in enumerate(state.layers):
         h = _layer(layer, h, cache, i, step, rope, state)
-    if t > 1:
-        h = mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
-    h = mx.fast.rms_norm(h, state.norm, c.rms_norm_eps)
+    h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, c.rms_norm_eps)
     return state.lm_head(h)

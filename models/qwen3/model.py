@@ -17,7 +17,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from ..generation.attention import Cache, Rows, Step, attend, make_step
+from ..generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
 from .kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 from .loader import Layer, State
 
@@ -49,13 +49,13 @@ def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step, stat
     c = state.config
     b, t = step.rows.tokens.shape
     d = c.head_dim
-    q, k, v = layer.qkv(x)
+    q, k, v = (step.unpack(a) for a in layer.qkv(x))
     q = q.reshape(b, t, c.num_attention_heads, d)
     k = k.reshape(b, t, c.num_key_value_heads, d)
     v = v.reshape(b, t, c.num_key_value_heads, d)
     q = step.rope(mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
     k = step.rope(mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps).transpose(0, 2, 1, 3))
-    return layer.o_proj(attend(cache, i, q, k, v, step))
+    return layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
 
 
 def _layer(layer: Layer, h: mx.array, cache: Cache, i: int, step: Step, state: State) -> mx.array:
@@ -73,17 +73,15 @@ def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row,
     at token index ``rows.last``. Does not update ``cache.lengths`` (the caller does).
     """
-    b, t = rows.tokens.shape
-    h = state.embed_tokens.rows(rows.tokens.reshape(-1))
+    t = rows.tokens.shape[1]
+    h = state.embed_tokens.rows(token_ids(rows))
     c = state.config
     if t == 1 and rows.slots is None and decode_path(state) == "fused":
         return _fused_decode(state, cache, rows, h)
     step = make_step(rows, cache, c.head_dim, c.rope_theta, sdpa_decode=DECODE_PATH == "sdpa")
     for i, layer in enumerate(state.layers):
         h = _layer(layer, h, cache, i, step, state)
-    if t > 1:
-        h = mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
-    h = mx.fast.rms_norm(h, state.norm, state.config.rms_norm_eps)
+    h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, state.config.rms_norm_eps)
     return state.lm_head(h)
 
 

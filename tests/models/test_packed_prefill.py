@@ -1,0 +1,95 @@
+"""Packed (ragged) prefill: the projections and MLP of a multi-row prefill run on the real prompt
+tokens only; outputs and the KV cache equal the padded grid's (tiny float32 checkpoint)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_serving.models.generation.engine as engine_module
+import mlx_serving.models.qwen3.model as qwen3_model
+from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation.attention import Rows, packing
+from mlx_serving.models.generation.kv_cache import init_paged_kv_cache
+
+LENGTHS = [5, 1, 13, 9]  # ragged prompts: padded grid 4 x 13 = 52 positions, 28 real tokens
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 151000, n).tolist() for n in LENGTHS]
+
+
+def test_packing_indices() -> None:
+    packed, unpacked = packing(np.array([3, 0, 2]), 4, 7)
+    assert packed.tolist() == [0, 1, 2, 8, 9, 0, 0]
+    assert unpacked.tolist() == [0, 1, 2, 0, 0, 0, 0, 0, 3, 4, 0, 0]
+    with pytest.raises(ValueError, match="n=4 < 5"):
+        packing(np.array([3, 0, 2]), 4, 4)
+
+
+def _rows(prompts: list[list[int]], packed_n: int | None) -> Rows:
+    b, t = len(prompts), max(map(len, prompts))
+    tokens = np.zeros((b, t), dtype=np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    n_valid = np.array([len(p) for p in prompts], dtype=np.int32)
+    table = (1 + np.arange(b * 2, dtype=np.int32)).reshape(b, 2)  # two 16-token blocks per row
+    z = mx.zeros((b,), dtype=mx.int32)
+    packed = unpacked = None
+    if packed_n is not None:
+        packed, unpacked = packing(n_valid, t, packed_n)
+    return Rows(mx.array(tokens), z, z, mx.array(n_valid), t, mx.array(n_valid - 1),
+                block_table=mx.array(table), packed=packed, unpacked=unpacked)
+
+
+@pytest.mark.parametrize("packed_n", [sum(LENGTHS), 64])  # exact, and with bucket padding
+def test_packed_forward_equals_padded(tiny32, packed_n: int) -> None:
+    prompts = _prompts()
+    caches, logits = [], []
+    for n in (None, packed_n):
+        cache = init_paged_kv_cache(tiny32, 2 * len(prompts), 16)
+        logits.append(qwen3_model.forward(tiny32, cache, _rows(prompts, n)))
+        caches.append(cache)
+    np.testing.assert_allclose(np.array(logits[1]), np.array(logits[0]), rtol=1e-5, atol=1e-5)
+    for i, p in enumerate(prompts):  # the K/V of every real token (row i: blocks 2i+1, 2i+2)
+        at = slice(16 * (2 * i + 1), 16 * (2 * i + 1) + len(p))
+        for kp, kq in zip(caches[0].keys, caches[1].keys):
+            np.testing.assert_allclose(np.array(kq[at]), np.array(kp[at]), rtol=1e-5, atol=1e-5)
+
+
+def _greedy(state, prompts: list[list[int]], bucket: bool) -> list[list[int]]:
+    engine = Engine(state, len(prompts), 64, prefill_chunk=8, bucket_shapes=bucket)
+    for i, p in enumerate(prompts):
+        engine.add(i, p, SamplingParams(max_new_tokens=4))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while engine.num_active:
+        for ev in engine.step():
+            out[ev.seq_id].append(ev.token_id)
+    return [out[i] for i in range(len(prompts))]
+
+
+def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine hands the family packed rows (N = real tokens of the step, or its bucket), and
+    the tokens equal each prompt generated alone."""
+    seen: list[tuple[int, int, int]] = []  # (rows, padded tokens per row, packed tokens)
+    forward = qwen3_model.forward
+
+    def spy(state, cache, rows: Rows) -> mx.array:
+        if rows.packed is not None:
+            seen.append((*rows.tokens.shape, rows.packed.shape[0]))
+        return forward(state, cache, rows)
+
+    prompts = _prompts()
+    solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
+    monkeypatch.setattr(qwen3_model, "forward", spy)
+    assert _greedy(tiny32, prompts, False) == solo
+    assert seen[0] == (4, 8, 5 + 1 + 8 + 8)  # first chunk of 8: rows 4 x 8 padded, 22 real
+    seen.clear()
+    assert _greedy(tiny32, prompts, True) == solo
+    assert seen[0] == (4, 8, 64)  # 22 real tokens in a bucket of 64
+    monkeypatch.setattr(engine_module, "PACK_PREFILL", False)
+    seen.clear()
+    assert _greedy(tiny32, prompts, True) == solo
+    assert not seen
