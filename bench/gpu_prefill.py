@@ -12,8 +12,9 @@ Also reports the padded token count of the grid (what the unpacked linear layers
 
 Second study (``--attention``): one prefill-shaped attention call ``(B, 16, T, 128)`` queries over
 ``(B, 8, S, 128)`` keys through ``mx.fast.scaled_dot_product_attention`` with the engine's boolean
-mask vs the ``"causal"`` string mask (B = 1 only: the engine's dense path), median of 10 synced
-calls: how much of prefill the masked attention costs on this device.
+mask (the last T of S positions, causal) vs the ``"causal"`` string mask, median of 10 synced
+calls, and the first call of each shape (per-shape builds included): how much of prefill the
+masked attention costs on this device, and what a prefill shape not seen before costs.
 
 Run (MLX CUDA build): ``python bench/gpu_prefill.py --out bench/results/gpu_prefill.json``; on CPU
 ``--quick`` (tiny preset, 16 prompts of 16-128 tokens) is a smoke run.
@@ -64,8 +65,7 @@ def padded_tokens(lengths: list[int], chunk: int, bucket: bool) -> int:
 def run_once(state: State, batch: list[list[int]], chunk: int) -> float:
     """Seconds from the first add to the last event of one prefill-only run."""
     max_len = max(map(len, batch)) + 8
-    engine = Engine(state, len(batch), max_len, chunk, prefix_caching=False)
-    engine.warm_up()
+    engine = Engine(state, len(batch), max_len, chunk, prefix_caching=False)  # no decode: no warm_up
     params = SamplingParams(max_new_tokens=1)
     t0 = time.perf_counter()
     for i, p in enumerate(batch):
@@ -78,17 +78,21 @@ def run_once(state: State, batch: list[list[int]], chunk: int) -> float:
 
 def prefill_study(state: State, batch: list[list[int]], chunk: int, rounds: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {"packed": [], "padded": []}
+    cold = {}
     for r in range(rounds + 1):
         for name in ("packed", "padded"):
             engine_module.PACK_PREFILL = name == "packed"
             s = run_once(state, batch, chunk)
             if r:
                 times[name].append(s)
+            else:
+                cold[name] = s
     engine_module.PACK_PREFILL = True
     real = sum(map(len, batch))
     out: dict[str, Any] = {"requests": len(batch), "real_tokens": real,
                            "padded_grid_tokens": padded_tokens([len(p) for p in batch], chunk,
-                                                               mx.default_device() == mx.gpu)}
+                                                               mx.default_device() == mx.gpu),
+                           "first_run_s": cold}
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"wall_s": ts, "median_s": med, "prefill_tok_s": real / med}
@@ -111,6 +115,7 @@ def attention_study(b: int, t: int, s: int) -> dict[str, Any]:
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=128 ** -0.5, mask=m))
             ts.append((time.perf_counter() - t0) * 1e3)
         out[f"{name}_ms"] = statistics.median(ts[1:])
+        out[f"{name}_first_ms"] = ts[0]  # a new shape: MLX's (and cuDNN's) per-shape build included
     return out
 
 
@@ -124,7 +129,7 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attention", default="1:512:1024,1:1024:1024,1:2048:2048")
+    ap.add_argument("--attention", default="1:512:1024,1:1024:1024,1:2048:2048,64:512:1024,256:512:1024")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_prefill.json"))
     args = ap.parse_args()
