@@ -27,7 +27,8 @@ Generated tokens are counted on each side (ours: ``num_tokens`` of each final st
 its returned ids / responses) and must equal the requested total: the ratios compare the same work.
 Each side first runs a smaller warm-up workload (``--warmup`` requests, another seed, outputs capped
 at 32 tokens) so kernel builds are not timed. Prints a table; writes JSON (``--out``, default
-bench/results/gpu_mixed.json) with the targets of issue 17 (>= 15x ``batch_generate`` at batch 256,
+bench/results/gpu_mixed.json; each request's prompt and output length under ``prompt_lens`` /
+``new_lens``, from which bench/gpu_summary.py builds the bandwidth floor) with the targets of issue 17 (>= 15x ``batch_generate`` at batch 256,
 TTFT p99 <= 3 s at batch 128) marked met or not.
 
 Run (MLX CUDA build): ``python bench/gpu_mixed.py``; on CPU ``--quick`` (tiny preset, 8 requests,
@@ -260,7 +261,8 @@ def main() -> None:
         "device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(), "preset": args.preset,
         "ours_weights": args.weights, "requests": args.requests, "prompt_range": args.prompt_range,
         "new_range": args.new_range, "seed": args.seed, "prompt_tokens": sum(map(len, work.prompts)),
-        "new_tokens": work.total_new, "ours": {}, "mlx_lm_batch_generator": {}}
+        "new_tokens": work.total_new, "prompt_lens": list(map(len, work.prompts)), "new_lens": work.new,
+        "prefill_chunk": args.prefill_chunk, "ours": {}, "mlx_lm_batch_generator": {}}
     for b in batches:
         out["ours"][str(b)] = run_ours(tok, state, b, work, warm, args.prefill_chunk)
         record(args.out, out, f"ours at max_batch {b}", out["ours"][str(b)], work)

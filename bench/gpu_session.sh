@@ -5,7 +5,23 @@
 # mlx_serving/ put the repository's folders under the distribution namespace, as setuptools'
 # package-dir mapping does.
 # Writes into $OUT: the test log and bench JSON. Arguments: which bench (paged, default; context;
-# mixed: gpu_mixed + gpu_arrivals; rest: gpu_step + prefix caching; throughput), then notests to skip the tests.
+# mixed: gpu_mixed + gpu_arrivals; arrivals [RATES [DURATION]]; rest: gpu_step + prefix caching;
+# throughput; all: every issue-17 bench and bench/gpu_summary.py's $OUT/gpu_all.json), then
+# notests to skip the tests.
+#
+# all: the parts run one after another in this order (estimated wall on an H200 from earlier
+# runs in parentheses): tests (~60 s, after ~30-40 s of installing); gpu_step.py: the copy
+# bandwidth (every floor's denominator), compiled fused steps at 1 and 128 rows, paged steps at
+# position 1,500 for 1 and 256 rows, mlx-lm one stream (~35 s); gpu_mixed.py at batches 256 and
+# 128 with only the batch_generate peer (~175 s: batch_generate alone took 119 s); gpu_throughput.py
+# at concurrency 1 and 128 with the peer, bare engine and 4-bit rows, no arrival-under-load
+# (~75 s); prefix_cache.py on the 0.6b shape, 128 requests x 2,048-token system prompt, caching on
+# vs off (~35 s); gpu_arrivals.py at 8 and 16 requests/s for 8 s each and one search step (~45 s);
+# then the summary. Each part runs under `timeout` capped at its CAP and at what is left of
+# ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so
+# the call ends inside the device's 600 s limit whatever a part does; a part cut short or failed
+# is logged (parts.tsv: name, exit status, wall s) and the next one runs. Each part's output is in
+# $OUT/<part>.log; the JSON each bench writes as it goes stays in $OUT.
 set -euo pipefail
 test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
 cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
@@ -13,8 +29,26 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "
 for d in serving models tokenization; do ln -sfn "../$d" "mlx_serving/$d"; done
 export PYTHONPATH="$HOME/gpu/site:$PWD"
 python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__version__)'
+setup_s=$SECONDS
 [ "${2:-tests}" = notests ] || python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py tests/models/test_qwen3_fused_path.py \
   2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+printf 'setup\t0\t%s\ntests\t0\t%s\n' "$setup_s" "$((SECONDS - setup_s))" > "$OUT/parts.tsv"
+
+part() {  # part NAME CAP_S COMMAND...: COMMAND under a timeout (see "all" above), output in $OUT/NAME.log
+  local name=$1 cap=$2 rc=0 t0=$SECONDS
+  shift 2
+  local left=$(( ${ALL_BUDGET:-570} - SECONDS - 15 ))
+  (( left < cap )) && cap=$left
+  if (( cap < 10 )); then
+    echo "== $name: skipped, no time left"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"; return 0
+  fi
+  echo "== $name (at ${SECONDS} s, cap ${cap} s)"
+  timeout -k 5 "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  tail -n 30 "$OUT/$name.log"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/parts.tsv"
+}
+
+ckpt=/tmp/qwen3-0.6b-bench  # the seeded 0.6B-shaped checkpoint every bench shares (written by the first)
 case "${1:-paged}" in
   paged) python3 bench/gpu_paged.py --out "$OUT/gpu_paged.json" 2>&1 | tail -10 ;;
   context) python3 bench/gpu_paged.py --context 1,32,128,256:200,800,1500 --out "$OUT/gpu_context.json" 2>&1 | tail -14 ;;
@@ -22,10 +56,20 @@ case "${1:-paged}" in
          python3 bench/gpu_arrivals.py --rates 8,16 --duration 15 --search-steps 1 --out "$OUT/gpu_arrivals.json" 2>&1 | tail -20 ;;
   arrivals) python3 bench/gpu_arrivals.py --rates "${3:-8,16}" --duration "${4:-10}" --search-steps 0 \
               --out "$OUT/gpu_arrivals.json" 2>&1 | tail -12 ;;
-  rest) python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --tag issue17 2>&1 | tail -8
-        cp bench/results/gpu_step_issue17.json "$OUT/"
-        python3 bench/prefix_cache.py --preset 0.6b --requests 128 --system 2048 --regimes on,off 2>&1 | tail -12
-        cp bench/results/prefix_cache_0.6b*.json "$OUT/" ;;
+  rest) python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --tag issue17 \
+          --out "$OUT/gpu_step_issue17.json" 2>&1 | tail -8
+        python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 --regimes on,off \
+          --out "$OUT/prefix_cache_0.6b.json" 2>&1 | tail -12 ;;
   throughput) python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 \
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
+  all) part step 60 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
+         --context 1,256:1500 --out "$OUT/gpu_step.json"
+       part mixed 240 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
+       part throughput 120 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
+         --out "$OUT/gpu_throughput.json"
+       part prefix 70 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
+         --regimes on,off --out "$OUT/prefix_cache_0.6b.json"
+       part arrivals 70 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 --out "$OUT/gpu_arrivals.json"
+       python3 bench/gpu_summary.py "$OUT" ;;
+  *) echo "unknown case ${1}: paged, context, mixed, arrivals, rest, throughput or all"; exit 2 ;;
 esac

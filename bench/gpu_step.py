@@ -14,9 +14,21 @@ generic one (logits on ragged rows, greedy tokens of an Engine run; float32 and
 bfloat16), times mlx-lm's ``generate_step`` (one stream), and with ``--micro`` only the
 projection shapes as 4-bit vs dequantized matmuls.
 
+The physical floor (issue 17: bytes of weights + live KV per step / measured copy bandwidth):
+the copy bandwidth is measured once (``y = x + 0`` over a ``--copy-bytes`` array, bytes read +
+written, median of 5: ``gpu_paged.copy_bandwidth_gbs``) and recorded under ``floor`` with the
+weight bytes one step reads in each format (:func:`step_weight_bytes`) and the KV bytes per
+token; every timed row gets ``floor_ms`` = (weights of its format + rows x (pos + 1) x KV bytes
+per token) / bandwidth. ``--context ROWS:POS,...`` also times the bare compiled paged decode
+forward (``gpu_paged.device_step_ms``: dequantized projections, the split-K heuristic, median of
+30 synchronous steps) at those points, for issue 17's decode-attention targets (one row at
+position 1,500 under 1 ms; 256 rows at 1,500 within 1.3x of the floor).
+
 Run (MLX CUDA build): ``python bench/gpu_step.py --tag NAME``; JSON to
-bench/results/gpu_step_NAME.json. ``MLX_MAX_OPS_PER_BUFFER`` (MLX's CUDA-graph size) is
-read from the environment and recorded.
+bench/results/gpu_step_NAME.json (or ``--out``). ``MLX_MAX_OPS_PER_BUFFER`` (MLX's CUDA-graph
+size) is read from the environment and recorded. On CPU ``--quick`` (tiny preset, 1 and 4 rows,
+no parity check, a 64 MiB bandwidth probe) is a smoke run; the fused variants record their error
+there (no CUDA kernels).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,13 +47,18 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_paged import copy_bandwidth_gbs, device_step_ms  # noqa: E402
+from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
 from mlx_serving.models.generation.slot_cache import KVCache, init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.generation.attention import Rows
+from mlx_serving.models.generation.attention import Rows  # noqa: E402
 from mlx_serving.models.qwen3.model import forward  # noqa: E402
+
+__all__ = ["floor_ms", "kv_bytes_per_token", "step_weight_bytes"]
 
 StepFn = Callable[[mx.array], mx.array]
 
@@ -186,56 +204,151 @@ def mlxlm_single(path: Path, new: int) -> dict[str, float]:
     return res
 
 
-def main() -> None:
+def _part_bytes(part: Any) -> int:
+    """Bytes of one weight part: a matrix (packed weight, scales, biases, bias; ``weight_t`` is a
+    view of ``weight`` and holds no memory of its own), fused matrices, or a vector."""
+    if isinstance(part, Fused):
+        return sum(_part_bytes(lin) for lin in part.linears())
+    if isinstance(part, Linear):
+        return sum(a.nbytes for a in (part.weight, part.scales, part.biases, part.bias) if a is not None)
+    return part.nbytes if isinstance(part, mx.array) else 0
+
+
+def step_weight_bytes(state: Any) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and norms, the final norm
+    and the head. The embedding table is left out (a step reads one row of it per sequence)
+    unless it is the head (tied embeddings: ``lm_head is embed_tokens``, counted once)."""
+    layers = sum(_part_bytes(getattr(layer, f.name)) for layer in state.layers for f in fields(layer))
+    return layers + _part_bytes(state.norm) + _part_bytes(state.lm_head)
+
+
+def kv_bytes_per_token(state: Any) -> int:
+    """Bytes of K and V one cached token holds over all layers (cache dtype = ``state.dtype``)."""
+    c = state.config
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * state.dtype.size
+
+
+def floor_ms(weight_bytes: int, kv_token_bytes: int, rows: int, span: int, gbs: float) -> float:
+    """Bandwidth floor of one decode step, ms: (weights + ``rows`` x ``span`` cached tokens of KV)
+    / ``gbs`` GB/s (issue 17's "bytes of weights + live KV per step / measured copy bandwidth")."""
+    return (weight_bytes + rows * span * kv_token_bytes) / (gbs * 1e9) * 1e3
+
+
+def floor_info(state: Any, dense_state: Any, copy_bytes: int) -> dict[str, Any]:
+    """The measured copy bandwidth and the byte counts the floors of every bench are built from."""
+    return {"copy_gbs": copy_bandwidth_gbs(copy_bytes), "copy_bytes": copy_bytes,
+            "weight_bytes": {"4bit": step_weight_bytes(state), "dequantized": step_weight_bytes(dense_state)},
+            "kv_bytes_per_token": kv_bytes_per_token(state), "kv_dtype": str(state.dtype),
+            "formula": "(weight_bytes + rows x cached tokens x kv_bytes_per_token) / copy_gbs"}
+
+
+def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: dict[str, Any]) -> dict[str, Any]:
+    """Every variant at every ``--batches`` value (and "dense" at one row), with its floor."""
+    cache = init_kv_cache(state, max(512, args.pos + 16), max(128, *args.batch_list))
+    results: dict[str, Any] = {}
+    for b in args.batch_list:
+        for variant in args.variants.split(",") + (["dense"] if b == 1 else []):
+            dequant = variant.endswith("-dequant")
+            try:
+                compiled = variant.startswith("compiled-")
+                path = variant.removeprefix("compiled-").removesuffix("-dequant")
+                qmodel.DECODE_PATH = "matmul" if variant == "dense" else path
+                st = dense_state if dequant else state
+                fn = (compiled_step(st, cache, b, args.pos) if compiled
+                      else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
+                r = run(fn, b, args.steps)
+                fl = floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
+                              floor["kv_bytes_per_token"], b, args.pos + 1, floor["copy_gbs"])
+                r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
+            except Exception as e:  # noqa: BLE001 - a study: record and go on
+                r = {"error": repr(e)[:300]}
+            finally:
+                qmodel.DECODE_PATH = None
+            results[f"{variant} B={b}"] = r
+            print(f"{variant:>16} B={b:<4} {r}", flush=True)
+    return results
+
+
+def context_study(dense_state: Any, spec: str, floor: dict[str, Any]) -> list[dict[str, Any]]:
+    """Device-only compiled paged decode step (``gpu_paged.device_step_ms``, split-K heuristic on)
+    at each (rows, position) of ``spec`` ("ROWS,...:POS,..."), against its floor."""
+    batches, positions = ([int(x) for x in part.split(",")] for part in spec.split(":"))
+    rows = []
+    for b in batches:
+        for pos in positions:
+            ms = device_step_ms(dense_state, b, pos, "paged")
+            fl = floor_ms(floor["weight_bytes"]["dequantized"], floor["kv_bytes_per_token"], b, pos + 1,
+                          floor["copy_gbs"])
+            rows.append({"batch": b, "pos": pos, "step_ms": ms, "floor_ms": fl, "over_floor": ms / fl})
+            print(f"paged device step B={b} pos={pos}: {ms:.2f} ms, floor {fl:.2f} ms ({ms / fl:.2f}x)", flush=True)
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen3-0.6b-bench"))
+    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--variants", default="matmul,sdpa,fused,compiled-matmul,compiled-fused")
     ap.add_argument("--pos", type=int, default=200)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--tag", default="default")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/gpu_step_<tag>.json)")
     ap.add_argument("--preset", default="0.6b", help="checkpoint shape written when --ckpt is missing")
     ap.add_argument("--micro", action="store_true", help="only the projection micro-benchmark")
+    ap.add_argument("--no-parity", action="store_true", help="skip the fused vs generic parity check")
+    ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's one-stream generate_step")
+    ap.add_argument("--context", default="", help="ROWS:POS,... e.g. 1,256:1500: device-only paged decode steps")
+    ap.add_argument("--copy-bytes", type=int, default=1 << 32, help="array size of the bandwidth probe")
+    ap.add_argument("--quick", action="store_true", help="tiny preset, 1 and 4 rows, no parity: a CPU smoke run")
     args = ap.parse_args()
+    if args.quick:
+        args.preset, args.batches, args.steps, args.pos, args.no_parity = "tiny", "1,4", 4, 32, True
+        args.copy_bytes = 1 << 26
+    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    args.out = args.out or Path(f"bench/results/gpu_step_{args.tag}.json")
+    args.batch_list = [int(x) for x in args.batches.split(",")]
+    return args
+
+
+def save(path: Path, out: dict[str, Any]) -> None:
+    """Write ``out`` as JSON (after every part, so a later failure keeps the earlier ones)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+
+
+def main() -> None:
+    args = parse_args()
     if not (args.ckpt / "config.json").is_file():
         write_checkpoint(args.ckpt, args.preset, seed=0)
     state = load(args.ckpt)
-    cache = init_kv_cache(state, 512, 128)
     out: dict[str, Any] = {"mlx": mx.__version__, "device": str(mx.default_device()), "pos": args.pos,
                            "MLX_MAX_OPS_PER_BUFFER": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
-                           "dtype": str(state.dtype)}
+                           "dtype": str(state.dtype), "preset": args.preset}
     if args.micro:
         out["linear_us"] = linear_micro(state)
-        Path(f"bench/results/gpu_step_{args.tag}.json").write_text(json.dumps(out, indent=2))
+        save(args.out, out)
         return
-    for dtype in ("float32", "bfloat16"):
-        try:
-            out[f"parity_{dtype}"] = path_parity(args.ckpt, dtype)
-        except Exception as e:  # noqa: BLE001 - a study: record and go on
-            out[f"parity_{dtype}"] = repr(e)[:2000]
-        print(json.dumps(out[f"parity_{dtype}"], indent=1), flush=True)
-    results: dict[str, Any] = {}
-    dense_state = (load(args.ckpt, dequantize=True)  # the same weights as dense matrices
-                   if any(v.endswith("-dequant") for v in args.variants.split(",")) else None)
-    for b in [int(x) for x in args.batches.split(",")]:
-        for variant in args.variants.split(",") + (["dense"] if b == 1 else []):
+    dense_state = load(args.ckpt, dequantize=True)  # the same weights as dense matrices
+    out["floor"] = floor = floor_info(state, dense_state, args.copy_bytes)
+    print(f"copy bandwidth {floor['copy_gbs']:.0f} GB/s; weights per step {floor['weight_bytes']}; "
+          f"KV {floor['kv_bytes_per_token']} B/token", flush=True)
+    save(args.out, out)
+    if not args.no_parity:
+        for dtype in ("float32", "bfloat16"):
             try:
-                compiled = variant.startswith("compiled-")
-                path = variant.removeprefix("compiled-").removesuffix("-dequant")
-                qmodel.DECODE_PATH = "matmul" if variant == "dense" else path
-                st = dense_state if variant.endswith("-dequant") else state
-                fn = (compiled_step(st, cache, b, args.pos) if compiled
-                      else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
-                r = run(fn, b, args.steps)
-            except Exception as e:  # noqa: BLE001
-                r = {"error": repr(e)[:300]}
-            results[f"{variant} B={b}"] = r
-            print(f"{variant:>16} B={b:<4} {r}", flush=True)
-    out["steps"] = results
-    out["mlx_lm_generate_step"] = mlxlm_single(args.ckpt, 128)
-    print("mlx-lm", out["mlx_lm_generate_step"], flush=True)
-    path = Path(f"bench/results/gpu_step_{args.tag}.json")
-    path.write_text(json.dumps(out, indent=2))
+                out[f"parity_{dtype}"] = path_parity(args.ckpt, dtype)
+            except Exception as e:  # noqa: BLE001 - a study: record and go on
+                out[f"parity_{dtype}"] = repr(e)[:2000]
+            print(json.dumps(out[f"parity_{dtype}"], indent=1), flush=True)
+    out["steps"] = step_study(args, state, dense_state, floor)
+    save(args.out, out)
+    if args.context:
+        out["context"] = context_study(dense_state, args.context, floor)
+        save(args.out, out)
+    if not args.no_mlx_lm:
+        out["mlx_lm_generate_step"] = mlxlm_single(args.ckpt, 128)
+        print("mlx-lm", out["mlx_lm_generate_step"], flush=True)
+    save(args.out, out)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,24 @@ JSON (default bench/results/gpu_throughput.json). Measures:
 
 Ours runs with its projections dequantized at load (``--weights dequantized``, the default;
 ``load(..., dequantize=True)``) and, for one stream and 1 / 128 concurrent, also with the
-4-bit projections as stored.
+4-bit projections as stored (the library's default, ``load(..., dequantize=False)``: recorded as
+``library_default_weights``).
 
-- one stream (each side: best of 3 timed runs after a warm-up): mlx-lm ``generate_step`` vs our Serving (``Serving.stream`` in process mode) and our
-  bare ``Engine``: time to first token (ms) and decode tok/s;
-- concurrency curve: N concurrent requests through ``batched_run_async`` vs mlx-lm
-  ``batch_generate`` on N prompts (default and ``completion_batch_size=N``): aggregate tok/s =
-  N * new tokens / wall seconds (prefill included);
-- arrival under load: TTFT of one request arriving while 64 streams decode, against its idle
-  prefill time + 3 decode steps at batch 64.
+- one stream: mlx-lm ``generate_step`` vs our Serving (``Serving.stream`` in process mode) and our
+  bare ``Engine`` (dequantized and 4-bit): time to first token (ms) and decode tok/s; each side
+  runs once to warm up, then ``--repeats`` (3) rounds alternate the sides (mlx-lm, Engine, Engine
+  4-bit, Serving) and each side reports its median run (issue 17: "the median of 3 alternating
+  runs of each side"; mlx-lm's speed varies up to 1.4x within one lease), every run's tok/s
+  under ``runs``;
+- concurrency curve: N concurrent requests through ``batched_run_async`` vs our bare ``Engine``
+  (the serving's engine configuration: ``max_batch`` = the largest level, ``prefill_chunk`` 512,
+  N prompts added at once, stepped to the end) vs mlx-lm ``batch_generate`` on N prompts (default
+  and ``completion_batch_size=N``): aggregate tok/s = generated tokens / wall seconds (prefill
+  included);
+- arrival under load (skipped with ``--load-streams 0``): TTFT of one request arriving while 64
+  streams decode, against its idle prefill time + 3 decode steps at batch 64.
+
+The JSON is written after each part (a later failure keeps the earlier ones).
 
 Run (MLX CUDA build): ``python bench/gpu_throughput.py``; on CPU use ``--quick`` for a smoke run.
 """
@@ -22,13 +31,14 @@ Run (MLX CUDA build): ``python bench/gpu_throughput.py``; on CPU use ``--quick``
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 import mlx.core as mx
@@ -54,15 +64,23 @@ def word_prompts(tok: tokenizers.Tokenizer, n: int, length: int, seed: int) -> l
     return [[vocab[w] for w in rng.choice(words, size=length)] for _ in range(n)]
 
 
-def warm(measure: Any, target: Any, inputs: list[Any], new: int | None, repeats: int = 3) -> dict[str, Any]:
-    """Run ``measure`` once on ``inputs[0]`` (warm-up), then ``repeats`` times on ``inputs[1]``;
-    return the run with the best decode tok/s (one-stream speed varies run to run on the device,
-    mlx-lm's by up to 1.4x within one lease), with every run's tok/s under ``runs``."""
-    extra = () if new is None else (new,)
-    measure(target, inputs[0], *extra)
-    runs = [measure(target, inputs[1], *extra) for _ in range(repeats)]
-    best = max(runs, key=lambda r: r["decode_tok_s"])
-    return {**best, "runs": [r["decode_tok_s"] for r in runs]}
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median decode tok/s (the lower middle one for an even count), with every
+    run's tok/s under ``runs`` (in the order run)."""
+    mid = sorted(runs, key=lambda r: r["decode_tok_s"])[(len(runs) - 1) // 2]
+    return {**mid, "runs": [r["decode_tok_s"] for r in runs]}
+
+
+def alternate(sides: dict[str, Callable[[int], dict[str, Any]]], repeats: int) -> dict[str, Any]:
+    """Each side once on input 0 (warm-up: MLX builds kernels per shape on first use), then
+    ``repeats`` rounds running every side in turn on input 1; each side's median run."""
+    for measure in sides.values():
+        measure(0)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, measure in sides.items():
+            runs[name].append(measure(1))
+    return {name: median_run(r) for name, r in runs.items()}
 
 
 def mlxlm_single(model: Any, prompt: list[int], new: int) -> dict[str, float]:
@@ -97,6 +115,19 @@ def engine_single(state: Any, prompt: list[int], new: int) -> dict[str, float]:
             times.append(time.perf_counter())
     return {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
             "tokens": len(times)}
+
+
+def engine_concurrent(eng: Engine, prompts: list[list[int]], new: int) -> dict[str, float]:
+    """All ``prompts`` added to the bare engine at once, stepped until every one is done."""
+    params = SamplingParams(max_new_tokens=new, eos_token_ids=())
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add(i, p, params)
+    produced = 0
+    while eng.num_active:
+        produced += len(eng.step())
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": produced, "tok_s": produced / wall}
 
 
 def serving_single(handle: Any, text: str) -> dict[str, float]:
@@ -166,15 +197,16 @@ async def arrival_under_load(handle: Any, background: list[str], probe: str) -> 
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt", type=Path, default=Path("/tmp/qwen3-0.6b-bench"))
+    ap.add_argument("--ckpt", type=Path, default=None, help="default /tmp/qwen3-<preset>-bench (written if missing)")
     ap.add_argument("--preset", default="0.6b")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--concurrency", default="1,8,32,64,128,256")
     ap.add_argument("--peer-concurrency", default="1,8,32,128,256")
-    ap.add_argument("--load-streams", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating one-stream rounds (median kept)")
+    ap.add_argument("--load-streams", type=int, default=64, help="arrival-under-load streams (0: skip that part)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_throughput.json"))
     ap.add_argument("--weights", choices=("dequantized", "4bit"), default="dequantized",
                     help="our projections: dequantized to dense at load (default) or 4-bit as stored; "
@@ -183,7 +215,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.preset, args.new, args.prompt_len = "tiny", 8, 16
-        args.concurrency, args.peer_concurrency, args.load_streams = "1,4", "1,4", 4
+        args.concurrency, args.peer_concurrency, args.load_streams = "1,4", "1,4", min(args.load_streams, 4)
+    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    return args
+
+
+def save(path: Path, out: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+
+
+def main() -> None:
+    args = parse_args()
     if not (args.ckpt / "config.json").is_file():
         write_checkpoint(args.ckpt, args.preset, seed=0)
     from mlx_lm import load as mlxlm_load
@@ -200,30 +243,40 @@ def main() -> None:
     prompts = word_prompts(raw, n_max, args.prompt_len, seed=0)
     texts = [raw.decode(p) for p in prompts]
     assert all(tok.encode(t) == p for t, p in zip(texts[:8], prompts[:8])), "prompts must round-trip"
+    default_dequantize = inspect.signature(load).parameters["dequantize"].default
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
                            "ours_weights": args.weights, "decode_path": decode_path(state),
+                           "library_default_weights": "dequantized" if default_dequantize else "4bit",
                            "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node()}
-
-    # each measurement runs once to warm up (MLX builds kernels per shape on first use), then is timed
-    out["single"] = {"mlx_lm_generate_step": warm(mlxlm_single, model, prompts, args.new),
-                     "ours_engine": warm(engine_single, state, prompts, args.new),
-                     "ours_engine_4bit": warm(engine_single, state4, prompts, args.new)}
     max_len = args.prompt_len + args.new + 8
     gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=max_len,
                                   max_batch=max(levels), prefill_chunk=512)
     with Serving.start(gen, batch_size=1, batch_timeout=0.0) as h:
-        out["single"]["ours_serving"] = warm(serving_single, h, texts, None)
-    curve: dict[str, Any] = {}
+        out["single"] = alternate({
+            "mlx_lm_generate_step": lambda i: mlxlm_single(model, prompts[i], args.new),
+            "ours_engine": lambda i: engine_single(state, prompts[i], args.new),
+            "ours_engine_4bit": lambda i: engine_single(state4, prompts[i], args.new),
+            "ours_serving": lambda i: serving_single(h, texts[i])}, args.repeats)
+    save(args.out, out)
+    out["curve"] = curve = {}
     for n in levels:
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
             anyio.run(serving_concurrent, h, texts[n:2 * n])  # warm-up at this concurrency
             curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
+    eng = Engine(state, max(levels), max_len, 512)  # the serving's engine, without the serving
+    eng.warm_up()
+    for n in levels:
+        engine_concurrent(eng, prompts[n:2 * n], args.new)
+        curve[str(n)]["ours_engine"] = engine_concurrent(eng, prompts[:n], args.new)
+    del eng
+    mx.clear_cache()
     gen4 = text_generation.serving(tok, state4, max_new_tokens=args.new, max_len=max_len, max_batch=max(levels))
     with Serving.start(gen4, batch_size=max(levels), batch_timeout=0.002) as h:
         for n in (1, 128):
             if n <= max(levels):
                 anyio.run(serving_concurrent, h, texts[n:2 * n])
                 curve.setdefault(str(n), {})["ours_4bit"] = anyio.run(serving_concurrent, h, texts[:n])
+    save(args.out, out)
     for n in peer_levels:
         row = curve.setdefault(str(n), {})
         mlxlm_batch(model, mlxlm_tok, prompts[n:2 * n], args.new)  # warm-up at this concurrency
@@ -232,18 +285,23 @@ def main() -> None:
             tuned = {"completion_batch_size": n, "prefill_batch_size": n}
             mlxlm_batch(model, mlxlm_tok, prompts[n:2 * n], args.new, **tuned)
             row["mlx_lm_batch_generate_cbs_n"] = mlxlm_batch(model, mlxlm_tok, prompts[:n], args.new, **tuned)
-    out["curve"] = curve
-    load_gen = text_generation.serving(tok, state, max_new_tokens=4 * args.new, max_len=args.prompt_len + 4 * args.new + 8,
-                                       max_batch=args.load_streams + 1)
+        save(args.out, out)
+    if args.load_streams:
+        out["arrival_under_load"] = arrival_part(tok, state, texts, args)
+    save(args.out, out)
+    print_table(out)
+
+
+def arrival_part(tok: Tokenizer, state: Any, texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of one request arriving while ``--load-streams`` streams decode, against its bound."""
+    load_gen = text_generation.serving(tok, state, max_new_tokens=4 * args.new,
+                                       max_len=args.prompt_len + 4 * args.new + 8, max_batch=args.load_streams + 1)
     with Serving.start(load_gen, batch_size=args.load_streams + 1, batch_timeout=0.002) as h:
         idle = serving_single(h, texts[-1])
         under = anyio.run(arrival_under_load, h, texts[:args.load_streams], texts[-1])
     bound = idle["ttft_ms"] + 3 * under["step_ms_at_load"]
-    out["arrival_under_load"] = {"streams": args.load_streams, "idle_ttft_ms": idle["ttft_ms"], **under,
-                                 "bound_ms": bound, "within_bound": under["ttft_ms"] <= bound}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    print_table(out)
+    return {"streams": args.load_streams, "idle_ttft_ms": idle["ttft_ms"], **under,
+            "bound_ms": bound, "within_bound": under["ttft_ms"] <= bound}
 
 
 def print_table(out: dict[str, Any]) -> None:
@@ -255,15 +313,18 @@ def print_table(out: dict[str, Any]) -> None:
     for name, r in (("mlx-lm generate_step", peer), ("ours: Engine", s["ours_engine"]),
                     ("ours: Engine, 4-bit weights", s["ours_engine_4bit"]), ("ours: Serving.stream", s["ours_serving"])):
         print(f"{name:<28}{r['ttft_ms']:>10.1f}{r['decode_tok_s']:>14.1f}{r['decode_tok_s'] / peer['decode_tok_s']:>10.2f}x")
-    print(f"\n{'concurrent':>10}{'ours tok/s':>12}{'mlx-lm bg':>12}{'ratio':>8}{'mlx-lm cbs=N':>14}{'ratio':>8}")
+    print(f"\n{'concurrent':>10}{'ours tok/s':>12}{'engine':>10}{'mlx-lm bg':>12}{'ratio':>8}{'mlx-lm cbs=N':>14}{'ratio':>8}")
     for n, row in sorted(out["curve"].items(), key=lambda kv: int(kv[0])):
         ours = row.get("ours", {}).get("tok_s", float("nan"))
         bg = row.get("mlx_lm_batch_generate", {}).get("tok_s", float("nan"))
         cbs = row.get("mlx_lm_batch_generate_cbs_n", {}).get("tok_s", float("nan"))
-        print(f"{n:>10}{ours:>12.0f}{bg:>12.0f}{ours / bg:>7.2f}x{cbs:>14.0f}{ours / cbs:>7.2f}x")
+        eng = row.get("ours_engine", {}).get("tok_s", float("nan"))
+        print(f"{n:>10}{ours:>12.0f}{eng:>10.0f}{bg:>12.0f}{ours / bg:>7.2f}x{cbs:>14.0f}{ours / cbs:>7.2f}x")
         if "ours_4bit" in row:
             q = row["ours_4bit"]["tok_s"]
-            print(f"{'(4-bit)':>10}{q:>12.0f}{'':>12}{q / bg:>7.2f}x")
+            print(f"{'(4-bit)':>10}{q:>12.0f}{'':>10}{'':>12}{q / bg:>7.2f}x")
+    if "arrival_under_load" not in out:
+        return
     a = out["arrival_under_load"]
     print(f"\narrival while {a['streams']} streams decode: TTFT {a['ttft_ms']:.1f} ms; bound = idle TTFT "
           f"{a['idle_ttft_ms']:.1f} + 3 x step {a['step_ms_at_load']:.2f} = {a['bound_ms']:.1f} ms -> "

@@ -19,10 +19,19 @@ Metrics: TTFT p50/p99 (``Engine.add`` -> first token on the host, the events' ``
 aggregate throughput = generated tokens / (last token - first add) and prompt + generated tokens /
 the same; peak RSS of the process (``ru_maxrss``; includes weights and MLX); KV bytes reserved;
 ``kv_stats`` of the paged runs. Checkpoint: ``--preset`` tiny (4-bit, seed 0, written to a temp
-dir) or 0.6b (``default_checkpoint()``, the 335 MB seeded-random 0.6B checkpoint).
+dir) or 0.6b (``default_checkpoint()``, the 335 MB seeded-random 0.6B checkpoint), or ``--ckpt``
+(a checkpoint of that preset, e.g. the benches' /tmp/qwen3-0.6b-bench). Each engine runs
+``Engine.warm_up()`` (as the serving does; a no-op on the CPU) before the timed workload, so
+first-use kernel builds and compiled-decode traces are not counted in TTFT.
+
+With ``on`` and ``off`` both run, ``summary`` has issue 17's GPU target (128 requests sharing a
+2,048-token system prompt: TTFT p50 with caching <= 0.25x without) as ``targets.ttft_p50_on_over_off``
+with value, target and met (the issue's workload: ``--requests 128 --system 2048``).
 
 Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b] [--regimes on,off,slots]`` (writes
-bench/results/prefix_cache_<preset>.json, or ..._<preset>_<regimes joined by +>.json for other regimes).
+bench/results/prefix_cache_<preset>.json, or ..._<preset>_<regimes joined by +>.json for other regimes,
+or ``--out``). ``--quick``: tiny preset, 8 requests, 256-token system prompt, 4 new tokens,
+regimes on and off: a CPU smoke run.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+TTFT_RATIO_TARGET = 0.25  # issue 17: TTFT p50 with prefix caching <= 0.25x without (GPU, 128 x 2,048)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -64,6 +74,9 @@ def worker(args: argparse.Namespace) -> dict:
     else:
         engine = Engine(state, prefix_caching=args.worker == "on", **kw)
     kv_bytes = engine.cache.nbytes
+    t_warm = time.perf_counter()
+    engine.warm_up()
+    warm_s = time.perf_counter() - t_warm
     params = SamplingParams(max_new_tokens=args.max_new)
     first: dict[int, float] = {}
     generated = 0
@@ -82,7 +95,7 @@ def worker(args: argparse.Namespace) -> dict:
     ttft = np.array([first[i] for i in range(len(prompts))])
     stats = engine.kv_stats()
     return {
-        "regime": args.worker, "load_s": round(load_s, 2), "steps": step, "wall_s": round(wall, 3),
+        "regime": args.worker, "load_s": round(load_s, 2), "warm_up_s": round(warm_s, 2), "steps": step, "wall_s": round(wall, 3),
         "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 1),
         "gen_tok_per_s": round(generated / wall, 1),
         "total_tok_per_s": round((generated + sum(map(len, prompts))) / wall, 1),
@@ -103,14 +116,22 @@ def main() -> None:
     ap.add_argument("--arrival-steps", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=0, help="engine max_len (default: the workload's, rounded up to 16)")
     ap.add_argument("--regimes", default="on,off,slots")
+    ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: per --preset, see above)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/prefix_cache_<preset>...)")
+    ap.add_argument("--quick", action="store_true", help="tiny, 8 requests, 256-token system prompt: a CPU smoke run")
     ap.add_argument("--worker", choices=["on", "off", "slots", "slots-alloc"], help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.preset, args.requests, args.system, args.question, args.max_new = "tiny", 8, 256, 16, 4
+        args.regimes = "on,off"
     if args.worker:
         print(json.dumps(worker(args)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        if args.preset == "tiny":
+        if args.ckpt is not None:
+            ckpt = args.ckpt
+        elif args.preset == "tiny":
             from mlx_serving.models.qwen3.checkpoint import write_checkpoint
             ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
         else:
@@ -121,7 +142,10 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--worker", regime, "--checkpoint", str(ckpt)]
             cmd += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                     ("preset", "requests", "system", "question", "max_new", "arrival_steps", "max_len")]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"regime {regime} failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+            out = proc.stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(results[-1]), flush=True)
     by = {r["regime"]: r for r in results}
@@ -129,14 +153,19 @@ def main() -> None:
     if "on" in by and "off" in by:
         summary["ttft_p50_off_over_on"] = round(by["off"]["ttft_ms_p50"] / by["on"]["ttft_ms_p50"], 2)
         summary["throughput_on_over_off"] = round(by["on"]["gen_tok_per_s"] / by["off"]["gen_tok_per_s"], 2)
+        ratio = by["on"]["ttft_ms_p50"] / by["off"]["ttft_ms_p50"]
+        summary["targets"] = {"ttft_p50_on_over_off": {"value": round(ratio, 4), "target": TTFT_RATIO_TARGET,
+                                                       "met": ratio <= TTFT_RATIO_TARGET}}
     for slots in ("slots", "slots-alloc"):
         if "on" in by and slots in by:
             summary[f"peak_rss_{slots}_minus_on_mb"] = round(by[slots]["peak_rss_mb"] - by["on"]["peak_rss_mb"], 1)
-    doc = {"command": " ".join(["python", "bench/prefix_cache.py"] + sys.argv[1:]), "args": vars(args),
+    doc = {"command": " ".join(["python", "bench/prefix_cache.py"] + sys.argv[1:]),
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
            "results": results, "summary": summary}
     suffix = "" if args.regimes == "on,off,slots" else "_" + args.regimes.replace(",", "+")
-    path = ROOT / "bench" / "results" / f"prefix_cache_{args.preset}{suffix}.json"
+    path = args.out or ROOT / "bench" / "results" / f"prefix_cache_{args.preset}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(summary))
 
