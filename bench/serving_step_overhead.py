@@ -6,9 +6,14 @@ client-side GenerationTransducer with its streaming detokenizer) runs over a sta
 once, with no model behind it. N concurrent ``batched_run_async`` requests of ``--new`` tokens
 each: wall / steps is the host time the serving spends per step at N rows, which a GPU step
 has to cover (it is serial with the engine's own host work on the same interpreter).
+``engine thread us/step``: the mean of the serving's "step" telemetry (admission, the stand-in's
+step, delivery of the events to the channels: the part on the engine's own thread; it includes
+waits for the GIL while the callers' event loop runs). ``--stream``: the callers read
+``stream_async`` (the HTTP server's path: a wake-up per token) instead of ``batched_run_async``
+(one burst at the end).
 Peer in the same run: the bare loop over the same stand-in engine (no Serving).
 
-Run: ``python bench/serving_step_overhead.py`` (CPU; JSON to
+Run: ``python bench/serving_step_overhead.py [--stream]`` (CPU; JSON to
 bench/results/serving_step_overhead.json).
 """
 
@@ -76,9 +81,14 @@ class ZeroCostEngine:
         return events
 
 
-async def concurrent(handle: Any, texts: list[str]) -> float:
+async def concurrent(handle: Any, texts: list[str], stream: bool = False) -> float:
     async def one(text: str) -> None:
-        await Serving.batched_run_async(handle, text)
+        if not stream:
+            await Serving.batched_run_async(handle, text)
+            return
+        async with await handle.stream_async(text) as items:
+            async for _ in items:
+                pass
 
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -103,6 +113,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,32,128")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stream", action="store_true", help="read stream_async instead of batched_run_async")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serving_step_overhead.json"))
     args = ap.parse_args()
     if not (args.ckpt / "config.json").is_file():
@@ -110,21 +121,26 @@ def main() -> None:
     backend_module.Engine = ZeroCostEngine  # the stand-in behind the real backend
     state = load(args.ckpt)
     tok = Tokenizer.from_dir(args.ckpt)
-    out: dict[str, Any] = {"new_tokens": args.new, "rows": {}}
-    print(f"{'rows':>6}{'serving us/step':>17}{'bare us/step':>14}{'serving us/row-token':>22}")
+    out: dict[str, Any] = {"new_tokens": args.new, "stream": args.stream, "rows": {}}
+    print(f"{'rows':>6}{'serving us/step':>17}{'bare us/step':>14}{'serving us/row-token':>22}"
+          f"{'engine thread us/step':>23}")
     for n in (int(x) for x in args.rows.split(",")):
+        steps: list[float] = []
         gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=args.new + 64, max_batch=n)
+        gen = gen.telemetry(lambda ev: steps.append(ev.duration_s) if ev.kind == "step" and ev.rows else None)
         texts = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(n)]
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
-            anyio.run(concurrent, h, texts)  # warm-up
-            walls = [anyio.run(concurrent, h, texts) for _ in range(args.rounds)]
+            anyio.run(concurrent, h, texts, args.stream)  # warm-up
+            steps.clear()
+            walls = [anyio.run(concurrent, h, texts, args.stream) for _ in range(args.rounds)]
         wall = statistics.median(walls)
         bare_wall = statistics.median(bare(n, args.new) for _ in range(args.rounds))
         row = {"serving_us_per_step": wall / args.new * 1e6, "bare_us_per_step": bare_wall / args.new * 1e6,
-               "serving_us_per_row_token": wall / (args.new * n) * 1e6}
+               "serving_us_per_row_token": wall / (args.new * n) * 1e6,
+               "engine_thread_us_per_step": statistics.fmean(steps) * 1e6}
         out["rows"][str(n)] = row
         print(f"{n:>6}{row['serving_us_per_step']:>17.0f}{row['bare_us_per_step']:>14.0f}"
-              f"{row['serving_us_per_row_token']:>22.2f}")
+              f"{row['serving_us_per_row_token']:>22.2f}{row['engine_thread_us_per_step']:>23.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
 

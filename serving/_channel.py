@@ -2,8 +2,11 @@
 
 A channel is closed once, either normally (after its last message) or with an error. Readers see
 every message put before the close, then the end (``END``) or the error. Any thread may put or
-close; readers may block a thread (``get``) or await under asyncio or trio (``aget``): async
-readers are woken with the event loop's thread-safe "call soon", never by blocking the writer.
+close; readers may block a thread (``get``, ``get_all``) or await under asyncio or trio (``aget``,
+``aget_all``): async readers are woken with the event loop's thread-safe "call soon", never by
+blocking the writer. The ``_all`` readers take every message that has arrived in one call (one
+lock round and one wake-up for a burst, e.g. a decode step's tokens that queued while the reader
+worked).
 """
 
 from __future__ import annotations
@@ -43,15 +46,17 @@ def _loop_caller() -> Callable[[Callable[[], None]], None]:
 class Channel:
     """Unbounded per-request message queue; its length is bounded by the request's own output."""
 
-    __slots__ = ("_cond", "_items", "_closed", "_error", "_wakers", "_quiet")
+    __slots__ = ("_lock", "_cond", "_items", "_closed", "_error", "_wakers", "_quiet", "_blocked")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # taken directly (Condition's own __enter__ is a Python call)
+        self._cond = threading.Condition(self._lock)
         self._items: deque[Any] = deque()
         self._closed = False
         self._error: BaseException | None = None
         self._wakers: list[Callable[[], None]] = []
         self._quiet = False
+        self._blocked = 0  # threads waiting in get / get_all: only then does a put notify
 
     @property
     def closed(self) -> bool:
@@ -61,7 +66,7 @@ class Channel:
         """From now on readers wake only at the close and then take every message at once: for
         callers that want the whole result, this saves one thread or event-loop wake-up per
         message (per generated token, for text generation)."""
-        with self._cond:
+        with self._lock:
             self._quiet = True
 
     def _ready(self) -> bool:
@@ -69,7 +74,7 @@ class Channel:
 
     def put(self, item: Any) -> bool:
         """Append a message; False (dropped) once the channel is closed."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             self._items.append(item)
@@ -79,7 +84,7 @@ class Channel:
 
     def close(self, error: BaseException | None = None) -> bool:
         """Close normally or with ``error``; True for the call that closed it."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             self._closed, self._error = True, error
@@ -89,7 +94,8 @@ class Channel:
         return True
 
     def _wake(self) -> None:
-        self._cond.notify_all()
+        if self._blocked:
+            self._cond.notify_all()
         wakers, self._wakers = self._wakers, []
         for waker in wakers:
             waker()
@@ -101,36 +107,61 @@ class Channel:
             raise self._error
         return END
 
+    def _take_all(self) -> list[Any]:
+        items = list(self._items)
+        self._items.clear()
+        if self._closed:
+            if self._error is not None:
+                raise self._error  # close(error) cleared the messages
+            items.append(END)
+        return items
+
+    def _wait_ready(self, timeout: float | None) -> None:
+        """Wait (lock held) until a reader may take; ``TimeoutError`` after ``timeout`` s."""
+        if self._ready():
+            return
+        self._blocked += 1
+        try:
+            if not self._cond.wait_for(self._ready, timeout):
+                raise TimeoutError
+        finally:
+            self._blocked -= 1
+
     def get(self, timeout: float | None = None) -> Any:
         """Next message, ``END``, or raise the close error; ``TimeoutError`` after ``timeout`` s."""
-        with self._cond:
-            if not self._ready():
-                if not self._cond.wait_for(self._ready, timeout):
-                    raise TimeoutError
+        with self._lock:
+            self._wait_ready(timeout)
             return self._take()
+
+    def get_all(self, timeout: float | None = None) -> list[Any]:
+        """``get`` for every message that has arrived: waits for the first, returns them all in
+        order, followed by ``END`` once the channel closed normally (``[END]`` after the last);
+        raises the close error when it closed with one; ``TimeoutError`` after ``timeout`` s."""
+        with self._lock:
+            self._wait_ready(timeout)
+            return self._take_all()
 
     def take_ready(self) -> list[Any]:
         """Every message that has arrived, without waiting (``[]`` when none has, or while held
         until close), followed by ``END`` once the channel closed normally; raises the close
         error, as ``get`` does, when the channel closed with one."""
-        with self._cond:
-            if not self._ready():
-                return []
-            items = list(self._items)
-            self._items.clear()
-            if self._closed:
-                if self._error is not None:
-                    raise self._error
-                items.append(END)
-            return items
+        with self._lock:
+            return self._take_all() if self._ready() else []
 
     async def aget(self) -> Any:
         """Async ``get``: waits without blocking the event loop (asyncio or trio). A waiter
         that is cancelled removes its wake-up callback (as trio's ``abort_fn`` does)."""
+        return await self._await(self._take)
+
+    async def aget_all(self) -> list[Any]:
+        """Async ``get_all`` (every message that has arrived, see there), waiting as ``aget``."""
+        return await self._await(self._take_all)
+
+    async def _await(self, take: Callable[[], Any]) -> Any:
         while True:
-            with self._cond:
+            with self._lock:
                 if self._ready():
-                    return self._take()
+                    return take()
                 event = anyio.Event()
                 call = _loop_caller()
                 waker = lambda: call(event.set)  # noqa: E731
@@ -141,7 +172,7 @@ class Channel:
                 self._forget(waker)
 
     def _forget(self, waker: Callable[[], None]) -> None:
-        with self._cond:
+        with self._lock:
             try:
                 self._wakers.remove(waker)
             except ValueError:
@@ -149,5 +180,5 @@ class Channel:
 
     def waiters(self) -> int:
         """Async readers registered for a wake-up (for tests and statistics)."""
-        with self._cond:
+        with self._lock:
             return len(self._wakers)

@@ -104,14 +104,19 @@ class IterativeConsumer:
         self.live: bool = getattr(transducer, "live", True)
 
     def on_message(self, message: RowEvent) -> list[Any]:
-        if message.row in self._stopped:
+        row = message.row
+        if row in self._stopped:
             return []
-        items = list(self._transducer.feed(message.row, message.event))
+        items = self._transducer.feed(row, message.event)
+        if self.live:  # else stop_rows() never names a row (the Transducer's promise)
+            self._forward_stops()
+        return items
+
+    def _forward_stops(self) -> None:
         stops = [i for i in self._transducer.stop_rows() if i not in self._stopped]
         if stops:
             self._stopped.update(stops)
             self._request.stop_rows(stops)
-        return items
 
     def finish(self) -> list[Any]:
         return list(self._transducer.close())
@@ -120,29 +125,38 @@ class IterativeConsumer:
         return items, None
 
 
-def _next_message(request: Request) -> Any:
+def _next_messages(request: Request) -> list[Any]:
+    """Every message that has arrived (waiting for the first), as ``Channel.get_all``; past the
+    deadline the request expires (its close error is raised)."""
     try:
-        return request.channel.get(request.remaining())
+        return request.channel.get_all(request.remaining())
     except TimeoutError:
         request.expire()
-        return request.channel.get(0)
+        return request.channel.get_all(0)
 
 
-async def _anext_message(request: Request) -> Any:
+async def _anext_messages(request: Request) -> list[Any]:
+    """Async ``_next_messages``."""
     remaining = request.remaining()
     if remaining is None:
-        return await request.channel.aget()
+        return await request.channel.aget_all()
     with anyio.move_on_after(remaining):
-        return await request.channel.aget()
+        return await request.channel.aget_all()
     request.expire()
-    return request.channel.get(0)
+    return request.channel.get_all(0)
 
 
 class _StreamBase:
-    """State shared by ``Stream`` and ``AsyncStream``: the request, its consumer, pending items."""
+    """State shared by ``Stream`` and ``AsyncStream``: the request, its consumer, the messages
+    taken from the channel in one burst and not consumed yet, pending items.
+
+    Iteration consumes one message at a time, when the items before it are gone (so a
+    consumer's error or stop request comes exactly where it would reading message by message);
+    only the channel reads are batched (one lock round and one wake-up per burst)."""
 
     def __init__(self, request: Request, consumer: Consumer):
         self._request, self._consumer = request, consumer
+        self._messages: deque[Any] = deque()
         self._pending: deque[Any] = deque()
         self._finished = False
 
@@ -151,12 +165,24 @@ class _StreamBase:
         """The request's id (also on every ``ServingError`` it ends with)."""
         return self._request.id
 
-    def _absorb(self, message: Any) -> None:
+    def _absorb_next(self) -> None:
+        """The oldest taken message -> pending items (``END``: the consumer's last ones)."""
+        message = self._messages.popleft()
         if message is END:
             self._pending.extend(self._consumer.finish())
             self._finished = True
         else:
             self._pending.extend(self._consumer.on_message(message))
+
+    def _absorb_taken(self) -> None:
+        """Every taken message -> pending items."""
+        while self._messages and not self._finished:
+            self._absorb_next()
+
+    def _take_pending(self) -> list[Any]:
+        items = list(self._pending)
+        self._pending.clear()
+        return items
 
     def close(self) -> None:
         """Stop reading; the request is withdrawn if it has not finished. Never blocks."""
@@ -187,13 +213,23 @@ class Stream(_StreamBase):
             while not self._pending:
                 if self._finished:
                     raise StopIteration
-                self._absorb(_next_message(self._request))
+                if not self._messages:
+                    self._messages.extend(_next_messages(self._request))
+                self._absorb_next()
         except StopIteration:
             raise
         except BaseException:
             self._request.cancel()
             raise
         return self._pending.popleft()
+
+    def _read_to_end(self) -> list[Any]:
+        """Every item left, for a call's whole result (a burst of messages per wait, not one
+        item per ``next``)."""
+        while not self._finished:
+            self._messages.extend(_next_messages(self._request))
+            self._absorb_taken()
+        return self._take_pending()
 
     def __enter__(self) -> Stream:
         return self
@@ -219,7 +255,9 @@ class AsyncStream(_StreamBase):
             while not self._pending:
                 if self._finished:
                     raise StopAsyncIteration
-                self._absorb(await _anext_message(self._request))
+                if not self._messages:
+                    self._messages.extend(await _anext_messages(self._request))
+                self._absorb_next()
         except StopAsyncIteration:
             raise
         except BaseException:
@@ -227,21 +265,27 @@ class AsyncStream(_StreamBase):
             raise
         return self._pending.popleft()
 
+    async def _aread_to_end(self) -> list[Any]:
+        """Async ``Stream._read_to_end``."""
+        while not self._finished:
+            self._messages.extend(await _anext_messages(self._request))
+            self._absorb_taken()
+        return self._take_pending()
+
     def take_ready(self) -> list[Any]:
         """The items that have already arrived, in order, without waiting (``[]`` when none has):
         for a writer that sends, after each awaited item, everything else already there in one
         write. Raises what the request ended with, as iteration would (the request is withdrawn
         then); after the last item, iteration stops."""
         try:
+            self._absorb_taken()
             if not self._finished:
-                for message in self._request.channel.take_ready():
-                    self._absorb(message)
+                self._messages.extend(self._request.channel.take_ready())
+                self._absorb_taken()
         except BaseException:
             self._request.cancel()
             raise
-        items = list(self._pending)
-        self._pending.clear()
-        return items
+        return self._take_pending()
 
     async def aclose(self) -> None:
         """Stop reading; the request is withdrawn if it has not finished."""
@@ -283,14 +327,14 @@ class Call:
         """Block until done; the postprocessed result."""
         self._hold_unless_live()
         with Stream(self.request, self.consumer) as stream:
-            items = list(stream)
+            items = stream._read_to_end()
         return self._postprocess(items)
 
     async def result_async(self) -> Any:
         """Await completion without blocking the event loop; the postprocessed result."""
         self._hold_unless_live()
         async with AsyncStream(self.request, self.consumer) as stream:
-            items = [item async for item in stream]
+            items = await stream._aread_to_end()
         return self._postprocess(items)
 
     def _postprocess(self, items: list[Any]) -> Any:

@@ -50,9 +50,16 @@ def _token_bytes(token: str, to_latin1: dict[int, str]) -> bytes:
 @dataclass(frozen=True)
 class ByteTable:
     """Per-id pieces: ``bytes`` for vocabulary tokens, ``str`` for added non-special tokens,
-    ``None`` for special tokens. Ids past the end have no token."""
+    ``None`` for special tokens. Ids past the end have no token.
+
+    ``texts``: per-id text of a piece that stands on its own (what ``StreamingDetokenizer.add``
+    returns for that id while no partial character is pending, its per-token fast path): a
+    vocabulary token whose bytes are complete, valid UTF-8 decoded (``b""`` -> ``""``), an added
+    non-special token's text; None for the rest (a partial or invalid byte sequence, a special
+    token). Empty when not built (every id then takes the general path)."""
 
     pieces: tuple[bytes | str | None, ...]
+    texts: tuple[str | None, ...] = ()
 
     @classmethod
     def build(cls, vocab: Mapping[str, int], added: Mapping[int, tuple[str, bool]]) -> ByteTable:
@@ -64,7 +71,17 @@ class ByteTable:
             pieces[i] = _token_bytes(token, to_latin1)
         for i, (content, special) in added.items():
             pieces[i] = None if special else content
-        return cls(tuple(pieces))
+        return cls(tuple(pieces), tuple(_own_text(piece) for piece in pieces))
+
+
+def _own_text(piece: bytes | str | None) -> str | None:
+    """A piece's text when it stands on its own (see ``ByteTable.texts``), else None."""
+    if type(piece) is bytes:
+        try:
+            return piece.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return piece
 
 
 class ByteTableSource(Protocol):
@@ -105,9 +122,10 @@ class StreamingDetokenizer:
     """
 
     def __init__(self, tokenizer: ByteTableSource, skip_special_tokens: bool = True) -> None:
-        self._pieces = tokenizer.byte_table().pieces
+        table = tokenizer.byte_table()
+        self._pieces, self._texts = table.pieces, table.texts
         self._specials = {} if skip_special_tokens else tokenizer.special_token_strings()
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = b""  # bytes of a character not complete yet (the incremental decoder's buffer)
 
     def add(self, token_id: int) -> str:
         """Text completed by ``token_id`` (``str``, possibly empty).
@@ -115,10 +133,14 @@ class StreamingDetokenizer:
         Raises:
             InvalidTokenIdError: ``token_id`` is not an int in 0..2**32-1.
         """
+        if not self._pending and type(token_id) is int and 0 <= token_id < len(self._texts):
+            text = self._texts[token_id]  # the common case: a whole piece, nothing pending
+            if text is not None:
+                return text
         i = check_id(token_id)
         piece = self._pieces[i] if i < len(self._pieces) else b""
         if type(piece) is bytes:
-            return self._decoder.decode(piece)
+            return self._decode(piece, final=False)
         if piece is None:
             if i not in self._specials:
                 return ""
@@ -129,7 +151,13 @@ class StreamingDetokenizer:
         """The rest of the text; an incomplete trailing character becomes U+FFFD."""
         return self._flush()
 
-    def _flush(self) -> str:
-        text = self._decoder.decode(b"", final=True)
-        self._decoder.reset()
+    def _decode(self, data: bytes, final: bool) -> str:
+        """Incremental UTF-8 decoding with U+FFFD for invalid bytes (as ``codecs``' buffered
+        incremental decoder: the bytes of an incomplete character wait for the next piece)."""
+        data = self._pending + data
+        text, used = codecs.utf_8_decode(data, "replace", final)
+        self._pending = data[used:]
         return text
+
+    def _flush(self) -> str:
+        return self._decode(b"", final=True)

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..generation.events import FinishReason
 
 __all__ = ["TokenEvent"]
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """One new token of a row, from the executor thread (or a pool worker) to the caller.
 
     ``token_id``: the generated id (an EOS included). ``elapsed_ms``: milliseconds from the row's
@@ -20,7 +19,9 @@ class TokenEvent:
     ``(token_id, logprob)`` pairs, descending (``SamplingParams.logprobs`` of them), both from the
     engine's :class:`SeqEvent` and set only when the row asked for logprobs (processed logits:
     after penalties, logit_bias and masks, before temperature and top-k/p/min-p;
-    docs/generation.md). Picklable (it crosses the ServingPool wire).
+    docs/generation.md). Picklable (it crosses the ServingPool wire); immutable. A named tuple:
+    one is made per token on the engine's thread, ~0.25 us against ~0.6 us for a frozen
+    dataclass (CPython 3.11; bench/serving_step_overhead.py).
     """
 
     token_id: int

@@ -21,13 +21,15 @@ from ._parsers import _partial_suffix
 __all__ = ["GenerationTransducer", "RowText", "collect"]
 
 
-@dataclass
+@dataclass(slots=True)
 class RowText:
     """Text state of one row: its detokenizer, stop strings, held-back tail, token count, the
-    ``elapsed_ms`` of its first and latest events, finish."""
+    ``elapsed_ms`` of its first and latest events, finish; ``pieces``: the row's items are its
+    str pieces as they come (no stop strings, no deltas), the transducer's per-token fast path."""
 
     detok: StreamingDetokenizer
     stops: tuple[str, ...]
+    pieces: bool = False
     held: str = ""
     tokens: int = 0
     first_ms: float | None = None
@@ -85,8 +87,9 @@ class GenerationTransducer:
 
     def __init__(self, tokenizer: Tokenizer, info: RequestInfo, profile_timing: bool = True):
         self._info, self._profile = info, profile_timing
-        self._rows = [RowText(StreamingDetokenizer(tokenizer), stops) for stops in info.stops]
         self._outputs = [info.output(r) for r in range(len(info.stops))]
+        self._rows = [RowText(StreamingDetokenizer(tokenizer), stops, pieces=not (stops or output.deltas))
+                      for stops, output in zip(info.stops, self._outputs)]
         self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools) for o in self._outputs]
         self._texts = TokenTexts(tokenizer) if any(o.logprobs for o in self._outputs) else None
         self._stop: list[int] = []
@@ -99,6 +102,14 @@ class GenerationTransducer:
             return []
         row.count(event)
         text = row.detok.add(event.token_id)
+        if row.pieces and event.finish_reason is None:  # the common per-token path: the piece as is
+            if not text:
+                return []
+            return [(self._outputs[row_index].input, text)] if self._info.is_list else [text]
+        return self._feed_rest(row_index, row, event, text)
+
+    def _feed_rest(self, row_index: int, row: RowText, event: TokenEvent, text: str) -> list[Any]:
+        """``feed`` of a row's last event, or of a row with stop strings or deltas."""
         if event.finish_reason is not None:
             text += row.detok.finalize()
         out = row.push(text)

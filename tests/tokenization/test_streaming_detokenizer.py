@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_serving.tokenization import InvalidTokenIdError, StreamingDetokenizer, Tokenizer
+from mlx_serving.tokenization import ByteTable, InvalidTokenIdError, StreamingDetokenizer, Tokenizer
 
 VOCAB = 151669
 MODEL_VOCAB = 151936
@@ -106,3 +108,53 @@ def test_reusable_after_finalize(qwen3: Tokenizer) -> None:
 def test_bad_ids(qwen3: Tokenizer, bad) -> None:
     with pytest.raises(InvalidTokenIdError):
         StreamingDetokenizer(qwen3).add(bad)
+
+
+class _GeneralPathOnly:
+    """The same tokenizer's table without ``texts``: every id takes the general (byte) path."""
+
+    def __init__(self, tok: Tokenizer):
+        self._tok = tok
+
+    def byte_table(self) -> ByteTable:
+        return ByteTable(self._tok.byte_table().pieces)
+
+    def special_token_strings(self) -> dict[int, str]:
+        return self._tok.special_token_strings()
+
+
+def _reference_pieces(tok: Tokenizer, ids: list[int], skip_special_tokens: bool) -> list[str]:
+    """Per-id pieces of the plain algorithm: every byte piece through codecs' incremental UTF-8
+    decoder (errors="replace"); an added or kept special token flushes it, then adds its text."""
+    pieces, specials = tok.byte_table().pieces, tok.special_token_strings()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = []
+    for i in ids:
+        piece = pieces[i] if i < len(pieces) else b""
+        if isinstance(piece, bytes):
+            out.append(decoder.decode(piece))
+        elif piece is None and (skip_special_tokens or i not in specials):
+            out.append("")
+        else:
+            out.append(decoder.decode(b"", final=True) + (specials[i] if piece is None else piece))
+            decoder.reset()
+    return out + [decoder.decode(b"", final=True)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), skip=st.booleans())
+def test_each_piece_equals_the_byte_path(qwen3: Tokenizer, id_pools, data, skip: bool) -> None:
+    """Piece by piece (not only joined), the per-id fast path equals the general byte path and
+    the plain incremental-decoder algorithm: split characters, invalid bytes, added tokens."""
+    ids = data.draw(_ids_strategy(id_pools))
+    fast = _stream(qwen3, ids, skip_special_tokens=skip)
+    general = _stream(_GeneralPathOnly(qwen3), ids, skip_special_tokens=skip)  # type: ignore[arg-type]
+    assert fast == general == _reference_pieces(qwen3, ids, skip)
+
+
+def test_texts_hold_whole_pieces_only(qwen3: Tokenizer, id_pools) -> None:
+    table = qwen3.byte_table()
+    assert len(table.texts) == len(table.pieces)
+    assert all(table.texts[i] is None for i in id_pools["partial"])
+    assert table.texts[qwen3.encode("hello")[0]] == "hello"
+    assert table.texts[151667] == "<think>" and table.texts[151645] is None  # added vs special

@@ -1,0 +1,130 @@
+"""Burst reads: a channel hands every message that has arrived in one call (``get_all`` /
+``aget_all``), and a stream that read a burst still consumes it message by message (a consumer's
+error or stop comes exactly where reading one message at a time puts it)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from mlx_serving.serving import Serving
+from mlx_serving.serving._channel import END, Channel
+from serving_fakes import CountdownBackend, countdown
+
+
+def test_get_all_takes_every_arrived_message_then_end_or_the_error() -> None:
+    channel = Channel()
+    with pytest.raises(TimeoutError):
+        channel.get_all(0)
+    channel.put(1)
+    channel.put(2)
+    assert channel.get_all(0) == [1, 2]
+    channel.put(3)
+    channel.close()
+    assert channel.get_all() == [3, END]
+    assert channel.get_all() == [END]
+    failed = Channel()
+    failed.put(1)
+    failed.close(RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        failed.get_all()
+
+
+def test_held_channel_gives_everything_at_the_close() -> None:
+    channel = Channel()
+    channel.hold_until_close()
+    channel.put(1)
+    with pytest.raises(TimeoutError):
+        channel.get_all(0.01)
+    channel.put(2)
+    channel.close()
+    assert channel.get_all(0) == [1, 2, END]
+
+
+def test_a_blocked_reader_is_woken_by_a_put_from_another_thread() -> None:
+    channel = Channel()
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.extend(channel.get_all(5)))
+    reader.start()
+    time.sleep(0.05)  # the reader is waiting
+    channel.put("x")
+    reader.join(5)
+    assert got == ["x"]
+    reader = threading.Thread(target=lambda: got.append(channel.get(5)))
+    reader.start()
+    time.sleep(0.05)
+    channel.close()
+    reader.join(5)
+    assert got == ["x", END]
+
+
+@pytest.mark.anyio
+async def test_aget_all_is_woken_by_a_put_from_another_thread() -> None:
+    channel = Channel()
+    timer = threading.Timer(0.05, lambda: (channel.put(1), channel.put(2), channel.close()))
+    timer.start()
+    with anyio.fail_after(5):
+        first = await channel.aget_all()
+        rest = [] if first[-1] is END else await channel.aget_all()
+    timer.join()
+    assert [*first, *rest] == [1, 2, END]
+    assert channel.waiters() == 0
+
+
+class _FailAt:
+    """A transducer whose ``feed`` raises at the event ``fail_at`` (the row's count down value)."""
+
+    live = True
+
+    def __init__(self, fail_at: int):
+        self.fail_at = fail_at
+
+    def feed(self, row_index: int, event: Any) -> list[Any]:
+        if event == self.fail_at:
+            raise ValueError(f"bad event {event}")
+        return [event]
+
+    def stop_rows(self) -> list[int]:
+        return []
+
+    def close(self) -> list[Any]:
+        return []
+
+
+def _done_then_read(handle: Any, n: int, fail_at: int) -> tuple[list[Any], BaseException | None]:
+    """Every event of a ``n``-step row is on the channel (one burst) before the stream is read."""
+    items: list[Any] = []
+    with handle.stream(countdown(n)) as stream:
+        deadline = time.monotonic() + 5
+        while not stream._request.done:
+            assert time.monotonic() < deadline, "the request never finished"
+            time.sleep(0.005)
+        try:
+            for item in stream:
+                items.append(item)
+        except ValueError as e:
+            return items, e
+    return items, None
+
+
+def test_a_consumer_error_comes_after_the_items_before_it_in_a_burst() -> None:
+    serving = Serving.new(CountdownBackend()).streaming(lambda info: _FailAt(fail_at=2))
+    with serving.start(batch_size=4, batch_timeout=0.0) as handle:
+        items, error = _done_then_read(handle, 6, fail_at=2)
+    assert items == [5, 4, 3] and isinstance(error, ValueError)
+
+
+@pytest.mark.anyio
+async def test_async_stream_of_a_burst_yields_in_order_and_result_reads_it_whole() -> None:
+    serving = Serving.new(CountdownBackend()).streaming(lambda info: _FailAt(fail_at=-1))
+    with serving.start(batch_size=4, batch_timeout=0.0) as handle:
+        async with await handle.stream_async(countdown(5)) as stream:
+            with anyio.fail_after(5):
+                while not stream._request.done:
+                    await anyio.sleep(0.005)
+            assert [item async for item in stream] == [4, 3, 2, 1, 0]
+        assert await handle.run_async(countdown(7)) == [6, 5, 4, 3, 2, 1, 0]
