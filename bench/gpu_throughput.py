@@ -263,13 +263,13 @@ def main() -> None:
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
             anyio.run(serving_concurrent, h, texts[n:2 * n])  # warm-up at this concurrency
             curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
-    eng = Engine(state, max(levels), max_len, 512)  # the serving's engine, without the serving
-    eng.warm_up()
-    for n in levels:
+    for n in levels:  # the serving's engine without the serving: fresh per level, as each Serving.start
+        eng = Engine(state, max(levels), max_len, 512)
+        eng.warm_up()
         engine_concurrent(eng, prompts[n:2 * n], args.new)
         curve[str(n)]["ours_engine"] = engine_concurrent(eng, prompts[:n], args.new)
-    del eng
-    mx.clear_cache()
+        del eng
+        mx.clear_cache()
     gen4 = text_generation.serving(tok, state4, max_new_tokens=args.new, max_len=max_len, max_batch=max(levels))
     with Serving.start(gen4, batch_size=max(levels), batch_timeout=0.002) as h:
         for n in (1, 128):
