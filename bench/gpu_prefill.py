@@ -1,13 +1,16 @@
-"""Prefill of ragged prompts (issue 17, item 4): packed vs padded, on the bare Engine.
+"""Prefill of ragged prompts (issue 17, item 4): packed, padded and boolean-mask sides, on the bare Engine.
 
 Workload: ``--requests`` prompts of seeded uniform lengths in ``--prompt-range`` (random token ids,
 ``numpy.random.default_rng(--seed)``), all added at once, one new token each (greedy, no EOS), so a
 run is the prefill of every prompt plus one decode-free sample. Engine: ``max_batch`` =
 ``--requests``, ``prefill_chunk`` ``--prefill-chunk``, paged KV cache, prefix caching off (every
 run prefills every token). Timed: wall from the first ``add`` to the last event (the device synced
-by the events), for ``engine.PACK_PREFILL`` on (projections and MLP on the real tokens only) and
-off (on the padded ``(rows, tokens)`` grid), alternating, ``--rounds`` times each after one
-untimed run per side (MLX's per-shape kernel builds); prefill tok/s = real prompt tokens / wall.
+by the events), for three sides (:data:`SIDES`), alternating, ``--rounds`` times each after one
+untimed run per side (MLX's per-shape kernel builds, recorded as ``first_run_s``): "default"
+(projections and MLP on the real tokens only, ``engine.PACK_PREFILL``; rows of one start attend
+as causal groups, ``engine._MAX_CAUSAL_GROUPS``), "padded" (projections on the padded
+``(rows, tokens)`` grid) and "bool_mask" (one attention call with a boolean mask);
+prefill tok/s = real prompt tokens / wall.
 Also reports the padded token count of the grid (what the unpacked linear layers process).
 
 Second study (``--attention``): one prefill-shaped attention call ``(B, 16, T, 128)`` queries over
@@ -76,18 +79,27 @@ def run_once(state: State, batch: list[list[int]], chunk: int) -> float:
     return time.perf_counter() - t0
 
 
+#: The sides compared: engine settings (module constants) of each.
+SIDES = {"default": {"PACK_PREFILL": True, "_MAX_CAUSAL_GROUPS": 4},
+         "padded": {"PACK_PREFILL": False, "_MAX_CAUSAL_GROUPS": 4},
+         "bool_mask": {"PACK_PREFILL": True, "_MAX_CAUSAL_GROUPS": 0}}
+
+
 def prefill_study(state: State, batch: list[list[int]], chunk: int, rounds: int) -> dict[str, Any]:
-    times: dict[str, list[float]] = {"packed": [], "padded": []}
+    times: dict[str, list[float]] = {name: [] for name in SIDES}
     cold = {}
+    defaults = {k: getattr(engine_module, k) for k in SIDES["default"]}
     for r in range(rounds + 1):
-        for name in ("packed", "padded"):
-            engine_module.PACK_PREFILL = name == "packed"
+        for name, settings in SIDES.items():
+            for k, v in settings.items():
+                setattr(engine_module, k, v)
             s = run_once(state, batch, chunk)
             if r:
                 times[name].append(s)
             else:
                 cold[name] = s
-    engine_module.PACK_PREFILL = True
+    for k, v in defaults.items():
+        setattr(engine_module, k, v)
     real = sum(map(len, batch))
     out: dict[str, Any] = {"requests": len(batch), "real_tokens": real,
                            "padded_grid_tokens": padded_tokens([len(p) for p in batch], chunk,
@@ -96,7 +108,7 @@ def prefill_study(state: State, batch: list[list[int]], chunk: int, rounds: int)
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"wall_s": ts, "median_s": med, "prefill_tok_s": real / med}
-    out["packed_speedup"] = out["padded"]["median_s"] / out["packed"]["median_s"]
+    out["speedup_vs"] = {name: out[name]["median_s"] / out["default"]["median_s"] for name in SIDES}
     return out
 
 
@@ -146,9 +158,9 @@ def main() -> None:
     for n in map(int, args.requests.split(",")):
         batch = prompts(n, lo, hi, state.config.vocab_size, args.seed)
         r = out["prefill"][str(n)] = prefill_study(state, batch, args.prefill_chunk, args.rounds)
-        print(f"{n:4d} prompts, {r['real_tokens']} tokens (grid {r['padded_grid_tokens']}): packed "
-              f"{r['packed']['median_s']:.3f} s ({r['packed']['prefill_tok_s']:.0f} tok/s), padded "
-              f"{r['padded']['median_s']:.3f} s: {r['packed_speedup']:.2f}x", flush=True)
+        print(f"{n:4d} prompts, {r['real_tokens']} tokens (grid {r['padded_grid_tokens']}): "
+              + ", ".join(f"{k} {r[k]['median_s']:.3f} s ({r[k]['prefill_tok_s']:.0f} tok/s, first run "
+                          f"{r['first_run_s'][k]:.1f} s)" for k in SIDES), flush=True)
     out["attention"] = {}
     for spec in args.attention.split(","):
         b, t, s = map(int, spec.split(":"))

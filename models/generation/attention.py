@@ -49,6 +49,14 @@ class Rows:
     them set a family runs embeddings, projections and MLP on the N packed tokens only and
     lays them out as ``(B, T)`` just for attention (:meth:`Step.unpack` / :meth:`Step.pack`);
     padding costs attention work only. :func:`packing` builds both.
+
+    ``causal_groups`` (paged cache only): ``(lo, hi, start)`` ranges of rows, in order, covering
+    every row, whose rows all start at ``start`` (padding rows: n_valid 0, any start). Each group
+    then attends with the ``"causal"`` mask over ``start + T`` gathered positions instead of a
+    boolean mask over ``kv_len``: exact for every real token (query ``j`` sees positions
+    ``<= start + j``; positions past a row's end are seen only by its padding queries), and on
+    MLX's CUDA build ~10x cheaper (bench/gpu_prefill.py: 1.7 vs 16.3 ms at 256 x 512 queries
+    over 1,024 keys: the boolean mask becomes an additive bias cuDNN reads per head).
     """
 
     tokens: mx.array
@@ -61,6 +69,7 @@ class Rows:
     block_table: mx.array | None = None
     packed: mx.array | None = None
     unpacked: mx.array | None = None
+    causal_groups: tuple[tuple[int, int, int], ...] | None = None
 
 
 def packing(n_valid: np.ndarray, t: int, n: int | None = None) -> tuple[mx.array, mx.array]:
@@ -148,6 +157,7 @@ class Step:
     sdpa_decode: bool = False  # one-token masked rows through mx.fast SDPA instead of the matmuls
     write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
     read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
+    groups: list[tuple[int, int, mx.array]] | None = None  # causal groups: (lo, hi, read_idx (hi-lo, start+T))
 
     def unpack(self, x: mx.array) -> mx.array:
         """Packed ``(N, F)`` activations laid out as ``(B * T, F)`` (identity when not packed)."""
@@ -174,10 +184,13 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
         pos = rows.start[:, None] + offs
         blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
         write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
-        j = mx.arange(rows.kv_len)
-        read = table[:, j // bs] * bs + (j % bs)[None, :]
-        return Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=_mask(rows, t),
-                    rope=rope, sdpa_decode=sdpa_decode, write_idx=write.reshape(-1), read_idx=read)
+        step = Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=None, rope=rope,
+                    sdpa_decode=sdpa_decode, write_idx=write.reshape(-1))
+        if rows.causal_groups is not None:
+            step.groups = [(lo, hi, _read_idx(table[lo:hi], start + t, bs)) for lo, hi, start in rows.causal_groups]
+        else:
+            step.mask, step.read_idx = _mask(rows, t), _read_idx(table, rows.kv_len, bs)
+        return step
     return Step(
         rows=rows,
         write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
@@ -188,24 +201,39 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
     )
 
 
+def _read_idx(table: mx.array, span: int, bs: int) -> mx.array:
+    """``(rows, span)`` flat cache row of positions ``0..span-1`` through the block table."""
+    j = mx.arange(span)
+    return table[:, mx.minimum(j // bs, table.shape[1] - 1)] * bs + (j % bs)[None, :]
+
+
+def _gather(cache: Cache, i: int, read: mx.array) -> tuple[mx.array, mx.array]:
+    """Layer ``i``'s keys and values at the flat rows ``read`` (R, S): ``(R, Hkv, S, D)`` each."""
+    return cache.keys[i][read].transpose(0, 2, 1, 3), cache.values[i][read].transpose(0, 2, 1, 3)
+
+
 def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: Step) -> mx.array:
     """Attention of layer ``i`` over the KV cache: the seam between a model family and the
     cache. ``q`` (B, H, T, D) and ``k`` (B, Hkv, T, D) already normed and rotated, ``v``
     (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
     prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
 
-    On a paged cache (``step.read_idx`` set by :func:`make_step`) K/V are written at each
+    On a paged cache (``step.write_idx`` set by :func:`make_step`) K/V are written at each
     token's flat block position and each row's blocks are gathered into ``(B, Hkv, kv_len, D)``
-    before the same masked attention."""
+    before the same masked attention, or per causal group (``Rows.causal_groups``) into
+    ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask."""
     rows = step.rows
     b, h, t, d = q.shape
-    if step.read_idx is not None:
+    if step.write_idx is not None:
         hkv = k.shape[1]
         cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
         cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
-        keys = cache.keys[i][step.read_idx].transpose(0, 2, 1, 3)
-        values = cache.values[i][step.read_idx].transpose(0, 2, 1, 3)
-        out = _sdpa(q, keys, values, d**-0.5, step.mask, step.sdpa_decode)
+        if step.groups is not None:
+            outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
+                                                         mask="causal") for lo, hi, read in step.groups]
+            out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
+        else:
+            out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
         return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
     cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
     cache.values[i][step.write_rows, :, step.pos] = v

@@ -56,6 +56,9 @@ _KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
 #: tokens only (``Rows.packed``), not on the padded ``(rows, tokens)`` grid. bench/gpu_prefill.py
 #: compares both.
 PACK_PREFILL = True
+#: Prefill attention by groups of rows that share a start position, each with the "causal" mask
+#: (``Rows.causal_groups``), when a step's prefill rows have at most this many distinct starts.
+_MAX_CAUSAL_GROUPS = 4
 
 
 @dataclass(eq=False)
@@ -500,6 +503,7 @@ class Engine:
         return mx.array(table) if self._kv is not None else None
 
     def _prefill(self, seqs: list[_Seq], flight: _Flight) -> None:
+        seqs = sorted(seqs, key=lambda s: s.prefilled)  # rows of one start are adjacent (causal groups)
         chunks = [s.target[s.prefilled : s.prefilled + s.chunk] for s in seqs]
         t = max(len(c) for c in chunks)
         b = len(seqs)
@@ -509,13 +513,17 @@ class Engine:
         tokens = np.zeros((b, t), dtype=np.int32)
         for i, c in enumerate(chunks):
             tokens[i, : len(c)] = c
-        start, n_valid = np.zeros(b, dtype=np.int32), np.zeros(b, dtype=np.int32)
+        start, n_valid = np.full(b, seqs[-1].prefilled, dtype=np.int32), np.zeros(b, dtype=np.int32)
         start[: len(seqs)] = [s.prefilled for s in seqs]
         n_valid[: len(seqs)] = [len(c) for c in chunks]
         slots = np.full(b, seqs[0].slot, dtype=np.int32)
         slots[: len(seqs)] = [s.slot for s in seqs]
+        groups = _causal_groups(start) if self._kv is not None and not dense else None
         kv_len = int((start + n_valid).max())
-        span = self._span(kv_len) if self._bucket and not dense else kv_len
+        if groups is not None:
+            span = kv_len = int(start.max()) + t
+        else:
+            span = self._span(kv_len) if self._bucket and not dense else kv_len
         packed = unpacked = None
         if PACK_PREFILL and not dense:  # projections and MLP on the real tokens only
             real = int(n_valid.sum())
@@ -523,7 +531,7 @@ class Engine:
         rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid), span,
                     mx.array(np.maximum(n_valid - 1, 0)), dense=dense,
                     block_table=self._table_arg(self._table(seqs, b, span)) if self._kv is not None else None,
-                    packed=packed, unpacked=unpacked)
+                    packed=packed, unpacked=unpacked, causal_groups=groups)
         logits = self._model.forward(self.state, self.cache, rows)
         done = []
         for i, (s, n) in enumerate(zip(seqs, n_valid)):
@@ -647,6 +655,17 @@ def _allowed(seq: _Seq) -> np.ndarray | None:
         allowed = allowed.copy()
         allowed[seq.chain.eos_ids] = True
     return allowed
+
+
+def _causal_groups(start: np.ndarray) -> tuple[tuple[int, int, int], ...] | None:
+    """``Rows.causal_groups`` of prefill rows sorted by ``start`` (B,): one ``(lo, hi, start)``
+    per distinct start, or None past ``_MAX_CAUSAL_GROUPS`` (then one masked attention call is
+    cheaper than many small ones)."""
+    cuts = np.flatnonzero(np.diff(start)) + 1
+    if len(cuts) >= _MAX_CAUSAL_GROUPS:
+        return None
+    bounds = [0, *cuts.tolist(), len(start)]
+    return tuple((lo, hi, int(start[lo])) for lo, hi in zip(bounds, bounds[1:]))
 
 
 def _pack_bucket(n: int) -> int:

@@ -1,5 +1,6 @@
 """Packed (ragged) prefill: the projections and MLP of a multi-row prefill run on the real prompt
-tokens only; outputs and the KV cache equal the padded grid's (tiny float32 checkpoint)."""
+tokens only, and rows sharing a start attend as causal groups; outputs and the KV cache equal the
+padded grid's with its boolean mask (tiny float32 checkpoint)."""
 
 from __future__ import annotations
 
@@ -29,19 +30,22 @@ def test_packing_indices() -> None:
         packing(np.array([3, 0, 2]), 4, 4)
 
 
-def _rows(prompts: list[list[int]], packed_n: int | None) -> Rows:
+def _rows(prompts: list[list[int]], packed_n: int | None, starts: list[int] | None = None,
+          groups: tuple[tuple[int, int, int], ...] | None = None) -> Rows:
     b, t = len(prompts), max(map(len, prompts))
     tokens = np.zeros((b, t), dtype=np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     n_valid = np.array([len(p) for p in prompts], dtype=np.int32)
     table = (1 + np.arange(b * 2, dtype=np.int32)).reshape(b, 2)  # two 16-token blocks per row
+    start = np.array(starts or [0] * b, dtype=np.int32)
     z = mx.zeros((b,), dtype=mx.int32)
     packed = unpacked = None
     if packed_n is not None:
         packed, unpacked = packing(n_valid, t, packed_n)
-    return Rows(mx.array(tokens), z, z, mx.array(n_valid), t, mx.array(n_valid - 1),
-                block_table=mx.array(table), packed=packed, unpacked=unpacked)
+    return Rows(mx.array(tokens), z, mx.array(start), mx.array(n_valid), int((start + n_valid).max()),
+                mx.array(n_valid - 1), block_table=mx.array(table), packed=packed, unpacked=unpacked,
+                causal_groups=groups)
 
 
 @pytest.mark.parametrize("packed_n", [sum(LENGTHS), 64])  # exact, and with bucket padding
@@ -59,6 +63,22 @@ def test_packed_forward_equals_padded(tiny32, packed_n: int) -> None:
             np.testing.assert_allclose(np.array(kq[at]), np.array(kp[at]), rtol=1e-5, atol=1e-5)
 
 
+def test_causal_groups_equal_boolean_mask(tiny32) -> None:
+    """Rows starting at 0, 0, 16, 16 (positions below 16 hold whatever the cache holds: the same
+    in both runs): two causal groups give the boolean mask's logits and cache."""
+    prompts, starts = _prompts(), [0, 0, 16, 16]
+    prompts = [prompts[1], prompts[0], prompts[3], prompts[2][:12]]
+    out = []
+    for groups in (None, ((0, 2, 0), (2, 4, 16))):
+        cache = init_paged_kv_cache(tiny32, 2 * len(prompts), 16)
+        out.append((qwen3_model.forward(tiny32, cache, _rows(prompts, None, starts, groups)), cache))
+    np.testing.assert_allclose(np.array(out[1][0]), np.array(out[0][0]), rtol=1e-5, atol=1e-5)
+    for i, (p, s) in enumerate(zip(prompts, starts)):  # real positions (the null block takes padding)
+        at = slice(16 * (2 * i + 1) + s, 16 * (2 * i + 1) + s + len(p))
+        for vp, vq in zip(out[0][1].values, out[1][1].values):
+            np.testing.assert_allclose(np.array(vq[at]), np.array(vp[at]), rtol=1e-5, atol=1e-5)
+
+
 def _greedy(state, prompts: list[list[int]], bucket: bool) -> list[list[int]]:
     engine = Engine(state, len(prompts), 64, prefill_chunk=8, bucket_shapes=bucket)
     for i, p in enumerate(prompts):
@@ -74,11 +94,14 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     """The engine hands the family packed rows (N = real tokens of the step, or its bucket), and
     the tokens equal each prompt generated alone."""
     seen: list[tuple[int, int, int]] = []  # (rows, padded tokens per row, packed tokens)
+    groups: list[tuple[tuple[int, int, int], ...] | None] = []
     forward = qwen3_model.forward
 
     def spy(state, cache, rows: Rows) -> mx.array:
         if rows.packed is not None:
             seen.append((*rows.tokens.shape, rows.packed.shape[0]))
+        if rows.tokens.shape[1] > 1:
+            groups.append(rows.causal_groups)
         return forward(state, cache, rows)
 
     prompts = _prompts()
@@ -86,6 +109,7 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(qwen3_model, "forward", spy)
     assert _greedy(tiny32, prompts, False) == solo
     assert seen[0] == (4, 8, 5 + 1 + 8 + 8)  # first chunk of 8: rows 4 x 8 padded, 22 real
+    assert groups[:2] == [((0, 4, 0),), ((0, 2, 8),)]  # second chunk: the 13- and 9-token rows at 8
     seen.clear()
     assert _greedy(tiny32, prompts, True) == solo
     assert seen[0] == (4, 8, 64)  # 22 real tokens in a bucket of 64
