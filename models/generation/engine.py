@@ -22,10 +22,17 @@ must preempt first lands the previous step's tokens (so the preempted sequence's
 are all known).
 
 Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA build a new
-shape can mean new kernels or plans): a batch of more than one row is padded to a power-of-two
-row count and its attention span rounded up to a multiple of ``_KV_BUCKET``; padding rows and
-tokens have ``n_valid`` 0, write only the null block (or the slot cache's scratch column) and
-are never attended, so outputs do not change.
+shape can mean new kernels or plans: ~60-100 ms for a prefill attention shape, bench/gpu_prefill.py):
+a decode batch of more than one row is padded to a power-of-two row count and its attention span
+rounded up to a multiple of ``_KV_BUCKET``; a prefill to power-of-two rows and tokens (at least 16,
+at most ``prefill_chunk``), its packed tokens to 1/8 of an octave. Padding rows and tokens have
+``n_valid`` 0, write only the null block (or the slot cache's scratch column) and are never
+attended, so outputs do not change.
+
+A prefill of several rows (or of one padded row) is packed: embeddings, projections and MLP run
+on its real tokens only (``Rows.packed``); its rows are sorted by start position and rows of one
+start attend as a causal group (``Rows.causal_groups``, up to ``_MAX_CAUSAL_GROUPS`` groups; past
+that one boolean-masked attention call).
 """
 
 from __future__ import annotations
@@ -398,7 +405,8 @@ class Engine:
         self._kv.preemptions += 1
 
     def warm_up(self) -> None:
-        """Run every decode shape this engine can use once, plus one small prefill, so that
+        """Run every decode shape this engine can use once, plus every prefill shape of a first
+        chunk (rows and tokens rounded up to powers of two, tokens at least 16), so that
         MLX's per-shape work (kernel builds, traces of the compiled decode; seconds each on
         MLX's CUDA build) happens now and not inside a request's time to first token.
 
@@ -422,11 +430,25 @@ class Engine:
                             mx.array(zeros), dense=hi == 1, block_table=self._table_arg(table))
                 logits = self._model.forward(self.state, self.cache, rows)
             mx.eval(greedy(logits))
-        t = min(self.prefill_chunk, 16)
-        z = mx.zeros((1,), dtype=mx.int32)
-        rows = Rows(mx.zeros((1, t), dtype=mx.int32), z, z, z, 1, z,
-                    block_table=self._table_arg(np.zeros((1, 1), dtype=np.int32)))
-        mx.eval(self._model.forward(self.state, self.cache, rows))
+        self._warm_prefill()
+
+    def _warm_prefill(self) -> None:
+        """One padding-only prefill of each (rows, tokens) bucket from position 0 (one causal
+        group on the paged cache): the attention shapes of a step's first chunks."""
+        widths = sorted({self._prefill_width(k) for k in range(1, self.prefill_chunk + 1)})
+        for b in sorted({_pow2(k) for k in range(1, len(self._slots) + 1)}):
+            for t in widths:
+                z = mx.zeros((b,), dtype=mx.int32)
+                packed, unpacked = packing(np.zeros(b, dtype=np.int32), t, _pack_bucket(1)) if PACK_PREFILL else (None, None)
+                rows = Rows(mx.zeros((b, t), dtype=mx.int32), z, z, z, t, z,
+                            block_table=self._table_arg(np.zeros((b, self._width(t)), dtype=np.int32)),
+                            packed=packed, unpacked=unpacked,
+                            causal_groups=((0, b, 0),) if self._kv is not None else None)
+                mx.eval(self._model.forward(self.state, self.cache, rows))
+
+    def _prefill_width(self, t: int) -> int:
+        """Tokens per row of a bucketed prefill whose longest chunk has ``t`` tokens."""
+        return min(self.prefill_chunk, max(16, _pow2(t)))
 
     # ---- the step --------------------------------------------------------------------
 
@@ -507,9 +529,9 @@ class Engine:
         chunks = [s.target[s.prefilled : s.prefilled + s.chunk] for s in seqs]
         t = max(len(c) for c in chunks)
         b = len(seqs)
+        if self._bucket:  # padding rows/tokens write the scratch column only
+            t, b = self._prefill_width(t), _pow2(b)
         dense = b == 1 and len(chunks[0]) == t
-        if not dense and self._bucket:  # padding rows/tokens write the scratch column only
-            t, b = min(self.prefill_chunk, _pow2(t)), _pow2(b)
         tokens = np.zeros((b, t), dtype=np.int32)
         for i, c in enumerate(chunks):
             tokens[i, : len(c)] = c
