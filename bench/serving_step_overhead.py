@@ -6,14 +6,21 @@ client-side GenerationTransducer with its streaming detokenizer) runs over a sta
 once, with no model behind it. N concurrent ``batched_run_async`` requests of ``--new`` tokens
 each: wall / steps is the host time the serving spends per step at N rows, which a GPU step
 has to cover (it is serial with the engine's own host work on the same interpreter).
-``engine thread us/step``: the mean of the serving's "step" telemetry (admission, the stand-in's
-step, delivery of the events to the channels: the part on the engine's own thread; it includes
-waits for the GIL while the callers' event loop runs). ``--stream``: the callers read
-``stream_async`` (the HTTP server's path: a wake-up per token) instead of ``batched_run_async``
-(one burst at the end).
-Peer in the same run: the bare loop over the same stand-in engine (no Serving).
+Peer in the same run: the bare loop over the same stand-in engine (no Serving); ``bare/serving``
+is the throughput ratio (issue 17's target: >= 0.9 at 128 rows on the GPU).
 
-Run: ``python bench/serving_step_overhead.py [--stream]`` (CPU; JSON to
+Columns beside the wall: ``CPU us/step``, the process's CPU time (every thread) per step, less
+disturbed than the wall by other processes on a shared machine; ``engine thread us/step``, the
+mean of the serving's "step" telemetry (admission, the stand-in's step, delivery of the events
+to the channels: the engine thread's part, GIL waits included).
+
+Options: ``--stream``: the callers read ``stream_async`` (the HTTP server's path: a wake-up per
+token) instead of ``batched_run_async`` (one burst at the end). ``--device-us``: each stand-in
+step first sleeps that long with the GIL released, as a GPU step waits for the device (~3,000
+us at 128 rows on an H200); the callers' event loop runs meanwhile, so the wall shows the host
+work that does not overlap the device.
+
+Run: ``python bench/serving_step_overhead.py [--stream] [--device-us 3000]`` (CPU; JSON to
 bench/results/serving_step_overhead.json).
 """
 
@@ -40,7 +47,11 @@ from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
 
 class ZeroCostEngine:
-    """The Engine interface the backend uses; every step yields one token per sequence."""
+    """The Engine interface the backend uses; every step yields one token per sequence. With
+    ``device_s`` > 0 each step first sleeps that long, releasing the GIL as a GPU step's wait for
+    the device does (the callers' event loop runs meanwhile)."""
+
+    device_s = 0.0
 
     def __init__(self, state: Any, max_batch: int, max_len: int, *args: Any, **kwargs: Any):
         self._seqs: dict[int, list[int]] = {}
@@ -71,6 +82,8 @@ class ZeroCostEngine:
         self._seqs.pop(seq_id, None)
 
     def step(self) -> list[SeqEvent]:
+        if self.device_s:
+            time.sleep(self.device_s)
         events = []
         for seq_id, s in list(self._seqs.items()):
             s[1] += 1
@@ -81,7 +94,9 @@ class ZeroCostEngine:
         return events
 
 
-async def concurrent(handle: Any, texts: list[str], stream: bool = False) -> float:
+async def concurrent(handle: Any, texts: list[str], stream: bool = False) -> tuple[float, float]:
+    """Wall and process CPU seconds (every thread) of one round of concurrent requests."""
+
     async def one(text: str) -> None:
         if not stream:
             await Serving.batched_run_async(handle, text)
@@ -90,21 +105,21 @@ async def concurrent(handle: Any, texts: list[str], stream: bool = False) -> flo
             async for _ in items:
                 pass
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     async with anyio.create_task_group() as tg:
         for t in texts:
             tg.start_soon(one, t)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def bare(n: int, new: int) -> float:
+def bare(n: int, new: int) -> tuple[float, float]:
     eng = ZeroCostEngine(None, n, 0)
     for i in range(n):
         eng.add(i, [1], SamplingParams(max_new_tokens=new))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while eng.num_active:
         eng.step()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def main() -> None:
@@ -114,16 +129,19 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stream", action="store_true", help="read stream_async instead of batched_run_async")
+    ap.add_argument("--device-us", type=float, default=0.0,
+                    help="a GPU step's wait for the device: each stand-in step sleeps this long (GIL released)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/serving_step_overhead.json"))
     args = ap.parse_args()
     if not (args.ckpt / "config.json").is_file():
         write_checkpoint(args.ckpt, "tiny", seed=0)
     backend_module.Engine = ZeroCostEngine  # the stand-in behind the real backend
+    ZeroCostEngine.device_s = args.device_us * 1e-6
     state = load(args.ckpt)
     tok = Tokenizer.from_dir(args.ckpt)
-    out: dict[str, Any] = {"new_tokens": args.new, "stream": args.stream, "rows": {}}
-    print(f"{'rows':>6}{'serving us/step':>17}{'bare us/step':>14}{'serving us/row-token':>22}"
-          f"{'engine thread us/step':>23}")
+    out: dict[str, Any] = {"new_tokens": args.new, "stream": args.stream, "device_us": args.device_us, "rows": {}}
+    print(f"{'rows':>6}{'serving us/step':>17}{'bare us/step':>14}{'bare/serving':>14}"
+          f"{'serving us/row-token':>22}{'engine thread us/step':>23}{'CPU us/step serving, bare':>27}")
     for n in (int(x) for x in args.rows.split(",")):
         steps: list[float] = []
         gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_len=args.new + 64, max_batch=n)
@@ -132,15 +150,19 @@ def main() -> None:
         with Serving.start(gen, batch_size=n, batch_timeout=0.002) as h:
             anyio.run(concurrent, h, texts, args.stream)  # warm-up
             steps.clear()
-            walls = [anyio.run(concurrent, h, texts, args.stream) for _ in range(args.rounds)]
-        wall = statistics.median(walls)
-        bare_wall = statistics.median(bare(n, args.new) for _ in range(args.rounds))
+            runs = [anyio.run(concurrent, h, texts, args.stream) for _ in range(args.rounds)]
+        bares = [bare(n, args.new) for _ in range(args.rounds)]
+        wall, cpu = (statistics.median(r[k] for r in runs) for k in (0, 1))
+        bare_wall, bare_cpu = (statistics.median(r[k] for r in bares) for k in (0, 1))
         row = {"serving_us_per_step": wall / args.new * 1e6, "bare_us_per_step": bare_wall / args.new * 1e6,
-               "serving_us_per_row_token": wall / (args.new * n) * 1e6,
-               "engine_thread_us_per_step": statistics.fmean(steps) * 1e6}
+               "bare_over_serving": bare_wall / wall, "serving_us_per_row_token": wall / (args.new * n) * 1e6,
+               "engine_thread_us_per_step": statistics.fmean(steps) * 1e6,
+               "serving_cpu_us_per_step": cpu / args.new * 1e6, "bare_cpu_us_per_step": bare_cpu / args.new * 1e6}
         out["rows"][str(n)] = row
         print(f"{n:>6}{row['serving_us_per_step']:>17.0f}{row['bare_us_per_step']:>14.0f}"
-              f"{row['serving_us_per_row_token']:>22.2f}{row['engine_thread_us_per_step']:>23.0f}")
+              f"{row['bare_over_serving']:>14.2f}{row['serving_us_per_row_token']:>22.2f}"
+              f"{row['engine_thread_us_per_step']:>23.0f}"
+              f"{row['serving_cpu_us_per_step']:>19.0f}{row['bare_cpu_us_per_step']:>8.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
 

@@ -11,9 +11,11 @@ worked).
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -22,25 +24,50 @@ import sniffio
 END: Any = object()  # returned by get/aget after the last message of a normally closed channel
 
 
-def _loop_caller() -> Callable[[Callable[[], None]], None]:
-    """A non-blocking, thread-safe way to run a callback on the current event loop."""
+RunSoon = Callable[[Callable[[], None]], None]  # an event loop's thread-safe "call soon"
+Waker = tuple[RunSoon, Callable[[], None]]  # (the reader's loop, the callback that wakes it)
+
+
+def _waiter() -> tuple[Waker, Awaitable[Any]]:
+    """A wake-up for the current task and what it awaits until then: under asyncio a bare
+    future of the running loop (the cheapest wait: no anyio Event, one sniffio look-up), under
+    trio an anyio Event."""
     if sniffio.current_async_library() == "trio":
         import trio
 
-        token = trio.lowlevel.current_trio_token()
-        run_soon = token.run_sync_soon
-    else:
-        import asyncio
+        event = anyio.Event()
+        return (trio.lowlevel.current_trio_token().run_sync_soon, event.set), event.wait()
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    return (loop.call_soon_threadsafe, functools.partial(_resolve, future)), future
 
-        run_soon = asyncio.get_running_loop().call_soon_threadsafe
 
-    def call(fn: Callable[[], None]) -> None:
-        try:
-            run_soon(fn)
-        except RuntimeError:  # loop closed (asyncio) or run finished (trio.RunFinishedError)
-            pass
+def _resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():  # not cancelled meanwhile
+        future.set_result(None)
 
-    return call
+
+def wake(wakers: list[Waker]) -> None:
+    """Run wake-ups that ``Channel.put(..., deferred)`` collected: one "call soon" per event
+    loop (a thread-safe call soon writes to the loop's wake-up pipe), whatever the number of
+    channels; call holding no channel lock."""
+    by_loop: dict[RunSoon, list[Callable[[], None]]] = {}
+    for run_soon, fn in wakers:
+        by_loop.setdefault(run_soon, []).append(fn)
+    for run_soon, fns in by_loop.items():
+        _call_soon(run_soon, fns[0] if len(fns) == 1 else functools.partial(_call_all, fns))
+
+
+def _call_all(fns: list[Callable[[], None]]) -> None:
+    for fn in fns:
+        fn()
+
+
+def _call_soon(run_soon: RunSoon, fn: Callable[[], None]) -> None:
+    try:
+        run_soon(fn)
+    except RuntimeError:  # loop closed (asyncio) or run finished (trio.RunFinishedError)
+        pass
 
 
 class Channel:
@@ -54,7 +81,7 @@ class Channel:
         self._items: deque[Any] = deque()
         self._closed = False
         self._error: BaseException | None = None
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers: list[Waker] = []
         self._quiet = False
         self._blocked = 0  # threads waiting in get / get_all: only then does a put notify
 
@@ -72,14 +99,16 @@ class Channel:
     def _ready(self) -> bool:
         return self._closed or (bool(self._items) and not self._quiet)
 
-    def put(self, item: Any) -> bool:
-        """Append a message; False (dropped) once the channel is closed."""
+    def put(self, item: Any, deferred: list[Waker] | None = None) -> bool:
+        """Append a message; False (dropped) once the channel is closed. With ``deferred``, the
+        async readers' wake-ups are appended there for the caller to run with :func:`wake` once
+        it has put a batch of messages on many channels (blocked threads are notified at once)."""
         with self._lock:
             if self._closed:
                 return False
             self._items.append(item)
             if not self._quiet:
-                self._wake()
+                self._wake(deferred)
         return True
 
     def close(self, error: BaseException | None = None) -> bool:
@@ -93,12 +122,17 @@ class Channel:
             self._wake()
         return True
 
-    def _wake(self) -> None:
+    def _wake(self, deferred: list[Waker] | None = None) -> None:
         if self._blocked:
             self._cond.notify_all()
+        if not self._wakers:
+            return
         wakers, self._wakers = self._wakers, []
-        for waker in wakers:
-            waker()
+        if deferred is not None:
+            deferred.extend(wakers)
+            return
+        for run_soon, fn in wakers:
+            _call_soon(run_soon, fn)
 
     def _take(self) -> Any:
         if self._items:
@@ -162,16 +196,15 @@ class Channel:
             with self._lock:
                 if self._ready():
                     return take()
-                event = anyio.Event()
-                call = _loop_caller()
-                waker = lambda: call(event.set)  # noqa: E731
+                waker, wakeup = _waiter()
                 self._wakers.append(waker)
             try:
-                await event.wait()
-            finally:
-                self._forget(waker)
+                await wakeup
+            except BaseException:
+                self._forget(waker)  # cancelled: remove its wake-up (a normal wake-up took it)
+                raise
 
-    def _forget(self, waker: Callable[[], None]) -> None:
+    def _forget(self, waker: Waker) -> None:
         with self._lock:
             try:
                 self._wakers.remove(waker)

@@ -22,6 +22,7 @@ from typing import Any
 
 from ._backend import IterativeBackend
 from ._batch import Batch
+from ._channel import Waker, wake
 from ._counters import Counters
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
@@ -287,22 +288,31 @@ class IterativeScheduler:
         except BaseException as exc:
             self._fail_rows(part, list(part.active.values()), exc)
             return
-        with self._cond:
-            self._c.steps_run += 1
-            self._c.fill_sum += len(part.active) / self._batch_size
-            for row_id, event, done in events:
-                row = part.active.get(row_id)
-                if row is None:
-                    continue
-                request = row.request
-                request.channel.put(RowEvent(row.index, event))
-                if done:
-                    row.done = True
-                    del part.active[row_id]
-                    self._c.running -= 1
-                    request.rows_left -= 1
-                    if request.rows_left == 0 and request.channel.close():
-                        self._c.completed += 1
+        wakers: list[Waker] = []  # the readers' wake-ups: one per event loop, after the step's events
+        try:
+            with self._cond:
+                self._deliver(part, events, wakers)
+        finally:
+            wake(wakers)
+
+    def _deliver(self, part: _Partition, events: list[tuple[int, Any, bool]], wakers: list[Waker]) -> None:
+        """Put each event on its row's channel; end done rows (lock held)."""
+        self._c.steps_run += 1
+        self._c.fill_sum += len(part.active) / self._batch_size
+        active = part.active
+        for row_id, event, done in events:
+            row = active.get(row_id)
+            if row is None:
+                continue
+            request = row.request
+            request.channel.put(RowEvent(row.index, event), wakers)
+            if done:
+                row.done = True
+                del active[row_id]
+                self._c.running -= 1
+                request.rows_left -= 1
+                if request.rows_left == 0 and request.channel.close():
+                    self._c.completed += 1
 
     def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:
         """A backend call raised: fail the requests of these rows, cancel what it still holds."""

@@ -36,13 +36,6 @@ class RowText:
     last_ms: float = 0.0
     finish_reason: FinishReason | None = None
 
-    def count(self, event: TokenEvent) -> None:
-        """Count one token event and note its time."""
-        self.tokens += 1
-        if self.first_ms is None:
-            self.first_ms = event.elapsed_ms
-        self.last_ms = event.elapsed_ms
-
     def timing(self) -> dict[str, float]:
         """``{"prefill_ms": admission -> first token, "decode_ms": first -> last token,
         "total_ms": admission -> last token}`` in milliseconds."""
@@ -100,7 +93,10 @@ class GenerationTransducer:
         row = self._rows[row_index]
         if row.finish_reason is not None:
             return []
-        row.count(event)
+        row.tokens += 1  # count the event and note its time
+        if row.first_ms is None:
+            row.first_ms = event.elapsed_ms
+        row.last_ms = event.elapsed_ms
         text = row.detok.add(event.token_id)
         if row.pieces and event.finish_reason is None:  # the common per-token path: the piece as is
             if not text:

@@ -1,6 +1,8 @@
-"""Burst reads: a channel hands every message that has arrived in one call (``get_all`` /
-``aget_all``), and a stream that read a burst still consumes it message by message (a consumer's
-error or stop comes exactly where reading one message at a time puts it)."""
+"""Burst reads and deferred wake-ups: a channel hands every message that has arrived in one call
+(``get_all`` / ``aget_all``), and a stream that read a burst still consumes it message by message
+(a consumer's error or stop comes exactly where reading one message at a time puts it); a writer
+that puts on many channels (a decode step's rows) wakes their readers with one call per event
+loop (``put(..., deferred)`` then ``wake``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import anyio
 import pytest
 
 from mlx_serving.serving import Serving
-from mlx_serving.serving._channel import END, Channel
+from mlx_serving.serving._channel import END, Channel, Waker, wake
 from serving_fakes import CountdownBackend, countdown
 
 
@@ -73,6 +75,60 @@ async def test_aget_all_is_woken_by_a_put_from_another_thread() -> None:
     timer.join()
     assert [*first, *rest] == [1, 2, END]
     assert channel.waiters() == 0
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_reader_leaves_no_wake_up_and_the_channel_still_works() -> None:
+    channel = Channel()
+    for _ in range(20):
+        with anyio.move_on_after(0.001):
+            await channel.aget_all()
+    assert channel.waiters() == 0
+    threading.Timer(0.02, channel.put, ("x",)).start()
+    with anyio.fail_after(5):
+        assert await channel.aget_all() == ["x"]
+
+
+@pytest.mark.anyio
+async def test_deferred_wake_ups_wait_for_wake_then_take_one_call_per_loop(anyio_backend: str) -> None:
+    channels = [Channel() for _ in range(8)]
+    got: dict[int, list[Any]] = {}
+    calls: list[int] = []
+    if anyio_backend == "asyncio":  # count the loop's thread-safe "call soon"s
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        call_soon = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (calls.append(1), call_soon(*a))[1]  # type: ignore[method-assign]
+
+    async def read(i: int) -> None:
+        got[i] = await channels[i].aget_all()
+
+    def writer(deferred: list[Waker]) -> None:
+        for i, channel in enumerate(channels):
+            channel.put(i, deferred)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            for i in range(len(channels)):
+                tg.start_soon(read, i)
+            while sum(c.waiters() for c in channels) < len(channels):
+                await anyio.sleep(0.001)
+            deferred: list[Waker] = []
+            await anyio.to_thread.run_sync(writer, deferred)
+            assert len(deferred) == len(channels) and sum(c.waiters() for c in channels) == 0
+            await anyio.sleep(0.02)
+            assert got == {}  # nobody woken before wake()
+            woken_with = await anyio.to_thread.run_sync(_calls_made_by, wake, deferred, calls)
+    assert got == {i: [i] for i in range(len(channels))}
+    if anyio_backend == "asyncio":
+        assert woken_with == 1
+
+
+def _calls_made_by(fn: Any, arg: Any, calls: list[int]) -> int:
+    before = len(calls)
+    fn(arg)
+    return len(calls) - before
 
 
 class _FailAt:
