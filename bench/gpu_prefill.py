@@ -7,9 +7,10 @@ run is the prefill of every prompt plus one decode-free sample. Engine: ``max_ba
 run prefills every token). Timed: wall from the first ``add`` to the last event (the device synced
 by the events), for three sides (:data:`SIDES`), alternating, ``--rounds`` times each after one
 untimed run per side (MLX's per-shape kernel builds, recorded as ``first_run_s``): "default"
-(projections and MLP on the real tokens only, ``engine.PACK_PREFILL``; rows of one start attend
-as causal groups, ``engine._MAX_CAUSAL_GROUPS``), "padded" (projections on the padded
-``(rows, tokens)`` grid) and "bool_mask" (one attention call with a boolean mask);
+(the engine's defaults: rows of one start attend as causal groups, ``engine._MAX_CAUSAL_GROUPS``;
+packed where shapes are not bucketed, ``engine.PACK_PREFILL``), "packed" (projections and MLP on
+the real tokens only), "padded" (on the padded ``(rows, tokens)`` grid) and "bool_mask" (one
+attention call with a boolean mask);
 prefill tok/s = real prompt tokens / wall.
 Also reports the padded token count of the grid (what the unpacked linear layers process).
 
@@ -80,9 +81,10 @@ def run_once(state: State, batch: list[list[int]], chunk: int) -> float:
 
 
 #: The sides compared: engine settings (module constants) of each.
-SIDES = {"default": {"PACK_PREFILL": True, "_MAX_CAUSAL_GROUPS": 4},
+SIDES = {"default": {"PACK_PREFILL": None, "_MAX_CAUSAL_GROUPS": 4},
+         "packed": {"PACK_PREFILL": True, "_MAX_CAUSAL_GROUPS": 4},
          "padded": {"PACK_PREFILL": False, "_MAX_CAUSAL_GROUPS": 4},
-         "bool_mask": {"PACK_PREFILL": True, "_MAX_CAUSAL_GROUPS": 0}}
+         "bool_mask": {"PACK_PREFILL": None, "_MAX_CAUSAL_GROUPS": 0}}
 
 
 def prefill_study(state: State, batch: list[list[int]], chunk: int, rounds: int) -> dict[str, Any]:

@@ -60,9 +60,11 @@ __all__ = ["Engine"]
 
 _KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
 #: Packed (ragged) prefill: a multi-row prefill runs its projections and MLP on the real prompt
-#: tokens only (``Rows.packed``), not on the padded ``(rows, tokens)`` grid. bench/gpu_prefill.py
-#: compares both.
-PACK_PREFILL = True
+#: tokens only (``Rows.packed``), not on the padded ``(rows, tokens)`` grid. None (default): packed
+#: without shape bucketing (the CPU: 1.2-1.3x faster prefill of ragged prompts, where the matmuls
+#: dominate), padded with it (the H200: 0.95x at 256 prompts of 16-1,024 tokens, and the packed
+#: length would add a shape axis; bench/gpu_prefill.py). True / False: always / never.
+PACK_PREFILL: bool | None = None
 #: Prefill attention by groups of rows that share a start position, each with the "causal" mask
 #: (``Rows.causal_groups``), when a step's prefill rows have at most this many distinct starts.
 _MAX_CAUSAL_GROUPS = 4
@@ -406,7 +408,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """Run every decode shape this engine can use once, plus every prefill shape of a first
-        chunk (rows and tokens rounded up to powers of two, tokens at least 16), so that
+        chunk (rows and tokens rounded up to powers of two, tokens at least 16) and of a single
+        row's later chunks, so that
         MLX's per-shape work (kernel builds, traces of the compiled decode; seconds each on
         MLX's CUDA build) happens now and not inside a request's time to first token.
 
@@ -434,17 +437,29 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """One padding-only prefill of each (rows, tokens) bucket from position 0 (one causal
-        group on the paged cache): the attention shapes of a step's first chunks."""
+        group on the paged cache), and of one row at each later chunk's start: the attention
+        shapes of a step's first chunks and of rows that start one by one."""
         widths = sorted({self._prefill_width(k) for k in range(1, self.prefill_chunk + 1)})
         for b in sorted({_pow2(k) for k in range(1, len(self._slots) + 1)}):
             for t in widths:
                 z = mx.zeros((b,), dtype=mx.int32)
-                packed, unpacked = packing(np.zeros(b, dtype=np.int32), t, _pack_bucket(1)) if PACK_PREFILL else (None, None)
-                rows = Rows(mx.zeros((b, t), dtype=mx.int32), z, z, z, t, z,
-                            block_table=self._table_arg(np.zeros((b, self._width(t)), dtype=np.int32)),
-                            packed=packed, unpacked=unpacked,
-                            causal_groups=((0, b, 0),) if self._kv is not None else None)
-                mx.eval(self._model.forward(self.state, self.cache, rows))
+                self._warm_prefill_shape(b, t, 0)
+        for start in range(self.prefill_chunk, self.max_len, self.prefill_chunk):
+            for t in widths:  # later chunks: one row (steady state: rows start one by one)
+                self._warm_prefill_shape(1, t, start)
+
+    def _warm_prefill_shape(self, b: int, t: int, start: int) -> None:
+        z = mx.zeros((b,), dtype=mx.int32)
+        packed, unpacked = packing(np.zeros(b, dtype=np.int32), t, _pack_bucket(1)) if self._pack() else (None, None)
+        rows = Rows(mx.zeros((b, t), dtype=mx.int32), z, mx.full((b,), start, dtype=mx.int32), z, start + t, z,
+                    block_table=self._table_arg(np.zeros((b, self._width(start + t)), dtype=np.int32)),
+                    packed=packed, unpacked=unpacked,
+                    causal_groups=((0, b, start),) if self._kv is not None else None)
+        mx.eval(self._model.forward(self.state, self.cache, rows))
+
+    def _pack(self) -> bool:
+        """Whether a multi-row prefill is packed (:data:`PACK_PREFILL`)."""
+        return not self._bucket if PACK_PREFILL is None else PACK_PREFILL
 
     def _prefill_width(self, t: int) -> int:
         """Tokens per row of a bucketed prefill whose longest chunk has ``t`` tokens."""
@@ -547,7 +562,7 @@ class Engine:
         else:
             span = self._span(kv_len) if self._bucket and not dense else kv_len
         packed = unpacked = None
-        if PACK_PREFILL and not dense:  # projections and MLP on the real tokens only
+        if not dense and self._pack():  # projections and MLP on the real tokens only
             real = int(n_valid.sum())
             packed, unpacked = packing(n_valid, t, _pack_bucket(real) if self._bucket else real)
         rows = Rows(mx.array(tokens), mx.array(slots), mx.array(start), mx.array(n_valid), span,

@@ -91,8 +91,9 @@ def _greedy(state, prompts: list[list[int]], bucket: bool) -> list[list[int]]:
 
 
 def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine hands the family packed rows (N = real tokens of the step, or its bucket), and
-    the tokens equal each prompt generated alone."""
+    """The engine hands the family packed rows (N = real tokens of the step, or its bucket) where
+    PACK_PREFILL says so, causal groups of rows by start, and the tokens equal each prompt
+    generated alone."""
     seen: list[tuple[int, int, int]] = []  # (rows, padded tokens per row, packed tokens)
     groups: list[tuple[tuple[int, int, int], ...] | None] = []
     forward = qwen3_model.forward
@@ -107,13 +108,12 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     prompts = _prompts()
     solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
     monkeypatch.setattr(qwen3_model, "forward", spy)
-    assert _greedy(tiny32, prompts, False) == solo
+    assert _greedy(tiny32, prompts, False) == solo  # unbucketed (the CPU default): packed
     assert seen[0] == (4, 8, 5 + 1 + 8 + 8)  # first chunk of 8: rows 4 x 8 padded, 22 real
     assert groups[:2] == [((0, 4, 0),), ((0, 2, 8),)]  # second chunk: the 13- and 9-token rows at 8
     seen.clear()
+    assert _greedy(tiny32, prompts, True) == solo  # bucketed (the GPU default): the padded grid
+    assert not seen
+    monkeypatch.setattr(engine_module, "PACK_PREFILL", True)
     assert _greedy(tiny32, prompts, True) == solo
     assert seen[0] == (4, 8, 64)  # 22 real tokens in a bucket of 64
-    monkeypatch.setattr(engine_module, "PACK_PREFILL", False)
-    seen.clear()
-    assert _greedy(tiny32, prompts, True) == solo
-    assert not seen

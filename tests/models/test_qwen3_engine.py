@@ -174,10 +174,12 @@ def test_compiled_decode_matches_eager(tiny32, solo):
     assert out[0] == solo[0] and out[3] == solo[3]
 
 
-def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo):
-    """warm_up() runs every bucketed decode shape (traced when compiled) on padding rows only:
-    later outputs equal the solo runs; it refuses to run while sequences are active."""
-    engine = Engine(tiny32, max_batch=5, max_len=64, bucket_shapes=True, compile_decode=True)
+@pytest.mark.parametrize("prefill_chunk", [512, 16])  # 16: later-chunk prefill shapes are warmed too
+def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo, prefill_chunk):
+    """warm_up() runs every bucketed decode and prefill shape (traced when compiled) on padding
+    rows only: later outputs equal the solo runs; it refuses to run while sequences are active."""
+    engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=prefill_chunk, bucket_shapes=True,
+                    compile_decode=True)
     engine.warm_up()
     stats = engine.kv_stats()
     assert stats.blocks_used == 0 and stats.blocks_free == stats.blocks_total
