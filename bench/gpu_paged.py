@@ -103,8 +103,10 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 32) -> float:
 def context_study(state: Any, batches: list[int], positions: list[int], copy_bytes: int) -> list[dict[str, Any]]:
     """Device-only paged decode step (ms) by rows and context position, split-K on (the default
     heuristic) and off, against the floor: (weight bytes + live KV bytes) / copy bandwidth."""
+    from gpu_step import step_weight_bytes  # gpu_step imports this module at its top
+
     c = state.config
-    weights = sum({id(v): v.nbytes for v in _arrays(state)}.values())  # a tied head counted once
+    weights = step_weight_bytes(state)  # each buffer once (no weight_t views), no embedding table
     kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * state.dtype.size
     bw = copy_bandwidth_gbs(copy_bytes)
     rows = []
@@ -123,19 +125,6 @@ def context_study(state: Any, batches: list[int], positions: list[int], copy_byt
             print(f"B={b:4d} pos={pos:5d}  split-K {split:6.2f} ms  one split {unsplit:6.2f} ms  "
                   f"floor {floor_ms:5.2f} ms  ({split / floor_ms:.2f}x floor)", flush=True)
     return rows
-
-
-def _arrays(tree: Any) -> list[mx.array]:
-    """Every mx.array reachable from a loaded state (dataclasses, lists, dicts)."""
-    if isinstance(tree, mx.array):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [a for x in tree for a in _arrays(x)]
-    if isinstance(tree, dict):
-        return [a for x in tree.values() for a in _arrays(x)]
-    if hasattr(tree, "__dict__"):
-        return [a for k, x in vars(tree).items() if k != "config" for a in _arrays(x)]
-    return []
 
 
 def compare(state: Any, b: int, prompt_len: int, new: int, repeats: int) -> dict[str, Any]:
