@@ -17,7 +17,10 @@
 # at concurrency 1 and 128 with the peer, bare engine and 4-bit rows, no arrival-under-load
 # (~75 s); prefix_cache.py on the 0.6b shape, 128 requests x 2,048-token system prompt, caching on
 # vs off (~35 s); gpu_arrivals.py at 8 and 16 requests/s for 8 s each and one search step (~45 s);
-# then the summary. Each part runs under `timeout` capped at its CAP and at what is left of
+# then the summary. A third argument names a subset of the parts (comma-separated: step, mixed,
+# throughput, prefix, arrivals) when the whole does not fit one call: e.g. `all tests
+# step,mixed,throughput` then `all notests prefix,arrivals` on the same warm machine, and
+# bench/gpu_summary.py over both calls' files. Each part runs under `timeout` capped at its CAP and at what is left of
 # ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so
 # the call ends inside the device's 600 s limit whatever a part does; a part cut short or failed
 # is logged (parts.tsv: name, exit status, wall s) and the next one runs. Each part's output is in
@@ -63,14 +66,17 @@ case "${1:-paged}" in
           --out "$OUT/prefix_cache_0.6b.json" 2>&1 | tail -12 ;;
   throughput) python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 \
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
-  all) part step 60 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
+  all) parts=",${3:-step,mixed,throughput,prefix,arrivals},"  # a subset: the same session over two calls
+       want() { [[ $parts == *",$1,"* ]]; }
+       want step && part step 60 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
          --context 1,256:1500 --out "$OUT/gpu_step.json"
-       part mixed 240 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
-       part throughput 120 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
-         --out "$OUT/gpu_throughput.json"
-       part prefix 70 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
+       want mixed && part mixed 270 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
+       want throughput && part throughput 120 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
+         --load-streams 0 --out "$OUT/gpu_throughput.json"
+       want prefix && part prefix 90 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
          --regimes on,off --out "$OUT/prefix_cache_0.6b.json"
-       part arrivals 70 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 --out "$OUT/gpu_arrivals.json"
+       want arrivals && part arrivals 90 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
+         --out "$OUT/gpu_arrivals.json"
        python3 bench/gpu_summary.py "$OUT" ;;
   *) echo "unknown case ${1}: paged, context, mixed, arrivals, rest, throughput or all"; exit 2 ;;
 esac
