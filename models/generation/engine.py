@@ -68,6 +68,9 @@ PACK_PREFILL: bool | None = None
 #: Prefill attention by groups of rows that share a start position, each with the "causal" mask
 #: (``Rows.causal_groups``), when a step's prefill rows have at most this many distinct starts.
 _MAX_CAUSAL_GROUPS = 4
+#: warm_up builds one row's later-chunk prefill shapes for chunk starts below this position only
+#: (6 widths per start: a long max_len would otherwise mean hundreds of shapes at start-up).
+_WARM_LATER_CHUNKS_BELOW = 4096
 
 
 @dataclass(eq=False)
@@ -437,14 +440,15 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """One padding-only prefill of each (rows, tokens) bucket from position 0 (one causal
-        group on the paged cache), and of one row at each later chunk's start: the attention
-        shapes of a step's first chunks and of rows that start one by one."""
+        group on the paged cache), and of one row at each later chunk's start below
+        ``_WARM_LATER_CHUNKS_BELOW``: the attention shapes of a step's first chunks and of rows
+        that start one by one."""
         widths = sorted({self._prefill_width(k) for k in range(1, self.prefill_chunk + 1)})
         for b in sorted({_pow2(k) for k in range(1, len(self._slots) + 1)}):
             for t in widths:
                 z = mx.zeros((b,), dtype=mx.int32)
                 self._warm_prefill_shape(b, t, 0)
-        for start in range(self.prefill_chunk, self.max_len, self.prefill_chunk):
+        for start in range(self.prefill_chunk, min(self.max_len, _WARM_LATER_CHUNKS_BELOW), self.prefill_chunk):
             for t in widths:  # later chunks: one row (steady state: rows start one by one)
                 self._warm_prefill_shape(1, t, start)
 
