@@ -111,15 +111,16 @@ class Channel:
                 self._wake(deferred)
         return True
 
-    def close(self, error: BaseException | None = None) -> bool:
-        """Close normally or with ``error``; True for the call that closed it."""
+    def close(self, error: BaseException | None = None, deferred: list[Waker] | None = None) -> bool:
+        """Close normally or with ``error``; True for the call that closed it. ``deferred``: as
+        for :meth:`put`."""
         with self._lock:
             if self._closed:
                 return False
             self._closed, self._error = True, error
             if error is not None:
                 self._items.clear()
-            self._wake()
+            self._wake(deferred)
         return True
 
     def _wake(self, deferred: list[Waker] | None = None) -> None:

@@ -38,7 +38,7 @@ class Transducer(Protocol):
 
     Optional attribute ``live`` (default True): False promises that ``stop_rows()`` never names a
     row, so a non-streamed call may receive all its events in one burst at the end instead of
-    waking its caller once per event.
+    waking its caller once per event, and ``stop_rows()`` is then not asked.
     """
 
     def feed(self, row_index: int, event: Any) -> list[Any]: ...

@@ -311,7 +311,7 @@ class IterativeScheduler:
                 del active[row_id]
                 self._c.running -= 1
                 request.rows_left -= 1
-                if request.rows_left == 0 and request.channel.close():
+                if request.rows_left == 0 and request.channel.close(deferred=wakers):
                     self._c.completed += 1
 
     def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:

@@ -173,6 +173,15 @@ def collect(items: list[Any], info: RequestInfo) -> Any:
     "num_tokens", "finish_reason", "token_summary"[, "timing"][, "logprobs"][, "reasoning_content"]
     [, "tool_calls"]}``; ``logprobs`` when asked for (one entry per token), ``reasoning_content``
     when the output had reasoning text, ``tool_calls`` when it called a tool."""
+    if not info.is_list and len(info.stops) == 1 and not info.output(0).deltas:  # one row of str pieces
+        entry = _Entry(info.output(0))
+        append = entry.content.append
+        for value in items:
+            if type(value) is str:
+                append(value)
+            else:
+                entry.add(value)
+        return {"results": [entry.result()]}
     outputs = [info.output(r) for r in range(len(info.stops))]
     rows = {(o.input, o.index): _Entry(o) for o in outputs}
     for item in items:

@@ -10,7 +10,7 @@ import pytest
 
 from mlx_serving.models.qwen3 import FinishReason
 from mlx_serving.models.text_generation import TokenEvent
-from mlx_serving.models.text_generation._inputs import RequestInfo
+from mlx_serving.models.text_generation._inputs import RequestInfo, RowOutput
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect
 from mlx_serving.tokenization import StreamingDetokenizer, Tokenizer
 
@@ -85,3 +85,14 @@ def test_stop_string_across_tokens_beside_a_plain_row(tok: Tokenizer) -> None:
     assert results[1]["results"][0]["generated_text"] == "one "
     assert results[1]["results"][0]["finish_reason"] == "stop"
     assert results[0]["results"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stops", [(), ("two",)])
+def test_collect_of_one_row_equals_the_general_collect(tok: Tokenizer, stops: tuple[str, ...]) -> None:
+    ids = _byte_ids(tok, "one tw") + tok.encode("o three")
+    single = RequestInfo(is_list=False, input_tokens=(1,), stops=(stops,), outputs=(RowOutput(),))
+    items, _ = _feed_rows(GenerationTransducer(tok, single), [_events(ids)])
+    as_list = RequestInfo(is_list=True, input_tokens=(1,), stops=(stops,), outputs=(RowOutput(),))
+    result = collect(items, single)
+    assert result == collect([(0, it) for it in items], as_list)[0]
+    assert result["results"][0]["generated_text"] == ("one " if stops else "one two three")
