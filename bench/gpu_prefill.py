@@ -5,7 +5,7 @@ Workload: ``--requests`` prompts of seeded uniform lengths in ``--prompt-range``
 run is the prefill of every prompt plus one decode-free sample. Engine: ``max_batch`` =
 ``--requests``, ``prefill_chunk`` ``--prefill-chunk``, paged KV cache, prefix caching off (every
 run prefills every token). Timed: wall from the first ``add`` to the last event (the device synced
-by the events), for three sides (:data:`SIDES`), alternating, ``--rounds`` times each after one
+by the events), for four sides (:data:`SIDES`), alternating, ``--rounds`` times each after one
 untimed run per side (MLX's per-shape kernel builds, recorded as ``first_run_s``): "default"
 (the engine's defaults: rows of one start attend as causal groups, ``engine._MAX_CAUSAL_GROUPS``;
 packed where shapes are not bucketed, ``engine.PACK_PREFILL``), "packed" (projections and MLP on
@@ -53,14 +53,14 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
 
 def padded_tokens(lengths: list[int], chunk: int, bucket: bool) -> int:
     """Token positions of the padded prefill grids the engine builds for ``lengths`` all added at
-    once (every row prefills its next chunk each step; rows and tokens rounded up to powers of two
-    when ``bucket``)."""
+    once (every row prefills its next chunk each step; rows and tokens rounded up to powers of two,
+    tokens at least 16, when ``bucket``)."""
     left, total = list(lengths), 0
     while any(left):
         chunks = [min(chunk, k) for k in left if k > 0]
         b, t = len(chunks), max(chunks)
-        if bucket and not (b == 1):
-            b, t = engine_module._pow2(b), min(chunk, engine_module._pow2(t))
+        if bucket:  # Engine._prefill_width: power of two, at least 16, at most the chunk
+            b, t = engine_module._pow2(b), min(chunk, max(16, engine_module._pow2(t)))
         total += b * t
         left = [k - min(chunk, k) for k in left]
     return total
@@ -121,15 +121,20 @@ def attention_study(b: int, t: int, s: int) -> dict[str, Any]:
     v = mx.random.normal((b, 8, s, 128)).astype(mx.bfloat16)
     j, pos = mx.arange(s), (s - t) + mx.arange(t)
     mask = mx.broadcast_to((j[None, :] <= pos[:, None])[None, None], (b, 1, t, s))
-    out = {}
+    out: dict[str, Any] = {}
+    results = []
     for name, m in (("bool_mask", mask), ("causal", "causal")):
         ts = []
         for _ in range(11):
             t0 = time.perf_counter()
-            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=128 ** -0.5, mask=m))
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=128 ** -0.5, mask=m)
+            mx.eval(o)
             ts.append((time.perf_counter() - t0) * 1e3)
+        results.append(o)
         out[f"{name}_ms"] = statistics.median(ts[1:])
         out[f"{name}_first_ms"] = ts[0]  # a new shape: MLX's (and cuDNN's) per-shape build included
+    # "causal" must be bottom-right aligned (query i sees keys <= S - T + i), as the mask is
+    out["max_abs_diff"] = float(mx.abs(results[0].astype(mx.float32) - results[1].astype(mx.float32)).max())
     return out
 
 
@@ -167,7 +172,8 @@ def main() -> None:
     for spec in args.attention.split(","):
         b, t, s = map(int, spec.split(":"))
         a = out["attention"][spec] = attention_study(b, t, s)
-        print(f"attention B={b} T={t} S={s}: bool mask {a['bool_mask_ms']:.2f} ms, causal {a['causal_ms']:.2f} ms")
+        print(f"attention B={b} T={t} S={s}: bool mask {a['bool_mask_ms']:.2f} ms, causal {a['causal_ms']:.2f} ms, "
+              f"max |difference| {a['max_abs_diff']:.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
 

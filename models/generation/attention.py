@@ -36,7 +36,8 @@ class Rows:
     ``0..B-1``; ``start`` (B,) int32 position of each row's first token (its cache
     length before the call); ``n_valid`` (B,) int32 real tokens per row (the rest is
     padding: written to the scratch column, never attended); ``kv_len`` the attention
-    span (max over rows of start + n_valid); ``last`` (B,) int32 index in ``[0, T)`` of
+    span (at least the max over rows of start + n_valid; callers may round it up; unused with
+    ``causal_groups``, where each group's span is its start + T); ``last`` (B,) int32 index in ``[0, T)`` of
     the token whose logits each row returns; ``dense`` True when B == 1 and the row has
     no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
     ``block_table`` (B, W) int32, for a paged cache (:class:`~models.generation.kv_cache.PagedKVCache`):
@@ -97,10 +98,10 @@ def last_hidden(h: mx.array, rows: Rows) -> mx.array:
     """Hidden states ``(B, F)`` at each row's ``rows.last`` token, from the layers' output
     ``h`` (``(N, F)`` packed, ``(B * T, F)`` padded)."""
     b, t = rows.tokens.shape
-    if t == 1:
-        return h
     if rows.packed is not None:
         return h[mx.take_along_axis(rows.unpacked.reshape(b, t), rows.last[:, None], axis=1)[:, 0]]
+    if t == 1:
+        return h
     return mx.take_along_axis(h.reshape(b, t, -1), rows.last[:, None, None], axis=1)[:, 0]
 
 
@@ -202,7 +203,9 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
 
 
 def _read_idx(table: mx.array, span: int, bs: int) -> mx.array:
-    """``(rows, span)`` flat cache row of positions ``0..span-1`` through the block table."""
+    """``(rows, span)`` flat cache row of positions ``0..span-1`` through the block table.
+    Positions past the table's width read its last column's block: the table must cover
+    ``start + n_valid`` of every real row, so only padding queries (or masked keys) see them."""
     j = mx.arange(span)
     return table[:, mx.minimum(j // bs, table.shape[1] - 1)] * bs + (j % bs)[None, :]
 

@@ -25,14 +25,15 @@ Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA bu
 shape can mean new kernels or plans: ~60-100 ms for a prefill attention shape, bench/gpu_prefill.py):
 a decode batch of more than one row is padded to a power-of-two row count and its attention span
 rounded up to a multiple of ``_KV_BUCKET``; a prefill to power-of-two rows and tokens (at least 16,
-at most ``prefill_chunk``), its packed tokens to 1/8 of an octave. Padding rows and tokens have
+at most ``prefill_chunk``), its packed tokens (when packed) to 1/8 of an octave. Padding rows and tokens have
 ``n_valid`` 0, write only the null block (or the slot cache's scratch column) and are never
 attended, so outputs do not change.
 
-A prefill of several rows (or of one padded row) is packed: embeddings, projections and MLP run
-on its real tokens only (``Rows.packed``); its rows are sorted by start position and rows of one
-start attend as a causal group (``Rows.causal_groups``, up to ``_MAX_CAUSAL_GROUPS`` groups; past
-that one boolean-masked attention call).
+A prefill of several rows is packed where ``PACK_PREFILL`` says so (default: only without shape
+bucketing): embeddings, projections and MLP run on its real tokens only (``Rows.packed``). On the
+paged cache its rows are sorted by start position and rows of one start attend as a causal group
+(``Rows.causal_groups``, up to ``_MAX_CAUSAL_GROUPS`` groups; past that one boolean-masked
+attention call); a group's key span is its start + tokens, not bucketed.
 """
 
 from __future__ import annotations
@@ -440,25 +441,32 @@ class Engine:
 
     def _warm_prefill(self) -> None:
         """One padding-only prefill of each (rows, tokens) bucket from position 0 (one causal
-        group on the paged cache), and of one row at each later chunk's start below
-        ``_WARM_LATER_CHUNKS_BELOW``: the attention shapes of a step's first chunks and of rows
-        that start one by one."""
-        widths = sorted({self._prefill_width(k) for k in range(1, self.prefill_chunk + 1)})
+        group on the paged cache), and on the paged cache of one row at each later chunk's start
+        below ``_WARM_LATER_CHUNKS_BELOW``: the attention shapes of a step's first chunks and of
+        rows that start one by one. Group spans follow each start exactly, so other starts (a
+        prefix-cache hit, a chunk cut by ``max_step_tokens``) and groups of several rows at a
+        later start still build their shape on first use."""
         for b in sorted({_pow2(k) for k in range(1, len(self._slots) + 1)}):
-            for t in widths:
-                z = mx.zeros((b,), dtype=mx.int32)
+            for t in self._widths(self.max_len):
                 self._warm_prefill_shape(b, t, 0)
+        if self._kv is None:  # slot design: no causal groups (one masked call over a bucketed span)
+            return
         for start in range(self.prefill_chunk, min(self.max_len, _WARM_LATER_CHUNKS_BELOW), self.prefill_chunk):
-            for t in widths:  # later chunks: one row (steady state: rows start one by one)
+            for t in self._widths(self.max_len - start):  # steady state: rows start one by one
                 self._warm_prefill_shape(1, t, start)
+
+    def _widths(self, room: int) -> list[int]:
+        """Tokens per row of the bucketed prefills whose longest chunk holds at most ``room`` tokens."""
+        return sorted({self._prefill_width(k) for k in range(1, min(self.prefill_chunk, room) + 1)})
 
     def _warm_prefill_shape(self, b: int, t: int, start: int) -> None:
         z = mx.zeros((b,), dtype=mx.int32)
         packed, unpacked = packing(np.zeros(b, dtype=np.int32), t, _pack_bucket(1)) if self._pack() else (None, None)
-        rows = Rows(mx.zeros((b, t), dtype=mx.int32), z, mx.full((b,), start, dtype=mx.int32), z, start + t, z,
+        paged = self._kv is not None
+        rows = Rows(mx.zeros((b, t), dtype=mx.int32), z, mx.full((b,), start, dtype=mx.int32), z,
+                    start + t if paged else self._span(t), z,
                     block_table=self._table_arg(np.zeros((b, self._width(start + t)), dtype=np.int32)),
-                    packed=packed, unpacked=unpacked,
-                    causal_groups=((0, b, start),) if self._kv is not None else None)
+                    packed=packed, unpacked=unpacked, causal_groups=((0, b, start),) if paged else None)
         mx.eval(self._model.forward(self.state, self.cache, rows))
 
     def _pack(self) -> bool:
@@ -562,7 +570,7 @@ class Engine:
         groups = _causal_groups(start) if self._kv is not None and not dense else None
         kv_len = int((start + n_valid).max())
         if groups is not None:
-            span = kv_len = int(start.max()) + t
+            span = int(start.max()) + t
         else:
             span = self._span(kv_len) if self._bucket and not dense else kv_len
         packed = unpacked = None

@@ -117,3 +117,37 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(engine_module, "PACK_PREFILL", True)
     assert _greedy(tiny32, prompts, True) == solo
     assert seen[0] == (4, 8, 64)  # 22 real tokens in a bucket of 64
+
+
+@pytest.mark.parametrize("bucket", [False, True])
+def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest.MonkeyPatch, bucket: bool) -> None:
+    """Six 30-token prompts arriving one per step with 4-token chunks: a prefill step holds rows at
+    up to six starts, so the engine builds 2-4 causal groups (bucketed: padding rows join the
+    last), then past four starts one boolean-masked call; tokens equal each prompt alone."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 151000, 30).tolist() for _ in range(6)]
+    solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
+    calls: list[tuple[int, int, tuple[tuple[int, int, int], ...] | None]] = []  # (rows, real rows, groups)
+    forward = qwen3_model.forward
+
+    def spy(state, cache, rows: Rows) -> mx.array:
+        if rows.tokens.shape[1] > 1:
+            calls.append((rows.tokens.shape[0], int((np.array(rows.n_valid) > 0).sum()), rows.causal_groups))
+        return forward(state, cache, rows)
+
+    monkeypatch.setattr(qwen3_model, "forward", spy)
+    engine = Engine(tiny32, 6, 64, prefill_chunk=4, bucket_shapes=bucket)
+    out: dict[int, list[int]] = {i: [] for i in range(6)}
+    step = 0
+    while step < 6 or engine.num_active:
+        if step < 6:
+            engine.add(step, prompts[step], SamplingParams(max_new_tokens=4))
+        for ev in engine.step():
+            out[ev.seq_id].append(ev.token_id)
+        step += 1
+    assert [out[i] for i in range(6)] == solo
+    grouped = [g for _, _, g in calls if g is not None and len(g) >= 2]
+    assert grouped and max(len(g) for g in grouped) == 4, calls
+    assert any(g is None and b > 1 for b, _, g in calls), calls  # five or more starts: one masked call
+    if bucket:  # e.g. 3 rows padded to 4: the padding row joins the last group
+        assert any(real < b and g[-1][1] == b for b, real, g in calls if g is not None and len(g) >= 2), calls
