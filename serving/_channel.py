@@ -89,6 +89,11 @@ class Channel:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def failed(self) -> bool:
+        """Closed with an error."""
+        return self._error is not None
+
     def hold_until_close(self) -> None:
         """From now on readers wake only at the close and then take every message at once: for
         callers that want the whole result, this saves one thread or event-loop wake-up per

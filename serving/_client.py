@@ -193,7 +193,15 @@ class _StreamBase:
 
     def close(self) -> None:
         """Stop reading; the request is withdrawn if it has not finished. Never blocks."""
+        self._withdraw()
+
+    def _withdraw(self) -> None:
+        """Cancel the request; once its channel failed, the messages taken and not consumed go
+        too (the channel drops its unread ones at a failure), so reading on raises the failure
+        as reading message by message would."""
         self._request.cancel()
+        if self._request.channel.failed:
+            self._messages.clear()
 
     def __del__(self) -> None:
         request = getattr(self, "_request", None)
@@ -226,7 +234,7 @@ class Stream(_StreamBase):
         except StopIteration:
             raise
         except BaseException:
-            self._request.cancel()
+            self._withdraw()
             raise
         return self._pending.popleft()
 
@@ -268,7 +276,7 @@ class AsyncStream(_StreamBase):
         except StopAsyncIteration:
             raise
         except BaseException:
-            self._request.cancel()
+            self._withdraw()
             raise
         return self._pending.popleft()
 
@@ -290,7 +298,7 @@ class AsyncStream(_StreamBase):
                 self._messages.extend(self._request.channel.take_ready())
                 self._absorb_taken()
         except BaseException:
-            self._request.cancel()
+            self._withdraw()
             raise
         return self._take_pending()
 

@@ -13,8 +13,11 @@ from typing import Any
 import anyio
 import pytest
 
-from mlx_serving.serving import Serving
+from mlx_serving.serving import RequestCancelled, Serving, Stream
 from mlx_serving.serving._channel import END, Channel, Waker, wake
+from mlx_serving.serving._client import IterativeConsumer
+from mlx_serving.serving._messages import RowEvent
+from mlx_serving.serving._request import Request
 from serving_fakes import CountdownBackend, countdown
 
 
@@ -184,3 +187,28 @@ async def test_async_stream_of_a_burst_yields_in_order_and_result_reads_it_whole
                     await anyio.sleep(0.005)
             assert [item async for item in stream] == [4, 3, 2, 1, 0]
         assert await handle.run_async(countdown(7)) == [6, 5, 4, 3, 2, 1, 0]
+
+
+def _burst_stream(fail_at: int) -> Stream:
+    """A running request (no runtime behind it) with three events queued: 5, 4, 3."""
+    request = Request(1, None)
+    for value in (5, 4, 3):
+        request.channel.put(RowEvent(0, value))
+    return Stream(request, IterativeConsumer(request, _FailAt(fail_at)))
+
+
+def test_after_a_consumer_error_the_rest_of_the_burst_is_dropped_with_the_request() -> None:
+    stream = _burst_stream(fail_at=4)
+    assert next(stream) == 5  # took the whole burst, consumed one message
+    with pytest.raises(ValueError):
+        next(stream)
+    with pytest.raises(RequestCancelled):  # as reading message by message: the channel failed
+        next(stream)
+
+
+def test_closing_drops_the_taken_messages_of_a_running_request() -> None:
+    stream = _burst_stream(fail_at=-1)
+    assert next(stream) == 5
+    stream.close()
+    with pytest.raises(RequestCancelled):
+        next(stream)
