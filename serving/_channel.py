@@ -6,7 +6,9 @@ close; readers may block a thread (``get``, ``get_all``) or await under asyncio 
 ``aget_all``): async readers are woken with the event loop's thread-safe "call soon", never by
 blocking the writer. The ``_all`` readers take every message that has arrived in one call (one
 lock round and one wake-up for a burst, e.g. a decode step's tokens that queued while the reader
-worked).
+worked). A writer that puts on many channels at once (the iterative scheduler, after a decode
+step) passes a ``deferred`` list to ``put`` / ``close`` and then calls :func:`wake`: one "call
+soon" per event loop instead of one per channel.
 """
 
 from __future__ import annotations
