@@ -9,18 +9,19 @@
 # throughput; all: every issue-17 bench and bench/gpu_summary.py's $OUT/gpu_all.json), then
 # notests to skip the tests.
 #
-# all: the parts run one after another in this order (estimated wall on an H200 from earlier
-# runs in parentheses): tests (~60 s, after ~30-40 s of installing); gpu_step.py: the copy
-# bandwidth (every floor's denominator), compiled fused steps at 1 and 128 rows, paged steps at
-# position 1,500 for 1 and 256 rows, mlx-lm one stream (~35 s); gpu_mixed.py at batches 256 and
-# 128 with only the batch_generate peer (~175 s: batch_generate alone took 119 s); gpu_throughput.py
-# at concurrency 1 and 128 with the peer, bare engine and 4-bit rows, no arrival-under-load
-# (~75 s); prefix_cache.py on the 0.6b shape, 128 requests x 2,048-token system prompt, caching on
-# vs off (~35 s); gpu_arrivals.py at 8 and 16 requests/s for 8 s each and one search step (~45 s);
+# all: the parts run one after another in this order: the tests (~100 s with installing);
+# gpu_step.py: the copy bandwidth (every floor's denominator), compiled fused steps at 1 and 128
+# rows, paged steps at position 1,500 for 1 and 256 rows, mlx-lm one stream; gpu_mixed.py at
+# batches 256 and 128 with only the batch_generate peer; gpu_throughput.py at concurrency 1 and 128
+# with the peer, bare engine and 4-bit rows, no arrival-under-load; prefix_cache.py on the 0.6b
+# shape, 128 requests x 2,048-token system prompt, caching on vs off; gpu_arrivals.py at 8 and 16
+# requests/s for 8 s each and one search step;
 # then the summary. A third argument names a subset of the parts (comma-separated: step, mixed,
-# throughput, prefix, arrivals) when the whole does not fit one call: e.g. `all tests
-# step,mixed,throughput` then `all notests prefix,arrivals` on the same warm machine, and
-# bench/gpu_summary.py over both calls' files. Each part runs under `timeout` capped at its CAP and at what is left of
+# throughput, prefix, arrivals). The whole does not fit one 600 s call (measured 2026-12-01, with
+# Engine.warm_up building every prefill shape: step ~90 s, mixed ~300 s, throughput ~150 s, prefix
+# ~100 s, arrivals ~70 s), so a session runs two calls on the same warm machine:
+# `all tests step,mixed` then `all notests throughput,prefix,arrivals`, and bench/gpu_summary.py
+# over both calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
 # ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so
 # the call ends inside the device's 600 s limit whatever a part does; a part cut short or failed
 # is logged (parts.tsv: name, exit status, wall s) and the next one runs. Each part's output is in
@@ -32,6 +33,7 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "
 for d in serving models tokenization; do ln -sfn "../$d" "mlx_serving/$d"; done
 export PYTHONPATH="$HOME/gpu/site:$PWD"
 python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__version__)'
+export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1  # a crash leaves its Python traceback in the part's log
 setup_s=$SECONDS
 [ "${2:-tests}" = notests ] || python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py tests/models/test_qwen3_fused_path.py \
   2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
@@ -68,14 +70,14 @@ case "${1:-paged}" in
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
   all) parts=",${3:-step,mixed,throughput,prefix,arrivals},"  # a subset: the same session over two calls
        want() { [[ $parts == *",$1,"* ]]; }
-       want step && part step 60 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
+       want step && part step 90 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
          --context 1,256:1500 --out "$OUT/gpu_step.json"
-       want mixed && part mixed 270 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
-       want throughput && part throughput 120 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
+       want mixed && part mixed 330 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
+       want throughput && part throughput 170 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
          --load-streams 0 --out "$OUT/gpu_throughput.json"
-       want prefix && part prefix 90 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
+       want prefix && part prefix 130 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
          --regimes on,off --out "$OUT/prefix_cache_0.6b.json"
-       want arrivals && part arrivals 90 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
+       want arrivals && part arrivals 80 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
          --out "$OUT/gpu_arrivals.json"
        python3 bench/gpu_summary.py "$OUT" ;;
   *) echo "unknown case ${1}: paged, context, mixed, arrivals, rest, throughput or all"; exit 2 ;;
