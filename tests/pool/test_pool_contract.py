@@ -254,7 +254,10 @@ def test_no_resource_tracker_is_started(tmp_path: Path):
         def children():
             pids = set()
             for task in Path(f"/proc/{{os.getpid()}}/task").iterdir():
-                pids.update(int(pid) for pid in (task / "children").read_text().split())
+                try:
+                    pids.update(int(pid) for pid in (task / "children").read_text().split())
+                except FileNotFoundError:  # a thread that ended since the listing
+                    pass
             return pids
 
         if __name__ == "__main__":
