@@ -20,8 +20,8 @@ mask (the last T of S positions, causal) vs the ``"causal"`` string mask, median
 calls, and the first call of each shape (per-shape builds included): how much of prefill the
 masked attention costs on this device, and what a prefill shape not seen before costs.
 
-Run (MLX CUDA build): ``python bench/gpu_prefill.py --out bench/results/gpu_prefill.json``; on CPU
-``--quick`` (tiny preset, 16 prompts of 16-128 tokens) is a smoke run.
+Run (MLX CUDA build): ``python bench/gpu_prefill.py`` (JSON to bench/results/gpu_prefill.json, or
+``--out``); on CPU ``--quick`` (tiny preset, 16 prompts of 16-128 tokens; JSON to /tmp) is a smoke run.
 """
 
 from __future__ import annotations
@@ -150,11 +150,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--attention", default="1:512:1024,1:1024:1024,1:2048:2048,64:512:1024,256:512:1024")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/gpu_prefill.json"))
+    ap.add_argument("--out", type=Path, default=None, help="default bench/results/gpu_prefill.json (--quick: /tmp)")
     args = ap.parse_args()
     if args.quick:
         args.preset, args.requests, args.prompt_range, args.rounds = "tiny", "16", "16,128", 1
         args.attention = "1:64:128"
+    args.out = args.out or Path("/tmp/gpu_prefill_quick.json" if args.quick else "bench/results/gpu_prefill.json")
     ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
     if not (ckpt / "config.json").is_file():
         write_checkpoint(ckpt, args.preset, seed=0)

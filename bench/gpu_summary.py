@@ -176,7 +176,7 @@ def mixed_targets(doc: dict[str, Any] | None, fl: Floor) -> list[dict[str, Any]]
 def prefix_targets(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
     by = {r["regime"]: r for r in (_get(doc, "results") or [])}
     on, off = _get(by, "on", "ttft_ms_p50"), _get(by, "off", "ttft_ms_p50")
-    args = _get(doc, "args") or {}
+    args = _get(doc, "args") or {"requests": 128, "system": 2048}  # the workload (the all case's)
     return [target(f"prefix caching: TTFT p50 on / off ({args.get('requests')} requests x "
                    f"{args.get('system')}-token system prompt)", _ratio(on, off), "<=", PREFIX_RATIO, "x",
                    "prefix_cache_0.6b.json", note=f"TTFT p50 on {on} ms, off {off} ms")]

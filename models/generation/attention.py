@@ -56,7 +56,7 @@ class Rows:
     then attends with the ``"causal"`` mask over ``start + T`` gathered positions instead of a
     boolean mask over ``kv_len``: exact for every real token (query ``j`` sees positions
     ``<= start + j``; positions past a row's end are seen only by its padding queries), and on
-    MLX's CUDA build ~10x cheaper (bench/gpu_prefill.py: 1.7 vs 16.3 ms at 256 x 512 queries
+    MLX's CUDA build ~9x cheaper (bench/gpu_prefill.py: 1.8 vs 16.1 ms at 256 x 512 queries
     over 1,024 keys: the boolean mask becomes an additive bias cuDNN reads per head).
     """
 
