@@ -58,8 +58,8 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_mixed import add_checkpoint_args, default_ckpt, load_ours, save, summary  # noqa: E402
-from gpu_throughput import word_prompts  # noqa: E402
+from gpu_mixed import add_checkpoint_args, default_ckpt, load_ours, summary  # noqa: E402
+from gpu_throughput import save, word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.serving import DeadlineExceeded, Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402

@@ -55,14 +55,14 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_throughput import word_prompts  # noqa: E402
+from gpu_throughput import save, word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.qwen3 import State, load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import PRESETS, write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
-__all__ = ["Workload", "add_checkpoint_args", "default_ckpt", "load_ours", "load_peer", "make_workload", "save", "summary"]
+__all__ = ["Workload", "add_checkpoint_args", "default_ckpt", "load_ours", "load_peer", "make_workload", "summary"]
 
 TTFT_P99_TARGET_S = 3.0  # issue 17: TTFT p99 <= 3 s at batch 128
 RATIO_TARGET = 15.0  # issue 17: >= 15x mlx-lm batch_generate aggregate tok/s at batch 256
@@ -298,12 +298,6 @@ def record(path: Path, out: dict[str, Any], name: str, result: dict[str, Any], w
     check_tokens(name, result, work)
     print(f"{name}: {result['tok_s']:.0f} tok/s, wall {result['wall_s']:.2f} s", flush=True)
     save(path, out)
-
-
-def save(path: Path, out: dict[str, Any]) -> None:
-    """Write ``out`` as JSON to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
 
 
 def ratios(out: dict[str, Any], batches: list[int]) -> dict[str, dict[str, float]]:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_paged import copy_bandwidth_gbs, device_step_ms  # noqa: E402
+from gpu_throughput import save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
@@ -308,12 +309,6 @@ def parse_args() -> argparse.Namespace:
     args.out = args.out or Path(f"bench/results/gpu_step_{args.tag}.json")
     args.batch_list = [int(x) for x in args.batches.split(",")]
     return args
-
-
-def save(path: Path, out: dict[str, Any]) -> None:
-    """Write ``out`` as JSON (after every part, so a later failure keeps the earlier ones)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
 
 
 def main() -> None:

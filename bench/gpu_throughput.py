@@ -221,6 +221,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def save(path: Path, out: dict[str, Any]) -> None:
+    """Write ``out`` as JSON to ``path`` (the GPU benches save after every part, so a later failure
+    keeps the earlier ones)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
 
