@@ -203,11 +203,10 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
 
 
 def _read_idx(table: mx.array, span: int, bs: int) -> mx.array:
-    """``(rows, span)`` flat cache row of positions ``0..span-1`` through the block table.
-    Positions past the table's width read its last column's block: the table must cover
-    ``start + n_valid`` of every real row, so only padding queries (or masked keys) see them."""
+    """``(rows, span)`` flat cache row of positions ``0..span-1`` through the block table
+    ``(rows, W)``, which must cover the span (``W * bs >= span``: every caller builds it so)."""
     j = mx.arange(span)
-    return table[:, mx.minimum(j // bs, table.shape[1] - 1)] * bs + (j % bs)[None, :]
+    return table[:, j // bs] * bs + (j % bs)[None, :]
 
 
 def _gather(cache: Cache, i: int, read: mx.array) -> tuple[mx.array, mx.array]:

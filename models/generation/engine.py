@@ -22,7 +22,7 @@ must preempt first lands the previous step's tokens (so the preempted sequence's
 are all known).
 
 Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA build a new
-shape can mean new kernels or plans: ~60-100 ms for a prefill attention shape, bench/gpu_prefill.py):
+shape can mean new kernels or plans: 60-900 ms for a prefill attention shape, bench/gpu_prefill.py):
 a decode batch of more than one row is padded to a power-of-two row count and its attention span
 rounded up to a multiple of ``_KV_BUCKET``; a prefill to power-of-two rows and tokens (at least 16,
 at most ``prefill_chunk``), its packed tokens (when packed) to 1/8 of an octave. Padding rows and tokens have
@@ -568,10 +568,10 @@ class Engine:
         slots = np.full(b, seqs[0].slot, dtype=np.int32)
         slots[: len(seqs)] = [s.slot for s in seqs]
         groups = _causal_groups(start) if self._kv is not None and not dense else None
-        kv_len = int((start + n_valid).max())
-        if groups is not None:
+        if groups is not None:  # each group attends over its start + t positions
             span = int(start.max()) + t
         else:
+            kv_len = int((start + n_valid).max())
             span = self._span(kv_len) if self._bucket and not dense else kv_len
         packed = unpacked = None
         if not dense and self._pack():  # projections and MLP on the real tokens only
