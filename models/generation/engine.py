@@ -22,7 +22,7 @@ must preempt first lands the previous step's tokens (so the preempted sequence's
 are all known).
 
 Shapes are bucketed so that few distinct ones reach the device (on MLX's CUDA build a new
-shape can mean new kernels or plans: 60-900 ms for a prefill attention shape, bench/gpu_prefill.py):
+shape can mean new kernels or plans: 50-900 ms for a prefill attention shape, bench/gpu_prefill.py):
 a decode batch of more than one row is padded to a power-of-two row count and its attention span
 rounded up to a multiple of ``_KV_BUCKET``; a prefill to power-of-two rows and tokens (at least 16,
 at most ``prefill_chunk``), its packed tokens (when packed) to 1/8 of an octave. Padding rows and tokens have
@@ -63,7 +63,7 @@ _KV_BUCKET = 256  # compiled decode: attention span granularity (tokens)
 #: Packed (ragged) prefill: a multi-row prefill runs its projections and MLP on the real prompt
 #: tokens only (``Rows.packed``), not on the padded ``(rows, tokens)`` grid. None (default): packed
 #: without shape bucketing (the CPU: 1.2-1.3x faster prefill of ragged prompts, where the matmuls
-#: dominate), padded with it (the H200: 0.95x at 256 prompts of 16-1,024 tokens, and the packed
+#: dominate), padded with it (the H200: 0.93-0.95x at 256 prompts of 16-1,024 tokens, and the packed
 #: length would add a shape axis; bench/gpu_prefill.py). True / False: always / never.
 PACK_PREFILL: bool | None = None
 #: Prefill attention by groups of rows that share a start position, each with the "causal" mask
