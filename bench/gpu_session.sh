@@ -18,10 +18,10 @@
 # requests/s for 8 s each and one search step;
 # then the summary. A third argument names a subset of the parts (comma-separated: step, mixed,
 # throughput, prefix, arrivals). The whole does not fit one 600 s call (measured 2026-12-01, with
-# Engine.warm_up building every prefill shape: step ~90 s, mixed ~300 s, throughput ~150 s, prefix
-# ~100 s, arrivals ~70 s), so a session runs two calls on the same warm machine:
-# `all tests step,mixed` then `all notests throughput,prefix,arrivals`, and bench/gpu_summary.py
-# over both calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
+# Engine.warm_up building every prefill shape: tests ~105 s, step > 60 s, mixed > 270 s (ours ~150 s,
+# batch_generate at 256 ~120 s), throughput ~150 s, prefix > 75 s, arrivals ~70 s), so a session
+# runs three calls on the same warm machine: `all tests step,prefix`, `all notests mixed,arrivals`,
+# `all notests throughput`, and bench/gpu_summary.py over the calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
 # ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so
 # the call ends inside the device's 600 s limit whatever a part does; a part cut short or failed
 # is logged (parts.tsv: name, exit status, wall s) and the next one runs. Each part's output is in
@@ -70,14 +70,14 @@ case "${1:-paged}" in
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
   all) parts=",${3:-step,mixed,throughput,prefix,arrivals},"  # a subset: the same session over two calls
        want() { [[ $parts == *",$1,"* ]]; }
-       want step && part step 90 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
+       want step && part step 170 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
          --context 1,256:1500 --out "$OUT/gpu_step.json"
-       want mixed && part mixed 330 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
-       want throughput && part throughput 170 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
+       want mixed && part mixed 430 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
+       want throughput && part throughput 230 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
          --load-streams 0 --out "$OUT/gpu_throughput.json"
-       want prefix && part prefix 130 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
+       want prefix && part prefix 200 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
          --regimes on,off --out "$OUT/prefix_cache_0.6b.json"
-       want arrivals && part arrivals 80 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
+       want arrivals && part arrivals 100 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
          --out "$OUT/gpu_arrivals.json"
        python3 bench/gpu_summary.py "$OUT" ;;
   *) echo "unknown case ${1}: paged, context, mixed, arrivals, rest, throughput or all"; exit 2 ;;

@@ -140,7 +140,22 @@ def serving_single(handle: Any, text: str) -> dict[str, float]:
         else:
             stamps.append(time.perf_counter())
     n = final["num_tokens"]
+    wait_idle(handle)
     return {"ttft_ms": (stamps[0] - t0) * 1e3, "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]), "tokens": n}
+
+
+def wait_idle(handle: Any, quiet_s: float = 0.02) -> None:
+    """Return once the serving's engine thread has stopped stepping (no running row, ``steps_run``
+    unchanged for ``quiet_s``): the one-stream sides alternate on two threads, and the engine lands
+    its last pipelined step after the stream's final token; MLX evaluation from two threads at once
+    is not safe (ml-explore/mlx#2067)."""
+    last = -1
+    while True:
+        st = handle.stats()
+        if st.running == 0 and st.steps_run == last:
+            return
+        last = st.steps_run
+        time.sleep(quiet_s)
 
 
 async def serving_concurrent(handle: Any, texts: list[str]) -> dict[str, float]:
