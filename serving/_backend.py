@@ -48,7 +48,10 @@ class IterativeBackend(Protocol):
     - ``active(state)``: rows admitted and not finished.
     - optional ``stats(state) -> Mapping[str, float]``: the backend's own counters, reported in
       ``ServingStats.backend`` (summed over partitions). Called from any thread: read plain
-      counters only.
+      counters only (also after ``close``).
+    - optional ``close(state)``: in process mode, called once on the partition's thread after its
+      step loop ends (the serving stopped): release the state's resources (device memory) there.
+      Rows still active were already failed with ServingStopped. Errors are logged.
     """
 
     def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...

@@ -65,8 +65,17 @@ class ServingHandle(LocalClient):
             self._unregister()
             raise
         for i, executor in enumerate(self._executors):
-            executor.submit(lambda i=i: self._scheduler.run_partition(i))
+            executor.submit(lambda i=i: self._run_partition(i))
         _live.add(self)
+
+    def _run_partition(self, index: int) -> None:
+        """Partition ``index``'s executor job: its step loop, then (iterative backends) its state's release."""
+        scheduler = self._scheduler
+        try:
+            scheduler.run_partition(index)
+        finally:
+            if isinstance(scheduler, IterativeScheduler):
+                scheduler.release(index)
 
     def _register(self) -> None:
         if self._name is None:

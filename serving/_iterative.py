@@ -167,6 +167,18 @@ class IterativeScheduler:
             except BaseException as exc:  # a backend call raised (even a BaseException): fail, never stop the loop
                 self._recover(part, exc)
 
+    def release(self, index: int) -> None:
+        """After partition ``index``'s step loop ended, on its executor thread: the backend's optional
+        ``close(state)`` releases the partition's state (device memory) there, not in whichever
+        thread's garbage collection. A raising ``close`` is logged."""
+        close = getattr(self._backend, "close", None)
+        if close is None:
+            return
+        try:
+            close(self._parts[index].state)
+        except Exception:
+            _log.exception("IterativeBackend.close failed")
+
     def _iteration(self, part: _Partition, drain: bool) -> bool:
         """Cancel, admit, expire, step once. False when the loop should end."""
         backend = self._backend

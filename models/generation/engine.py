@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -207,6 +208,7 @@ class Engine:
         self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
         self._constraint_factory = constraint_factory
         self._history: TokenHistory | None = None  # penalty state, made for the first penalized sequence
+        self._closed = False
 
     # ---- admission -------------------------------------------------------------------
 
@@ -255,8 +257,9 @@ class Engine:
         past int64), an empty prompt, ids (prompt or ``logit_bias``) outside the vocabulary,
         ``len(prompt_ids) + max_new_tokens > max_len`` (never fits), a ``grammar`` without a
         ``constraint_factory``, or whatever ValueError the factory raises for the grammar.
-        Nothing is queued then.
+        Nothing is queued then. Raises RuntimeError after :meth:`close`.
         """
+        self._check_open()
         if seq_id in self._by_id:
             raise ValueError(f"sequence {seq_id} is already active")
         if not isinstance(params, SamplingParams):
@@ -410,6 +413,34 @@ class Engine:
         self._waiting.requeue(seq)
         self._kv.preemptions += 1
 
+    def close(self) -> None:
+        """Release this engine's device memory now, on the calling thread (the one that steps it):
+        wait for the step in flight, then drop the KV cache arrays, the compiled decode steps, the
+        token buffers and every sequence (no events are emitted for them). MLX keeps freed buffers
+        in its cache for the next engine; ``mx.clear_cache()`` returns them to the device.
+        Afterwards :meth:`add`, :meth:`step` and :meth:`warm_up` raise RuntimeError. Idempotent.
+
+        Explicit release matters on MLX's CUDA build: arrays left to Python's garbage collector are
+        freed on whichever thread collects them, possibly while another thread's engine records a
+        CUDA graph.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        mx.synchronize()
+        self._flight = None
+        self._by_id.clear()
+        self._slots = [None] * len(self._slots)
+        self._history = None
+        if self._compiled is not None:
+            self._compiled.clear()
+        self.cache = dataclasses.replace(self.cache, keys=[], values=[])  # the caller's cache object is untouched
+        self._tokens = mx.zeros((0,), dtype=mx.int32)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
     def warm_up(self) -> None:
         """Run every decode shape this engine can use once, plus every prefill shape of a first
         chunk (rows and tokens rounded up to powers of two, tokens at least 16) and of a single
@@ -419,8 +450,9 @@ class Engine:
 
         Only padding rows take part (``n_valid`` 0): no sequence and no valid cache position
         changes. Does nothing without shape bucketing (the CPU default), where shapes are
-        not a small known set. Raises RuntimeError when sequences are active.
+        not a small known set. Raises RuntimeError when sequences are active or after :meth:`close`.
         """
+        self._check_open()
         if self._by_id:
             raise RuntimeError("warm_up() needs an engine with no active sequences")
         if not self._bucket:
@@ -483,8 +515,9 @@ class Engine:
         """Advance every active sequence by one step; return the new tokens' events.
 
         Events lag the device by one step (pipelining): the first call after an add
-        usually returns nothing for that sequence.
+        usually returns nothing for that sequence. Raises RuntimeError after :meth:`close`.
         """
+        self._check_open()
         events: list[SeqEvent] = []
         if (self._constraint_factory is not None and self._flight is not None
                 and any(s.constraint is not None and not s.done for s in self._flight.produced)):

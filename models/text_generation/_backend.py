@@ -37,6 +37,11 @@ class GenerationBackend:
         engine.warm_up()
         return engine
 
+    def close(self, engine: Engine) -> None:
+        """Release the partition's KV cache and compiled steps on its own thread (:meth:`Engine.close`)
+        when the serving stops."""
+        engine.close()
+
     def admit(self, engine: Engine, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
         """Queue rows in the engine (admission time: now); a row that can never fit is returned
         with its ValueError."""

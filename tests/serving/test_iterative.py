@@ -3,6 +3,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import anyio
 import pytest
@@ -304,3 +305,37 @@ def test_non_live_transducer_gets_its_events_in_one_burst_at_the_end(live):
     # event arrived after the last step. Streams are always live.
     assert (call.seen[0] < 6) is live and (min(call.seen) == 6) is (not live)
     assert stream.seen[0] < 12
+
+
+class ClosingBackend(CountdownBackend):
+    """Records each ``close(state)``: the thread, the state, and whether steps came after it."""
+
+    def __init__(self, fail: bool = False, **kw: Any):
+        super().__init__(**kw)
+        self.fail, self.closes = fail, []
+
+    def close(self, state: dict) -> None:
+        self.closes.append((threading.current_thread().name, state, len(self.steps)))
+        if self.fail:
+            raise RuntimeError("close failed")
+
+
+def test_close_releases_each_partition_state_once_on_its_own_thread_after_its_loop():
+    backend = ClosingBackend(step_delay=0.005)
+    with Serving.new(backend).start(name="rel", batch_size=1, batch_timeout=0, partitions=2) as h:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda n: Serving.batched_run(h, countdown(n)), (5, 5)))
+        assert backend.closes == []
+    assert sorted(name for name, _, _ in backend.closes) == ["rel-p0", "rel-p1"]
+    by_thread = {name: state for name, state, _ in backend.closes}
+    assert {id(s) for s in by_thread.values()} == {id(s) for s in backend.states}
+    assert all(after == len(backend.steps) for _, _, after in backend.closes)  # no step after a close
+
+
+def test_a_raising_close_is_logged_and_the_serving_still_stops(caplog: pytest.LogCaptureFixture):
+    backend = ClosingBackend(fail=True)
+    h = Serving.new(backend).start(batch_size=1, batch_timeout=0)
+    assert per_row(Serving.batched_run(h, countdown(2))) == {0: [1, 0]}
+    h.close()
+    assert len(backend.closes) == 1
+    assert "IterativeBackend.close failed" in caplog.text
