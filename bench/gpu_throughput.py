@@ -287,7 +287,7 @@ def main() -> None:
         eng.warm_up()
         engine_concurrent(eng, prompts[n:2 * n], args.new)
         curve[str(n)]["ours_engine"] = engine_concurrent(eng, prompts[:n], args.new)
-        del eng
+        eng.close()
         mx.clear_cache()
     gen4 = text_generation.serving(tok, state4, max_new_tokens=args.new, max_len=max_len, max_batch=max(levels))
     with Serving.start(gen4, batch_size=max(levels), batch_timeout=0.002) as h:
