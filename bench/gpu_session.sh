@@ -17,11 +17,12 @@
 # shape, 128 requests x 2,048-token system prompt, caching on vs off; gpu_arrivals.py at 8 and 16
 # requests/s for 8 s each and one search step;
 # then the summary. A third argument names a subset of the parts (comma-separated: step, mixed,
-# throughput, prefix, arrivals). The whole does not fit one 600 s call (measured 2026-12-01, with
-# Engine.warm_up building every prefill shape: tests ~105 s, step > 60 s, mixed > 270 s (ours ~150 s,
-# batch_generate at 256 ~120 s), throughput ~150 s, prefix > 75 s, arrivals ~70 s), so a session
-# runs three calls on the same warm machine: `all tests step,prefix`, `all notests mixed,arrivals`,
-# `all notests throughput`, and bench/gpu_summary.py over the calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
+# throughput, prefix, arrivals). The whole does not fit one 600 s call (measured 2026-12-01 session 4,
+# bench/results/gpu_all_issue17_s4/parts_call*.tsv, with Engine.warm_up building every prefill
+# shape: tests 174 s, step 143 s, prefix > 200 s (the "on" process's warm-up alone 159 s), mixed
+# 201 s, arrivals 78 s, throughput 250 s), so a session runs four calls on the same warm machine:
+# `all tests step`, `all notests prefix`, `all notests mixed,arrivals`, `all notests throughput`,
+# and bench/gpu_summary.py over the calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
 # ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so
 # the call ends inside the device's 600 s limit whatever a part does; a part cut short or failed
 # is logged (parts.tsv: name, exit status, wall s) and the next one runs. Each part's output is in
@@ -68,14 +69,14 @@ case "${1:-paged}" in
           --out "$OUT/prefix_cache_0.6b.json" 2>&1 | tail -12 ;;
   throughput) python3 bench/gpu_throughput.py --concurrency 1,128,256 --peer-concurrency 1,128 \
                 --out "$OUT/gpu_throughput.json" 2>&1 | tail -30 ;;
-  all) parts=",${3:-step,mixed,throughput,prefix,arrivals},"  # a subset: the same session over two calls
+  all) parts=",${3:-step,mixed,throughput,prefix,arrivals},"  # a subset: the same session over several calls
        want() { [[ $parts == *",$1,"* ]]; }
        want step && part step 170 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 40 --no-parity \
          --context 1,256:1500 --out "$OUT/gpu_step.json"
        want mixed && part mixed 430 python3 bench/gpu_mixed.py --peer batch_generate --batches 256,128 --out "$OUT/gpu_mixed.json"
-       want throughput && part throughput 230 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
+       want throughput && part throughput 320 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 \
          --load-streams 0 --out "$OUT/gpu_throughput.json"
-       want prefix && part prefix 200 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
+       want prefix && part prefix 400 python3 bench/prefix_cache.py --preset 0.6b --ckpt "$ckpt" --requests 128 --system 2048 \
          --regimes on,off --out "$OUT/prefix_cache_0.6b.json"
        want arrivals && part arrivals 100 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
          --out "$OUT/gpu_arrivals.json"
