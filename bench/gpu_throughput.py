@@ -113,6 +113,7 @@ def engine_single(state: Any, prompt: list[int], new: int) -> dict[str, float]:
     while eng.num_active:
         if eng.step():
             times.append(time.perf_counter())
+    eng.close()
     return {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
             "tokens": len(times)}
 

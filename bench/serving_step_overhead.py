@@ -61,6 +61,9 @@ class ZeroCostEngine:
     def warm_up(self) -> None:
         """Nothing to warm."""
 
+    def close(self) -> None:
+        """Nothing to release."""
+
     @property
     def num_active(self) -> int:
         return len(self._seqs)

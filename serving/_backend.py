@@ -49,9 +49,10 @@ class IterativeBackend(Protocol):
     - optional ``stats(state) -> Mapping[str, float]``: the backend's own counters, reported in
       ``ServingStats.backend`` (summed over partitions). Called from any thread: read plain
       counters only (also after ``close``).
-    - optional ``close(state)``: in process mode, called once on the partition's thread after its
-      step loop ends (the serving stopped): release the state's resources (device memory) there.
-      Rows still active were already failed with ServingStopped. Errors are logged.
+    - optional ``close(state)``: called once per built state on its partition's thread when the
+      serving stops (process mode: after the partition's step loop ends, or when another
+      partition's ``init`` failed; inline: on ``close()``): release the state's resources (device
+      memory) there. Rows still active were already failed with ServingStopped. Errors are logged.
     """
 
     def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...

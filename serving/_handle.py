@@ -7,6 +7,7 @@ import itertools
 import threading
 import time
 import weakref
+from concurrent.futures import wait
 from typing import Any
 
 from ._backend import is_iterative
@@ -14,7 +15,7 @@ from ._batch import Batch
 from ._client import LocalClient, Runtime
 from ._errors import ServingStopped
 from ._executor import Executor
-from ._iterative import IterativeScheduler
+from ._iterative import IterativeScheduler, close_state
 from ._options import ProcessOptions
 from ._static import StaticScheduler
 from ._telemetry import ServingStats
@@ -98,8 +99,15 @@ class ServingHandle(LocalClient):
             return s._backend.init("process", s._arg, n)
 
         if is_iterative(s._backend):  # one state per partition, built on its own thread
-            states = [f.result() for f in [ex.submit(init) for ex in self._executors]]
-            return IterativeScheduler(s._backend, states, opts, size, s._telemetry)
+            futures = [ex.submit(init) for ex in self._executors]
+            wait(futures)
+            failed = [f.exception() for f in futures if f.exception() is not None]
+            if failed:  # release the partitions that did build, each on its own thread, then raise
+                for ex, f in zip(self._executors, futures):
+                    if f.exception() is None:
+                        ex.submit(lambda state=f.result(): close_state(s._backend, state))
+                raise failed[0]
+            return IterativeScheduler(s._backend, [f.result() for f in futures], opts, size, s._telemetry)
         return StaticScheduler(s._backend, self._executors[0].submit(init).result(), opts, size, s._telemetry)
 
     @property
@@ -126,7 +134,9 @@ class ServingHandle(LocalClient):
     def close(self) -> None:
         """Refuse new calls and fail queued ones with ServingStopped at once; let running work
         finish for up to ``shutdown_timeout`` seconds, then fail it with ServingStopped; end the
-        partition threads. Idempotent."""
+        partition threads, each after an iterative backend's optional ``close(state)`` on it.
+        Past the timeout this returns without waiting for a step still running: that partition
+        ends, and releases its state, when the step returns. Idempotent."""
         if not self._begin_stop():
             return
         self._close_executors()

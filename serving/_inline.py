@@ -19,7 +19,7 @@ from ._client import LocalClient, Runtime
 from ._counters import Counters
 from ._errors import BackendError, ServingStopped
 from ._executor import Executor
-from ._iterative import IterativeScheduler, add_backend_stats
+from ._iterative import IterativeScheduler, add_backend_stats, close_state
 from ._messages import Part
 from ._options import ProcessOptions
 from ._output import output_rows
@@ -48,11 +48,20 @@ class InlineRuntime:
         self._state = _UNSET  # touched only on the executor thread
 
     def close(self) -> None:
-        """Refuse new runs; the executor thread ends after the queued ones. Idempotent."""
+        """Refuse new runs; the executor thread ends after the queued ones, and after an iterative
+        backend's optional ``close(state)`` on it once a run built the state. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             if self._executor is not None:
+                if is_iterative(self._backend):
+                    self._executor.submit(self._release)
                 self._executor.close()
+
+    def _release(self) -> None:
+        if self._state is not _UNSET:
+            close_state(self._backend, self._state)
 
     def stats(self) -> ServingStats:
         total = Counters()

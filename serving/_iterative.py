@@ -168,16 +168,8 @@ class IterativeScheduler:
                 self._recover(part, exc)
 
     def release(self, index: int) -> None:
-        """After partition ``index``'s step loop ended, on its executor thread: the backend's optional
-        ``close(state)`` releases the partition's state (device memory) there, not in whichever
-        thread's garbage collection. A raising ``close`` is logged."""
-        close = getattr(self._backend, "close", None)
-        if close is None:
-            return
-        try:
-            close(self._parts[index].state)
-        except Exception:
-            _log.exception("IterativeBackend.close failed")
+        """After partition ``index``'s step loop ended, on its executor thread: :func:`close_state`."""
+        close_state(self._backend, self._parts[index].state)
 
     def _iteration(self, part: _Partition, drain: bool) -> bool:
         """Cancel, admit, expire, step once. False when the loop should end."""
@@ -331,6 +323,19 @@ class IterativeScheduler:
         for request in {id(r.request): r.request for r in rows}.values():
             request.fail(_backend_error(cause))
         self._apply_cancels(part)
+
+
+def close_state(backend: IterativeBackend, state: Any) -> None:
+    """The backend's optional ``close(state)``: release a partition's state (device memory) on the
+    calling thread, the partition's own, rather than on whichever thread drops it last. A raising
+    ``close`` is logged, never raised."""
+    close = getattr(backend, "close", None)
+    if close is None:
+        return
+    try:
+        close(state)
+    except Exception:
+        _log.exception("IterativeBackend.close failed")
 
 
 def add_backend_stats(backend: IterativeBackend, states: list[Any]) -> dict[str, float]:

@@ -40,8 +40,7 @@ from __future__ import annotations
 
 import secrets
 import time
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -237,8 +236,8 @@ class Engine:
         return max(0, free - len(self._waiting))
 
     def can_add(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """True when a sequence of this size fits and could start now."""
-        return self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
+        """True when a sequence of this size fits and could start now (False after :meth:`close`)."""
+        return not self._closed and self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
 
     def kv_stats(self) -> KVStats | None:
         """Block and prefix-cache counters (:class:`~.kv_manager.KVStats`); None on the slot design."""
@@ -415,26 +414,31 @@ class Engine:
 
     def close(self) -> None:
         """Release this engine's device memory now, on the calling thread (the one that steps it):
-        wait for the step in flight, then drop the KV cache arrays, the compiled decode steps, the
-        token buffers and every sequence (no events are emitted for them). MLX keeps freed buffers
-        in its cache for the next engine; ``mx.clear_cache()`` returns them to the device.
-        Afterwards :meth:`add`, :meth:`step` and :meth:`warm_up` raise RuntimeError. Idempotent.
+        wait until the thread's default stream is idle (``mx.synchronize``, so the step in flight
+        ends and its buffers are freed here, not when the device finishes), finish every running
+        and waiting sequence without events (their rows and KV blocks are returned: ``num_active``,
+        ``num_waiting`` and :meth:`kv_stats` read as for an idle engine), then drop the KV cache
+        arrays, the compiled decode steps and the token buffers. A ``kv_cache`` the caller passed in
+        keeps its arrays (the engine drops only its reference). MLX keeps freed buffers in its cache
+        for the next engine; ``mx.clear_cache()`` returns them to the device. Afterwards
+        :meth:`add`, :meth:`step` and :meth:`warm_up` raise RuntimeError and :meth:`can_add` is
+        False. Idempotent.
 
-        Explicit release matters on MLX's CUDA build: arrays left to Python's garbage collector are
-        freed on whichever thread collects them, possibly while another thread's engine records a
-        CUDA graph.
+        Explicit release matters on MLX's CUDA build: arrays dropped elsewhere are freed on
+        whichever thread drops the last reference (or runs the garbage collector), possibly while
+        another thread's engine records a CUDA graph.
         """
         if self._closed:
             return
         self._closed = True
         mx.synchronize()
         self._flight = None
-        self._by_id.clear()
-        self._slots = [None] * len(self._slots)
+        for seq in list(self._by_id.values()):
+            self._finish(seq)
         self._history = None
         if self._compiled is not None:
             self._compiled.clear()
-        self.cache = dataclasses.replace(self.cache, keys=[], values=[])  # the caller's cache object is untouched
+        self.cache = replace(self.cache, keys=[], values=[])
         self._tokens = mx.zeros((0,), dtype=mx.int32)
 
     def _check_open(self) -> None:

@@ -310,9 +310,14 @@ def test_non_live_transducer_gets_its_events_in_one_burst_at_the_end(live):
 class ClosingBackend(CountdownBackend):
     """Records each ``close(state)``: the thread, the state, and whether steps came after it."""
 
-    def __init__(self, fail: bool = False, **kw: Any):
+    def __init__(self, fail: bool = False, fail_init_on: str | None = None, **kw: Any):
         super().__init__(**kw)
-        self.fail, self.closes = fail, []
+        self.fail, self.fail_init_on, self.closes = fail, fail_init_on, []
+
+    def init(self, mode: str, arg: Any, partitions: int) -> dict:
+        if threading.current_thread().name == self.fail_init_on:
+            raise MemoryError("no room for this partition's state")
+        return super().init(mode, arg, partitions)
 
     def close(self, state: dict) -> None:
         self.closes.append((threading.current_thread().name, state, len(self.steps)))
@@ -339,3 +344,13 @@ def test_a_raising_close_is_logged_and_the_serving_still_stops(caplog: pytest.Lo
     h.close()
     assert len(backend.closes) == 1
     assert "IterativeBackend.close failed" in caplog.text
+
+
+def test_when_one_partition_fails_to_init_the_built_ones_are_released_on_their_threads():
+    backend = ClosingBackend(fail_init_on="half-p1")
+    with pytest.raises(MemoryError, match="no room"):
+        Serving.new(backend).start(name="half", batch_size=1, batch_timeout=0, partitions=2)
+    deadline = time.monotonic() + 5
+    while not backend.closes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(name, state) for name, state, _ in backend.closes] == [("half-p0", backend.states[0])]
