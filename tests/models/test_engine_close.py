@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import Engine
+from mlx_serving.models.text_generation import GenerationBackend
 from mlx_serving.models.qwen3 import SamplingParams, State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
@@ -52,23 +54,49 @@ def test_close_returns_the_rows_and_blocks_of_running_and_waiting_sequences(tiny
     engine.cancel(1)  # unknown now: ignored
 
 
+class EngineSpy:
+    """Records the engines this test's servings build (``GenerationBackend.init``) and, for those
+    only, each ``Engine.close`` with its thread: other tests' servings may release theirs meanwhile."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.built: list[Engine] = []
+        self.closed: list[tuple[str, Engine]] = []
+        real_init, real_close = GenerationBackend.init, Engine.close
+
+        def init(backend: GenerationBackend, *args: Any) -> Engine:
+            engine = real_init(backend, *args)
+            self.built.append(engine)
+            return engine
+
+        def close(engine: Engine) -> None:
+            if any(engine is e for e in self.built):
+                self.closed.append((threading.current_thread().name, engine))
+            real_close(engine)
+
+        monkeypatch.setattr(GenerationBackend, "init", init)
+        monkeypatch.setattr(Engine, "close", close)
+
+    def wait_closed(self, n: int, timeout: float = 10.0) -> list[tuple[str, Engine]]:
+        deadline = time.monotonic() + timeout
+        while len(self.closed) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.closed
+
+
+def serving(ckpt: Path, state: State) -> Serving:
+    return text_generation.serving(Tokenizer.from_dir(ckpt), state, max_len=64, max_new_tokens=3,
+                                   max_batch=2, prefill_chunk=8)
+
+
 def test_stopping_serving_closes_its_engine_on_the_partition_thread(tiny32_ckpt: Path, tiny32: State,
                                                                     monkeypatch: pytest.MonkeyPatch):
-    closed: list[tuple[str, Engine]] = []
-    real_close = Engine.close
-
-    def spy(self: Engine) -> None:
-        closed.append((threading.current_thread().name, self))
-        real_close(self)
-
-    monkeypatch.setattr(Engine, "close", spy)
-    gen = text_generation.serving(Tokenizer.from_dir(tiny32_ckpt), tiny32, max_len=64, max_new_tokens=3,
-                                  max_batch=2, prefill_chunk=8)
-    with Serving.start(gen, name="close-me", batch_size=2, batch_timeout=0.0) as h:
+    spy = EngineSpy(monkeypatch)
+    with Serving.start(serving(tiny32_ckpt, tiny32), name="close-me", batch_size=2, batch_timeout=0.0) as h:
         out = Serving.run(h, "hello there")
-        assert out["results"][0]["num_tokens"] == 3 and closed == []  # running: nothing released
-    assert [name for name, _ in closed] == ["close-me-p0"]
-    engine = closed[0][1]
+        assert out["results"][0]["num_tokens"] == 3 and spy.closed == []  # running: nothing released
+    assert len(spy.built) == 1
+    assert spy.closed == [("close-me-p0", spy.built[0])]  # close() joined the partition thread
+    engine = spy.built[0]
     assert engine.cache.nbytes == 0
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
@@ -76,22 +104,11 @@ def test_stopping_serving_closes_its_engine_on_the_partition_thread(tiny32_ckpt:
 
 def test_closing_an_inline_serving_closes_its_engine_on_its_thread(tiny32_ckpt: Path, tiny32: State,
                                                                    monkeypatch: pytest.MonkeyPatch):
-    closed: list[tuple[str, Engine]] = []
-    real_close = Engine.close
-
-    def spy(self: Engine) -> None:
-        closed.append((threading.current_thread().name, self))
-        real_close(self)
-
-    monkeypatch.setattr(Engine, "close", spy)
-    gen = text_generation.serving(Tokenizer.from_dir(tiny32_ckpt), tiny32, max_len=64, max_new_tokens=3,
-                                  max_batch=2, prefill_chunk=8)
+    spy = EngineSpy(monkeypatch)
+    gen = serving(tiny32_ckpt, tiny32)
     assert Serving.run(gen, "hello there")["results"][0]["num_tokens"] == 3
-    assert closed == []
+    assert len(spy.built) == 1 and spy.closed == []
     gen.close()  # returns at once; the executor thread releases after the queued runs
     gen.close()
-    deadline = time.monotonic() + 10
-    while not closed and time.monotonic() < deadline:
-        time.sleep(0.01)
-    (name, engine), = closed
-    assert name != threading.current_thread().name and engine.cache.nbytes == 0
+    (name, engine), = spy.wait_closed(1)
+    assert engine is spy.built[0] and name != threading.current_thread().name and engine.cache.nbytes == 0
