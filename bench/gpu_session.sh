@@ -20,7 +20,7 @@
 # throughput, prefix, arrivals). The whole does not fit one 600 s call (measured 2026-12-01 session 4,
 # bench/results/gpu_all_issue17_s4/parts_call*.tsv, with Engine.warm_up building every prefill
 # shape: tests 174 s, step 143 s, prefix > 200 s (the "on" process's warm-up alone 159 s), mixed
-# 201 s, arrivals 78 s, throughput 250 s), so a session runs four calls on the same warm machine:
+# 201 s, arrivals 78 s, throughput 251 s), so a session runs four calls on the same warm machine:
 # `all tests step`, `all notests prefix`, `all notests mixed,arrivals`, `all notests throughput`,
 # and bench/gpu_summary.py over the calls' files in one folder. Each part runs under `timeout` capped at its CAP and at what is left of
 # ALL_BUDGET (default 570) seconds since this script started, less 15 s kept for the summary, so

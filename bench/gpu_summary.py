@@ -278,10 +278,10 @@ def print_table(s: dict[str, Any]) -> None:
     f = s["floor_inputs"]
     print(f"copy bandwidth {_fmt(f['copy_gbs'])} GB/s; weight bytes per step {f['weight_bytes']}; "
           f"KV {f['kv_bytes_per_token']} B/token")
-    print(f"{'target':<92}{'value':>9}{'goal':>10}{'met':>6}{'figure':>10}{'floor':>10}{'unit':>6}{'x floor':>8}")
+    print(f"{'target':<100}{'value':>9}{'goal':>10}{'met':>6}{'figure':>10}{'floor':>10}{'unit':>6}{'x floor':>8}")
     for t in s["targets"]:
         met = {True: "yes", False: "NO", None: "-"}[t["met"]]
-        print(f"{t['name'][:91]:<92}{_fmt(t['value']):>9}{t['op'] + _fmt(t['target']):>10}{met:>6}"
+        print(f"{t['name'][:99]:<100}{_fmt(t['value']):>9}{t['op'] + _fmt(t['target']):>10}{met:>6}"
               f"{_fmt(t.get('figure')):>10}{_fmt(t.get('floor')):>10}{t.get('floor_unit', ''):>6}"
               f"{_fmt(t.get('over_floor')):>8}")
     g = s["goodput"]
