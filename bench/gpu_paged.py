@@ -29,7 +29,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_summary import step_floor_ms  # noqa: E402
 from mlx_serving.models.generation import Engine  # noqa: E402
+from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E402
 from mlx_serving.models.generation.sampling import SamplingParams  # noqa: E402
 from mlx_serving.models.generation.kv_cache import init_paged_kv_cache  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
@@ -105,15 +107,14 @@ def context_study(state: Any, batches: list[int], positions: list[int], copy_byt
     heuristic) and off, against the floor: (weight bytes + live KV bytes) / copy bandwidth."""
     from gpu_step import step_weight_bytes  # gpu_step imports this module at its top
 
-    c = state.config
     weights = step_weight_bytes(state)  # each buffer once (no weight_t views), no embedding table
-    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * state.dtype.size
+    kv_per_token = kv_bytes_per_token(state)
     bw = copy_bandwidth_gbs(copy_bytes)
     rows = []
     one = kernels.split_count
     for b in batches:
         for pos in positions:
-            floor_ms = (weights + b * (pos + 1) * kv_per_token) / (bw * 1e9) * 1e3
+            floor_ms = step_floor_ms(weights, kv_per_token, b * (pos + 1), bw)
             split = device_step_ms(state, b, pos, "paged")
             kernels.split_count = lambda r, h: 1
             try:

@@ -38,8 +38,10 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_serving.models.generation.engine as engine_module  # noqa: E402
+from gpu_throughput import default_ckpt  # noqa: E402
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
 from mlx_serving.models.qwen3 import State, load  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
@@ -156,7 +158,7 @@ def main() -> None:
         args.preset, args.requests, args.prompt_range, args.rounds = "tiny", "16", "16,128", 1
         args.attention = "1:64:128"
     args.out = args.out or Path("/tmp/gpu_prefill_quick.json" if args.quick else "bench/results/gpu_prefill.json")
-    ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    ckpt = args.ckpt or default_ckpt(args.preset)
     if not (ckpt / "config.json").is_file():
         write_checkpoint(ckpt, args.preset, seed=0)
     state = load(ckpt, dequantize=args.weights == "dequantized")

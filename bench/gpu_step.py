@@ -50,16 +50,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_paged import copy_bandwidth_gbs, device_step_ms  # noqa: E402
-from gpu_throughput import save  # noqa: E402
+from gpu_summary import step_floor_ms  # noqa: E402
+from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.qwen3 import load  # noqa: E402
 from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
+from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E402
 from mlx_serving.models.generation.slot_cache import KVCache, init_kv_cache  # noqa: E402
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import Rows  # noqa: E402
 from mlx_serving.models.qwen3.model import forward  # noqa: E402
 
-__all__ = ["floor_ms", "kv_bytes_per_token", "step_weight_bytes"]
+__all__ = ["step_weight_bytes"]
 
 StepFn = Callable[[mx.array], mx.array]
 
@@ -223,18 +225,6 @@ def step_weight_bytes(state: Any) -> int:
     return layers + _part_bytes(state.norm) + _part_bytes(state.lm_head)
 
 
-def kv_bytes_per_token(state: Any) -> int:
-    """Bytes of K and V one cached token holds over all layers (cache dtype = ``state.dtype``)."""
-    c = state.config
-    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * state.dtype.size
-
-
-def floor_ms(weight_bytes: int, kv_token_bytes: int, rows: int, span: int, gbs: float) -> float:
-    """Bandwidth floor of one decode step, ms: (weights + ``rows`` x ``span`` cached tokens of KV)
-    / ``gbs`` GB/s (issue 17's "bytes of weights + live KV per step / measured copy bandwidth")."""
-    return (weight_bytes + rows * span * kv_token_bytes) / (gbs * 1e9) * 1e3
-
-
 def floor_info(state: Any, dense_state: Any, copy_bytes: int) -> dict[str, Any]:
     """The measured copy bandwidth and the byte counts the floors of every bench are built from."""
     return {"copy_gbs": copy_bandwidth_gbs(copy_bytes), "copy_bytes": copy_bytes,
@@ -258,8 +248,8 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 fn = (compiled_step(st, cache, b, args.pos) if compiled
                       else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
                 r = run(fn, b, args.steps)
-                fl = floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
-                              floor["kv_bytes_per_token"], b, args.pos + 1, floor["copy_gbs"])
+                fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
+                                   floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
                 r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
             except Exception as e:  # noqa: BLE001 - a study: record and go on
                 r = {"error": repr(e)[:300]}
@@ -278,8 +268,8 @@ def context_study(dense_state: Any, spec: str, floor: dict[str, Any]) -> list[di
     for b in batches:
         for pos in positions:
             ms = device_step_ms(dense_state, b, pos, "paged")
-            fl = floor_ms(floor["weight_bytes"]["dequantized"], floor["kv_bytes_per_token"], b, pos + 1,
-                          floor["copy_gbs"])
+            fl = step_floor_ms(floor["weight_bytes"]["dequantized"], floor["kv_bytes_per_token"], b * (pos + 1),
+                               floor["copy_gbs"])
             rows.append({"batch": b, "pos": pos, "step_ms": ms, "floor_ms": fl, "over_floor": ms / fl})
             print(f"paged device step B={b} pos={pos}: {ms:.2f} ms, floor {fl:.2f} ms ({ms / fl:.2f}x)", flush=True)
     return rows
@@ -305,7 +295,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.batches, args.steps, args.pos, args.no_parity = "tiny", "1,4", 4, 32, True
         args.copy_bytes = 1 << 26
-    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    args.ckpt = args.ckpt or default_ckpt(args.preset)
     args.out = args.out or Path(f"bench/results/gpu_step_{args.tag}.json")
     args.batch_list = [int(x) for x in args.batches.split(",")]
     return args

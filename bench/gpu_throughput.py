@@ -232,8 +232,13 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.preset, args.new, args.prompt_len = "tiny", 8, 16
         args.concurrency, args.peer_concurrency, args.load_streams = "1,4", "1,4", min(args.load_streams, 4)
-    args.ckpt = args.ckpt or Path(f"/tmp/qwen3-{args.preset}-bench")
+    args.ckpt = args.ckpt or default_ckpt(args.preset)
     return args
+
+
+def default_ckpt(preset: str) -> Path:
+    """Where the GPU benches write (and share) the seeded ``preset`` checkpoint when ``--ckpt`` is not given."""
+    return Path(f"/tmp/qwen3-{preset}-bench")
 
 
 def save(path: Path, out: dict[str, Any]) -> None:

@@ -25,8 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 
 from ..serving import AsyncStream, Client, ServingError, ServingStats
+from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
 from ._errors import RETRY_AFTER_S, APIError, from_exception
-from ..serving._progress import Progress
 from ._metrics import Metrics
 from ._requests import Call, chat_call, completion_call
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id

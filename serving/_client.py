@@ -175,16 +175,9 @@ class _StreamBase:
             self._pending.extend(self._consumer.on_message(message))
 
     def _absorb_taken(self) -> None:
-        """Every taken message -> pending items (``_absorb_next`` in a loop, inlined: this is
-        the per-token path of a call's whole result)."""
-        messages, pending, on_message = self._messages, self._pending, self._consumer.on_message
-        while messages:
-            message = messages.popleft()
-            if message is END:
-                pending.extend(self._consumer.finish())
-                self._finished = True
-                return
-            pending.extend(on_message(message))
+        """Every taken message -> pending items (up to and including ``END``)."""
+        while self._messages and not self._finished:
+            self._absorb_next()
 
     def _take_pending(self) -> list[Any]:
         items = list(self._pending)

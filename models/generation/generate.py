@@ -55,30 +55,37 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     engine = Engine(state, max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk,
                     kv_cache=kv_cache)
     try:  # the engine releases its KV cache here, on the caller's thread
-        t0 = time.perf_counter()
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            engine.add(i, p, sp)
-        out: list[list[int]] = [[] for _ in prompts]
-        reasons: list[FinishReason | None] = [None] * len(prompts)
-        prefill_ms, per_token, last = None, [], t0
-        while engine.num_active:
-            events = engine.step()
-            if not events:
-                continue
-            now = time.perf_counter()
-            if prefill_ms is None:
-                prefill_ms = (now - t0) * 1e3
-            elif profile_timing:
-                per_token.append((now - last) * 1e3)
-            last = now
-            for ev in events:
-                out[ev.seq_id].append(ev.token_id)
-                if ev.finish_reason is not None:
-                    reasons[ev.seq_id] = ev.finish_reason
+        out, reasons, timing = _run(engine, prompts, params, profile_timing)
     finally:
         engine.close()
-    timing = {"prefill_ms": prefill_ms or 0.0, "per_token_ms": per_token,
-              "total_ms": (time.perf_counter() - t0) * 1e3}
     if batch:
         return out, {"timing": timing, "finish_reason": reasons}
     return out[0], {"timing": timing, "finish_reason": reasons[0]}
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+         profile_timing: bool) -> tuple[list[list[int]], list[FinishReason | None], dict[str, Any]]:
+    """Add every prompt, step until all are done: each row's token ids and finish reason, and the
+    timing of :func:`generate` (ms)."""
+    t0 = time.perf_counter()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add(i, p, sp)
+    out: list[list[int]] = [[] for _ in prompts]
+    reasons: list[FinishReason | None] = [None] * len(prompts)
+    prefill_ms, per_token, last = None, [], t0
+    while engine.num_active:
+        events = engine.step()
+        if not events:
+            continue
+        now = time.perf_counter()
+        if prefill_ms is None:
+            prefill_ms = (now - t0) * 1e3
+        elif profile_timing:
+            per_token.append((now - last) * 1e3)
+        last = now
+        for ev in events:
+            out[ev.seq_id].append(ev.token_id)
+            if ev.finish_reason is not None:
+                reasons[ev.seq_id] = ev.finish_reason
+    timing = {"prefill_ms": prefill_ms or 0.0, "per_token_ms": per_token, "total_ms": (time.perf_counter() - t0) * 1e3}
+    return out, reasons, timing

@@ -23,7 +23,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-__all__ = ["Delta", "Qwen3OutputParser", "ToolCall", "parse_tool_call"]
+__all__ = ["Delta", "Qwen3OutputParser", "ToolCall", "parse_tool_call", "partial_suffix"]
 
 THINK_START, THINK_END = "<think>", "</think>"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -53,9 +53,9 @@ class Delta:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
-def _partial_suffix(text: str, *tags: str) -> int:
+def partial_suffix(text: str, *tags: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``tags`` (0 if
-    none). Also holds back partial stop strings (``_stream.RowText.push``)."""
+    none), in characters. Also holds back partial stop strings (``_stream.RowText.push``)."""
     best = 0
     for tag in tags:
         for n in range(min(len(tag) - 1, len(text)), best, -1):
@@ -168,7 +168,7 @@ class Qwen3OutputParser:
             self._emit_reasoning(out, self._buf.rstrip("\n"))
             self._buf = ""
             return False
-        cut = len(self._buf) - _partial_suffix(self._buf, THINK_END)
+        cut = len(self._buf) - partial_suffix(self._buf, THINK_END)
         cut = len(self._buf[:cut].rstrip("\n"))
         self._emit_reasoning(out, self._buf[:cut])
         self._buf = self._buf[cut:]
@@ -193,7 +193,7 @@ class Qwen3OutputParser:
             self._buf = self._buf[start + len(CALL_START):]
             self._state = self._call
             return True
-        cut = len(self._buf) - (0 if final else _partial_suffix(self._buf, CALL_START))
+        cut = len(self._buf) - (0 if final else partial_suffix(self._buf, CALL_START))
         self._emit_content(out, self._buf[:cut])
         self._buf = self._buf[cut:]
         return False

@@ -16,7 +16,7 @@ from ..generation.events import FinishReason
 from ._events import TokenEvent
 from ._inputs import RequestInfo, RowOutput
 from ._outputs import RowParser, TokenTexts
-from ._parsers import _partial_suffix
+from ._parsers import partial_suffix
 
 __all__ = ["GenerationTransducer", "RowText", "collect"]
 
@@ -52,7 +52,7 @@ class RowText:
         if cut is not None:
             self.held, self.finish_reason = "", FinishReason.STOP
             return buf[:cut]
-        keep = _partial_suffix(buf, *self.stops)
+        keep = partial_suffix(buf, *self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
 
