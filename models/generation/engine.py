@@ -229,7 +229,10 @@ class Engine:
     @property
     def free_slots(self) -> int:
         """How many more sequences could start now: free rows, bounded on the paged cache by
-        the free KV blocks (one each at least), less the sequences already waiting."""
+        the free KV blocks (one each at least), less the sequences already waiting; 0 after
+        :meth:`close`."""
+        if self._closed:
+            return 0
         free = sum(s is None for s in self._slots)
         if self._kv is not None:
             free = min(free, self._kv.pool.available)
@@ -237,7 +240,7 @@ class Engine:
 
     def can_add(self, prompt_len: int, max_new_tokens: int) -> bool:
         """True when a sequence of this size fits and could start now (False after :meth:`close`)."""
-        return not self._closed and self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
+        return self._fits(prompt_len, max_new_tokens) and self.free_slots > 0
 
     def kv_stats(self) -> KVStats | None:
         """Block and prefix-cache counters (:class:`~.kv_manager.KVStats`); None on the slot design."""
@@ -421,8 +424,8 @@ class Engine:
         arrays, the compiled decode steps and the token buffers. A ``kv_cache`` the caller passed in
         keeps its arrays (the engine drops only its reference). MLX keeps freed buffers in its cache
         for the next engine; ``mx.clear_cache()`` returns them to the device. Afterwards
-        :meth:`add`, :meth:`step` and :meth:`warm_up` raise RuntimeError and :meth:`can_add` is
-        False. Idempotent.
+        :meth:`add`, :meth:`step` and :meth:`warm_up` raise RuntimeError, :attr:`free_slots` is 0
+        and :meth:`can_add` False. Idempotent.
 
         Explicit release matters on MLX's CUDA build: arrays dropped elsewhere are freed on
         whichever thread drops the last reference (or runs the garbage collector), possibly while

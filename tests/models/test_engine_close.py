@@ -33,7 +33,7 @@ def test_close_frees_the_kv_cache_memory_and_refuses_further_use(tiny32: State, 
     engine.close()
     assert engine.cache.nbytes == 0 and engine.num_active == 0
     assert before - mx.get_active_memory() >= held  # the arrays are gone, not just the attribute
-    assert not engine.can_add(2, 2)
+    assert engine.free_slots == 0 and not engine.can_add(2, 2)
     for use in (lambda: engine.add(1, [1, 2], SamplingParams(max_new_tokens=2)), engine.step, engine.warm_up):
         with pytest.raises(RuntimeError, match="closed"):
             use()
