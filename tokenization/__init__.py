@@ -1,5 +1,6 @@
 """Tokenization for mlx-serving: the Qwen3 tokenizer (shipped as package data), its chat template,
-and UTF-8-safe streaming detokenization. See docs/tokenization.md.
+UTF-8-safe streaming detokenization,
+and tokenizer files rebuilt from GGUF metadata. See docs/tokenization.md.
 
 Imports neither ``serving`` nor ``models``.
 """
@@ -12,6 +13,7 @@ from ._errors import (
     InvalidTokenIdError,
     TokenizationError,
 )
+from ._gguf import GGUFMetadataError, plain_metadata, tokenizer_files
 from ._stream import ByteTable, StreamingDetokenizer
 from ._tokenizer import Tokenizer
 
@@ -19,10 +21,13 @@ __all__ = [
     "ByteTable",
     "ChatTemplate",
     "ChatTemplateError",
+    "GGUFMetadataError",
     "InvalidTextError",
     "InvalidTokenIdError",
     "StreamingDetokenizer",
     "TokenizationError",
     "Tokenizer",
     "data_path",
+    "plain_metadata",
+    "tokenizer_files",
 ]
