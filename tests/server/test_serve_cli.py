@@ -94,13 +94,16 @@ def test_ctrl_c_stops_the_server(cli_server: tuple[str, subprocess.Popen]):
 def test_served_model_names(tmp_path: Path):
     from mlx_serving.models.__main__ import _parser
 
-    args = _parser().parse_args(["serve", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b")])
-    assert [name for name, _ in _model_specs(args)] == ["a", "b"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b.gguf").touch()
+    args = _parser().parse_args(["serve", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b.gguf"),
+                                 "--model", "org/name@v1"])
+    assert [name for name, _ in _model_specs(args)] == ["a", "b", "org/name@v1"]  # dir, file stem, repo id
     args = _parser().parse_args(["serve", "--model", str(tmp_path / "a"), "--served-model-name", "qwen"])
-    assert _model_specs(args) == [("qwen", tmp_path / "a")]
-    assert _model_specs(_parser().parse_args(["serve"])) == [("default", None)]  # the embedded checkpoint
+    assert _model_specs(args) == [("qwen", str(tmp_path / "a"))]
+    assert _model_specs(_parser().parse_args(["serve"])) == [("smollm2-135m-instruct", None)]  # the default
     for bad in (["--model", "x", "--model", "y", "--served-model-name", "one"],
-                ["--model", "x/m", "--model", "y/m"], ["--workers", "0"]):
+                ["--model", "org/m", "--model", "org/m"], ["--workers", "0"]):
         with pytest.raises(ValueError):
             _model_specs(_parser().parse_args(["serve", *bad]))
 
