@@ -112,6 +112,8 @@ def tokenize_cases(model: Path, cases_path: Path) -> dict[str, object]:
     """The JSON object of ``cases_path`` with each ``cases[i]`` given ``ids`` (special strings as
     text) and ``ids_parse_special`` (special strings as control tokens) from llama-tokenize."""
     data = json.loads(cases_path.read_text(encoding="utf-8"))
+    data["llama_cpp"] = (f"ggml-org/llama.cpp@{LLAMA_CPP_COMMIT}, as vendored by the llama-cpp-python "
+                         f"{LLAMA_CPP_PYTHON_VERSION} sdist, built CPU-only with bench/llamacpp.py")
     bin_dir = build(("llama-tokenize",))
     for case in data["cases"]:
         case["ids"] = tokenize(model, case["text"], parse_special=False, bin_dir=bin_dir)
