@@ -3,9 +3,9 @@ to a ready engine, and to the first inline ``Serving.run`` result.
 
 ``Engine(state, 32, 2048)`` (the text-generation defaults, max_batch 32, max_len 2048) allocates
 its block pool for the default budget (1 GiB on the CPU) instead of the slot design's
-32 x 2,049 positions (15 GB in float32); ``text_generation.from_mlx4bit(default_checkpoint(),
+32 x 2,049 positions (15 GB in float32); ``text_generation.from_mlx4bit(seeded_checkpoint("seeded:qwen3-0.6b"),
 max_new_tokens=1)`` then ``run("Hello")`` times building the partition's engine plus one prefill
-and one token. Checkpoint: ``default_checkpoint()`` (335 MB seeded-random 0.6B).
+and one token. Checkpoint: ``seeded_checkpoint("seeded:qwen3-0.6b")`` (335 MB seeded-random 0.6B).
 
 Run: ``.venv/bin/python bench/kv_startup.py`` (writes bench/results/kv_startup.json).
 """
@@ -17,13 +17,14 @@ import resource
 import time
 from pathlib import Path
 
-from mlx_serving import default_checkpoint, text_generation
+from mlx_serving import text_generation
+from mlx_serving.models.sources import seeded_checkpoint
 from mlx_serving.models.generation import Engine
 from mlx_serving.models.qwen3 import load
 
 
 def main() -> None:
-    path = default_checkpoint()
+    path = seeded_checkpoint("seeded:qwen3-0.6b")
     t0 = time.perf_counter()
     state = load(path)
     t1 = time.perf_counter()

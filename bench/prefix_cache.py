@@ -19,7 +19,7 @@ Metrics: TTFT p50/p99 (``Engine.add`` -> first token on the host, the events' ``
 aggregate throughput = generated tokens / (last token - first add) and prompt + generated tokens /
 the same; peak RSS of the process (``ru_maxrss``; includes weights and MLX); KV bytes reserved;
 ``kv_stats`` of the paged runs. Checkpoint: ``--preset`` tiny (4-bit, seed 0, written to a temp
-dir) or 0.6b (``default_checkpoint()``, the 335 MB seeded-random 0.6B checkpoint), or ``--ckpt``
+dir) or 0.6b (``seeded_checkpoint("seeded:qwen3-0.6b")``, the 335 MB seeded-random 0.6B checkpoint), or ``--ckpt``
 (a checkpoint of that preset, e.g. the benches' /tmp/qwen3-0.6b-bench). Each engine runs
 ``Engine.warm_up()`` (as the serving does; a no-op on the CPU) before the timed workload, so
 first-use kernel builds and compiled-decode traces are not counted in TTFT.
@@ -137,8 +137,8 @@ def main() -> None:
             from mlx_serving.models.qwen3.checkpoint import write_checkpoint
             ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
         else:
-            from mlx_serving.models._default_checkpoint import default_checkpoint
-            ckpt = default_checkpoint()
+            from mlx_serving.models.sources import seeded_checkpoint
+            ckpt = seeded_checkpoint("seeded:qwen3-0.6b")
         results = []
         for regime in args.regimes.split(","):
             cmd = [sys.executable, __file__, "--worker", regime, "--checkpoint", str(ckpt)]

@@ -19,7 +19,7 @@ Parts:
   ``(rows, 151,936)`` (the Qwen3 vocabulary), penalty state included; median ms per call
   (evaluated) over ``--reps`` calls, regimes interleaved;
 - ``engine``: ``Engine.step`` on a checkpoint (``--preset`` tiny: the 4-bit tiny test
-  checkpoint, or 0.6b: ``default_checkpoint()``, seeded-random 0.6B shape; both have the 151,936
+  checkpoint, or 0.6b: ``seeded_checkpoint("seeded:qwen3-0.6b")``, seeded-random 0.6B shape; both have the 151,936
   vocabulary) with ``rows`` sequences of ``--prompt`` random tokens, ``--max-new`` new tokens each
   (EOS ignored), all added at once; median wall ms of the steps in which every row decodes (the
   step time of the pipelined engine: the device's step plus the host's work), regimes interleaved
@@ -146,8 +146,8 @@ def main() -> None:
                 from mlx_serving.models.qwen3.checkpoint import write_checkpoint
                 ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
             else:
-                from mlx_serving.models._default_checkpoint import default_checkpoint
-                ckpt = default_checkpoint()
+                from mlx_serving.models.sources import seeded_checkpoint
+                ckpt = seeded_checkpoint("seeded:qwen3-0.6b")
             doc["engine"] = engine_part(args, ckpt)
         print(json.dumps({"engine": doc["engine"]}), flush=True)
     summary = {}

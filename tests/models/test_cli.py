@@ -320,6 +320,8 @@ def _chat_child(ckpt: Path, *flags: str) -> subprocess.Popen[bytes]:
 def _wait_ready(child: subprocess.Popen[bytes]) -> None:
     assert child.stderr is not None
     line = child.stderr.readline().decode()
+    assert line.startswith(f"model: {Path(child.args[5]).name} (the directory "), line  # which model it loads
+    line = child.stderr.readline().decode()
     assert line.startswith("mlx-serving chat:"), line
 
 

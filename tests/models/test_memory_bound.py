@@ -1,8 +1,9 @@
 """The README Quickstart stays within its memory bound on the paged KV cache (0.6B shape).
 
-Runs the Quickstart (``from_mlx4bit(default_checkpoint(), max_new_tokens=16, max_len=512,
-max_batch=4)``, inline then started) in a fresh interpreter and checks its peak RSS < 3 GB. Marked
-slow: it needs the 335 MB 0.6B-shaped default checkpoint (written once into the user cache).
+Runs the Quickstart's calls (``from_mlx4bit(path, max_new_tokens=16, max_len=512, max_batch=4)``,
+inline then started) on the seeded random Qwen3-0.6B-shaped checkpoint (``seeded:qwen3-0.6b``) in
+a fresh interpreter and checks its peak RSS < 3 GB. Marked slow: it needs that 335 MB checkpoint
+(written once into the user cache).
 The time from loading to the first inline result is printed (a measurement, not a bound: see
 docs/benchmarks.md).
 """
@@ -17,9 +18,10 @@ import pytest
 
 QUICKSTART = r'''
 import json, resource, time
-from mlx_serving import Serving, default_checkpoint, text_generation
+from mlx_serving import Serving, text_generation
+from mlx_serving.models.sources import seeded_checkpoint
 
-path = default_checkpoint()
+path = seeded_checkpoint("seeded:qwen3-0.6b")
 t0 = time.perf_counter()
 serving = text_generation.from_mlx4bit(path, max_new_tokens=16, max_len=512, max_batch=4)
 t1 = time.perf_counter()
