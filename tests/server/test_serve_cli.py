@@ -115,3 +115,39 @@ def test_policy_option_reaches_the_serving_options():
     assert _generation_options(_parser().parse_args(["serve"]))["policy"] == "fcfs"
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--policy", "lifo"])
+
+
+def test_serve_with_no_model_serves_smollm2(smollm2_gguf: Path, tmp_path: Path):
+    """``mlx-serving serve`` alone: the default model, SmolLM2-135M-Instruct, under its name,
+    answering an unmodified OpenAI client with real text (streamed and not)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "packages").symlink_to(smollm2_gguf.parent.parent)  # fetched once; converted anew here
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "mlx_serving", "serve", "--port", str(port), "--max-len", "256", "--max-new-tokens", "32",
+                                "--max-batch", "2", "--log-level", "warning"],
+                               env={**os.environ, "MLX_SERVING_CACHE": str(cache)}, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(healthy, timeout=120, what="the server to be healthy")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=24)
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=24,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            "The capital of France is Paris."
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130
