@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mlx_serving import default_checkpoint, text_generation
 from mlx_serving.models.generation import Engine
-from mlx_serving.models.qwen3 import load
+from mlx_serving.models.loader import load
 
 
 def main() -> None:

@@ -28,10 +28,10 @@ def cache_dir() -> Path:
 
 
 def write_checkpoint(path: Path, preset: str, seed: int, **options: Any) -> Path:
-    """``models.qwen3.checkpoint.write_checkpoint``, imported on first use: importing the package
-    does not import the writer, so ``python -m mlx_serving.models.qwen3.checkpoint`` runs without
+    """``models.seeded_checkpoint.write_checkpoint``, imported on first use: importing the package
+    does not import the writer, so ``python -m mlx_serving.models.seeded_checkpoint`` runs without
     runpy's "found in sys.modules" RuntimeWarning."""
-    from .qwen3.checkpoint import write_checkpoint as write
+    from .seeded_checkpoint import write_checkpoint as write
 
     return write(path, preset, seed, **options)
 
