@@ -5,8 +5,6 @@ sliding window refused, transformers' defaults)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from parity import DROP, assert_logits_match, copy_with_config, mlx_lm_greedy
+
 from mlx_serving.models.families import model_type
-from mlx_serving.models.generation import Engine, SamplingParams, generate, init_kv_cache
-from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.layers import forward
+from mlx_serving.models.generation import Engine, SamplingParams, generate
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
@@ -44,12 +42,6 @@ def _mlx_lm_model(path: Path):
     return model
 
 
-def _mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    return [int(tok) for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_ids_match_mlx_lm(ckpts, name):
     """Exact greedy ids over 24 new tokens, both sides computing in float32."""
@@ -59,27 +51,12 @@ def test_greedy_ids_match_mlx_lm(ckpts, name):
     assert c.attention_bias and not c.o_proj_bias and not c.mlp_bias and not c.qk_norm
     assert state.layers[0].qkv.linears()[0].bias is not None and state.layers[0].o_proj.bias is None
     ours, info = generate(LONG, state, max_new_tokens=24, eos_token_ids=[])
-    assert ours == _mlx_lm_greedy(_mlx_lm_model(ckpts[name]), LONG, 24)
+    assert ours == mlx_lm_greedy(_mlx_lm_model(ckpts[name]), LONG, 24)
     assert info["finish_reason"] == "length" and len(set(ours)) > 4  # not degenerate
 
 
 def test_prefill_and_decode_logits_match_mlx_lm(ckpts):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    state, model = load(ckpts["f32_untied"]), _mlx_lm_model(ckpts["f32_untied"])
-    cache, ref_cache = init_kv_cache(state, 64), make_prompt_cache(model)
-    t = len(LONG)
-    ours = forward(state, cache, Rows(mx.array([LONG]), None, mx.array([0]), mx.array([t]), t,
-                                      mx.array([t - 1]), dense=True))
-    theirs = model(mx.array([LONG]), cache=ref_cache)[:, -1]
-    np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
-    nxt = int(mx.argmax(ours))
-    for step in range(3):
-        ours = forward(state, cache, Rows(mx.array([[nxt]]), None, mx.array([t + step]), mx.array([1]),
-                                          t + step + 1, mx.array([0]), dense=True))
-        theirs = model(mx.array([[nxt]]), cache=ref_cache)[:, -1]
-        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
-        nxt = int(mx.argmax(ours))
+    assert_logits_match(load(ckpts["f32_untied"]), _mlx_lm_model(ckpts["f32_untied"]), LONG)
 
 
 def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path):
@@ -98,7 +75,7 @@ def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path):
     state = load(tmp_path)
     assert state.config.num_key_value_heads == 1 and state.config.tie_word_embeddings is False
     for prompt in ([1, 5, 77, 300, 12], [9, 8, 7]):
-        assert generate(prompt, state, max_new_tokens=24, eos_token_ids=[])[0] == _mlx_lm_greedy(model, prompt, 24)
+        assert generate(prompt, state, max_new_tokens=24, eos_token_ids=[])[0] == mlx_lm_greedy(model, prompt, 24)
 
 
 def test_batched_equals_solo_through_the_engine(ckpts):
@@ -117,21 +94,6 @@ def test_batched_equals_solo_through_the_engine(ckpts):
 
 # ---- config.json and tensors are checked ---------------------------------------------------
 
-_DROP = object()
-
-
-def _copy(src: Path, dst: Path, **fields: Any) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tokenizer*", "config.json"), copy_function=os.link)
-    cfg = json.loads((src / "config.json").read_text())
-    for k, v in fields.items():
-        if v is _DROP:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("fields,names", [
     ({"use_sliding_window": True}, ["use_sliding_window", "sliding-window"]),
     ({"use_sliding_window": "no"}, ["use_sliding_window"]),
@@ -142,7 +104,7 @@ def _copy(src: Path, dst: Path, **fields: Any) -> Path:
 ], ids=lambda v: repr(v)[:30])
 def test_bad_config_is_named(ckpts, tmp_path, fields, names):
     with pytest.raises(ValueError) as info:
-        load(_copy(ckpts["q4"], tmp_path / "ckpt", **fields))
+        load(copy_with_config(ckpts["q4"], tmp_path / "ckpt", **fields))
     assert "config.json" in str(info.value) and all(n in str(info.value) for n in names), str(info.value)
 
 
@@ -167,8 +129,8 @@ def test_biases_are_checked(ckpts, tmp_path):
 def test_defaults_follow_transformers(ckpts, tmp_path):
     """transformers' Qwen2Config: rope_theta 10,000, rms_norm_eps 1e-6, 32,768 positions; an absent
     tie_word_embeddings follows the tensors."""
-    c = load(_copy(ckpts["f32_untied"], tmp_path / "a", rope_theta=_DROP, rms_norm_eps=_DROP,
-                   max_position_embeddings=_DROP, tie_word_embeddings=_DROP, use_sliding_window=_DROP)).config
+    c = load(copy_with_config(ckpts["f32_untied"], tmp_path / "a", rope_theta=DROP, rms_norm_eps=DROP,
+                   max_position_embeddings=DROP, tie_word_embeddings=DROP, use_sliding_window=DROP)).config
     assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings) == (10_000.0, 1e-6, 32768)
     assert c.tie_word_embeddings is False
-    assert load(_copy(ckpts["f32"], tmp_path / "b", tie_word_embeddings=_DROP)).config.tie_word_embeddings is True
+    assert load(copy_with_config(ckpts["f32"], tmp_path / "b", tie_word_embeddings=DROP)).config.tie_word_embeddings is True
