@@ -42,7 +42,7 @@ import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving, ServingHandle  # noqa: E402
 
 _WORDS = ("river", "lantern", "orbit", "copper", "meadow", "signal", "harbor", "quartz", "ember", "violet")

@@ -3,12 +3,12 @@
 Workload: ``--requests`` (32) requests submitted at the same instant; prompt lengths drawn
 uniformly from 4..200 tokens (one token per word of a fixed word list), ``max_new_tokens`` from
 8..128, greedy, EOS as in the checkpoint; the tiny float32 Qwen3 checkpoint (seed 0) written by
-``models.qwen3.checkpoint.write_checkpoint``. Regimes, each on a fresh, warmed-up serving:
+``models.seeded_checkpoint.write_checkpoint``. Regimes, each on a fresh, warmed-up serving:
 
 - continuous: ``models.text_generation.serving`` in process mode (rows join between decode steps
   and leave when done), ``max_batch`` = ``batch_size`` = 8 (as static) and 32 (all at once);
 - static: Nx.Serving-style whole-request batches, a static ``Backend`` whose ``handle_batch``
-  runs ``models.qwen3.generate`` on the batch's prompts with the batch's largest
+  runs ``models.generation.generate`` on the batch's prompts with the batch's largest
   ``max_new_tokens`` (each row cut to its own), ``batch_size`` 8, ``batch_timeout`` 20 ms;
 - sequential: the continuous serving fed one request at a time (each waits for the previous).
 
@@ -47,8 +47,10 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3 import State, generate, load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.generation import generate  # noqa: E402
+from mlx_serving.models.layers import State  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Batch, Serving, ServingHandle  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""Qwen3 generation on this machine: ours (models.qwen3) vs mlx-lm, in the same run.
+"""Qwen3 generation on this machine: ours (models.generation) vs mlx-lm, in the same run.
 
 (a) Single stream, 0.6B-shaped seeded 4-bit checkpoint (mlx-community layout), greedy,
     a ``--prompt``-token prompt and ``--new`` new tokens: prefill tok/s (prompt tokens /
     time to first token) and decode ms/token (mean gap between later tokens) for
-    ``models.qwen3.generate`` and for mlx-lm's ``generate_step`` on the same checkpoint.
+    ``models.generation.generate`` and for mlx-lm's ``generate_step`` on the same checkpoint.
     mlx-lm runs twice: as it loads the checkpoint (bfloat16 compute) and with its
     floating parameters cast to float32 (our CPU default compute dtype), so the ratio
     is also given at equal precision. Target (issue 4): ours / mlx-lm >= 1.0.
@@ -34,8 +34,9 @@ sys.path[:] = [p for p in sys.path if Path(p).resolve() != Path(__file__).resolv
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mlx_serving.models.qwen3 import generate, load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.generation import generate  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 
@@ -96,7 +97,7 @@ def single_stream(path: Path, prompt_len: int, new: int, rounds: int) -> list[di
     bf16 = _mlx_lm(path, None)
     _peer_stream(bf16, prompt[:4], 2)
     best["peer16"] = _peer_stream(bf16, prompt, new)
-    names = {"ours": ("ours (models.qwen3.generate)", "float32 (CPU default)"),
+    names = {"ours": ("ours (models.generation.generate)", "float32 (CPU default)"),
              "peer16": ("mlx-lm generate_step", "bfloat16 (as loaded)"),
              "peer32": ("mlx-lm generate_step", "float32 (params cast)")}
     return [dict(impl=names[k][0], dtype=names[k][1], tokens=best[k][0], ttft_ms=best[k][1],

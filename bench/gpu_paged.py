@@ -35,11 +35,11 @@ from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E
 from mlx_serving.models.generation.sampling import SamplingParams  # noqa: E402
 from mlx_serving.models.generation.kv_cache import init_paged_kv_cache  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
-from mlx_serving.models.qwen3 import load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import compiled_decode  # noqa: E402
-from mlx_serving.models.qwen3 import kernels  # noqa: E402
-from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
+from mlx_serving.models.generation import cuda_kernels as kernels  # noqa: E402
+from mlx_serving.models.generation.fused_decode import decode_path  # noqa: E402
 
 
 def run(state: Any, prompts: list[list[int]], new: int, layout: str) -> dict[str, Any]:

@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_serving.models.generation.engine as engine_module  # noqa: E402
 from gpu_throughput import default_ckpt  # noqa: E402
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
-from mlx_serving.models.qwen3 import State, load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.layers import State  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:

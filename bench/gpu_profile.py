@@ -35,12 +35,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_serving.models.qwen3 import Engine, SamplingParams, load  # noqa: E402
-from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
+from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.generation import fused_decode  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.qwen3.model import forward  # noqa: E402
+from mlx_serving.models.layers import forward  # noqa: E402
 
 
 def clock(fn: Callable[[], Any]) -> float:
@@ -61,7 +62,7 @@ def ours_step(state: Any, cache: Any, b: int, kv: int, variant: str) -> Callable
                 mx.zeros((b,), dtype=mx.int32), dense=b == 1 or variant == "nomask")
 
     def run() -> list[mx.array]:
-        qmodel.DECODE_PATH = "sdpa" if variant == "sdpa" else "matmul"  # the generic path's variants
+        fused_decode.DECODE_PATH = "sdpa" if variant == "sdpa" else "matmul"  # the generic path's variants
         return [forward(state, cache, rows), *cache.keys, *cache.values]
     return run
 

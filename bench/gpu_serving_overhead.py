@@ -26,8 +26,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from gpu_throughput import serving_concurrent, word_prompts  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3 import Engine, SamplingParams, load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 

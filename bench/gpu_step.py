@@ -53,13 +53,13 @@ from gpu_paged import copy_bandwidth_gbs, device_step_ms  # noqa: E402
 from gpu_summary import step_floor_ms  # noqa: E402
 from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
-from mlx_serving.models.qwen3 import load  # noqa: E402
-from mlx_serving.models.qwen3 import model as qmodel  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.generation import fused_decode  # noqa: E402
 from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E402
 from mlx_serving.models.generation.slot_cache import KVCache, init_kv_cache  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import Rows  # noqa: E402
-from mlx_serving.models.qwen3.model import forward  # noqa: E402
+from mlx_serving.models.layers import forward  # noqa: E402
 
 __all__ = ["step_weight_bytes"]
 
@@ -123,7 +123,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     """The "fused" decode path vs the generic "matmul" one: logits of one decode forward
     over ragged rows (random cache contents, a quarter of the rows padding), and the greedy
     tokens of two Engine runs (8 prompts of 5..200 tokens, 32 new tokens each)."""
-    from mlx_serving.models.qwen3 import Engine, SamplingParams
+    from mlx_serving.models.generation import Engine, SamplingParams
     state = load(ckpt, dtype=dtype)
     out: dict[str, Any] = {"dtype": dtype}
     cache = init_kv_cache(state, 512, 128)
@@ -140,7 +140,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
                     int(np.array(start).max()) + 1, mx.zeros((b,), dtype=mx.int32))
         logits = {}
         for mode in ("matmul", "fused"):
-            qmodel.DECODE_PATH = mode
+            fused_decode.DECODE_PATH = mode
             logits[mode] = forward(state, cache, rows).astype(mx.float32)[mx.array(np.flatnonzero(real))]
             mx.eval(logits[mode])
         diff = mx.abs(logits["fused"] - logits["matmul"]).max().item()
@@ -151,7 +151,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     tokens = {}
     for name, mode, compiled in (("matmul", "matmul", False), ("fused", "fused", False),
                                  ("fused+compile", "fused", True)):
-        qmodel.DECODE_PATH = mode
+        fused_decode.DECODE_PATH = mode
         eng = Engine(state, max_batch=8, max_len=256, compile_decode=compiled)
         for i, p in enumerate(prompts):
             eng.add(i, p, SamplingParams(max_new_tokens=32, eos_token_ids=()))
@@ -165,7 +165,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     out["engine_compiled_equals_eager"] = tokens["fused+compile"] == tokens["fused"]
     out["engine_first_divergence"] = [next((k for k, (a, b) in enumerate(zip(tokens["fused"][i], tokens["matmul"][i]))
                                             if a != b), None) for i in range(8)]
-    qmodel.DECODE_PATH = None
+    fused_decode.DECODE_PATH = None
     return out
 
 
@@ -243,7 +243,7 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
             try:
                 compiled = variant.startswith("compiled-")
                 path = variant.removeprefix("compiled-").removesuffix("-dequant")
-                qmodel.DECODE_PATH = "matmul" if variant == "dense" else path
+                fused_decode.DECODE_PATH = "matmul" if variant == "dense" else path
                 st = dense_state if dequant else state
                 fn = (compiled_step(st, cache, b, args.pos) if compiled
                       else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
@@ -254,7 +254,7 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
             except Exception as e:  # noqa: BLE001 - a study: record and go on
                 r = {"error": repr(e)[:300]}
             finally:
-                qmodel.DECODE_PATH = None
+                fused_decode.DECODE_PATH = None
             results[f"{variant} B={b}"] = r
             print(f"{variant:>16} B={b:<4} {r}", flush=True)
     return results

@@ -48,9 +48,10 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3 import Engine, SamplingParams, load  # noqa: E402
-from mlx_serving.models.qwen3.model import decode_path  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.generation.fused_decode import decode_path  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 

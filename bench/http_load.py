@@ -50,7 +50,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 
 _RETRIES = 5

@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx_serving import text_generation
 from mlx_serving.models.sources import seeded_checkpoint
 from mlx_serving.models.generation import Engine
-from mlx_serving.models.qwen3 import load
+from mlx_serving.models.loader import load
 
 
 def main() -> None:

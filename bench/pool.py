@@ -126,7 +126,7 @@ def throughput(requests: int, rounds: int) -> dict[str, float]:
 
 def qwen3_throughput(requests: int, rounds: int) -> dict[str, float]:
     """Generated tokens/s per path, tiny seeded Qwen3 (best of ``rounds``, paths in turn)."""
-    from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+    from mlx_serving.models.seeded_checkpoint import write_checkpoint
     from mlx_serving.models.text_generation import from_mlx4bit
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:

@@ -59,7 +59,8 @@ def worker(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
     from mlx_serving.models.generation import Engine
-    from mlx_serving.models.qwen3 import SamplingParams, init_kv_cache, load
+    from mlx_serving.models.generation import SamplingParams, init_kv_cache
+    from mlx_serving.models.loader import load
 
     t_load = time.perf_counter()
     state = load(args.checkpoint)
@@ -134,7 +135,7 @@ def main() -> None:
         if args.ckpt is not None:
             ckpt = args.ckpt
         elif args.preset == "tiny":
-            from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+            from mlx_serving.models.seeded_checkpoint import write_checkpoint
             ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
         else:
             from mlx_serving.models.sources import seeded_checkpoint

@@ -100,7 +100,7 @@ def json_rows(state, rows: int, max_new: int) -> tuple[list, object]:
 
 def engine_part(args: argparse.Namespace, ckpt: Path) -> dict:
     from mlx_serving.models.generation import Engine
-    from mlx_serving.models.qwen3 import load
+    from mlx_serving.models.loader import load
 
     state = load(ckpt)
     rng = np.random.default_rng(0)
@@ -143,7 +143,7 @@ def main() -> None:
     if "engine" in parts:
         with tempfile.TemporaryDirectory() as tmp:
             if args.preset == "tiny":
-                from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+                from mlx_serving.models.seeded_checkpoint import write_checkpoint
                 ckpt = write_checkpoint(Path(tmp) / "tiny", "tiny", seed=0)
             else:
                 from mlx_serving.models.sources import seeded_checkpoint

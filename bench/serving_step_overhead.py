@@ -2,7 +2,7 @@
 
 The text-generation serving (scheduler, GenerationBackend, per-request channels, the
 client-side GenerationTransducer with its streaming detokenizer) runs over a stand-in for
-``models.qwen3.Engine`` whose ``step()`` returns the next token of every active sequence at
+``models.generation.Engine`` whose ``step()`` returns the next token of every active sequence at
 once, with no model behind it. N concurrent ``batched_run_async`` requests of ``--new`` tokens
 each: wall / steps is the host time the serving spends per step at N rows, which a GPU step
 has to cover (it is serial with the engine's own host work on the same interpreter).
@@ -41,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_serving.models.text_generation._backend as backend_module  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.qwen3 import FinishReason, SamplingParams, SeqEvent, load  # noqa: E402
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint  # noqa: E402
+from mlx_serving.models.generation import FinishReason, SamplingParams, SeqEvent  # noqa: E402
+from mlx_serving.models.loader import load  # noqa: E402
+from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""mlx-serving: a batching serving runtime modeled on Nx.Serving, with a native Qwen3 MLX backend.
+"""mlx-serving: a batching serving runtime modeled on Nx.Serving, with native MLX model families (Qwen3, Qwen2, Llama).
 
 One distribution namespace: the repository's three folders install as
 ``mlx_serving.serving`` (the generic runtime), ``mlx_serving.tokenization`` (text <-> token ids)

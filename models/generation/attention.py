@@ -5,14 +5,13 @@ the call covers and where each row's tokens go), builds the per-forward values o
 :func:`make_step`, and calls :func:`attend` in every layer with its normed and rotated q/k and v:
 ``attend`` writes the new K/V into the cache (slot cache or paged cache through the block table)
 and runs masked GQA attention over each row's valid prefix. :func:`compiled_decode` is the
-``mx.compile``d one-token decode of any registered family. The engine (:mod:`.engine`) builds
-``Rows``; families (``models/qwen3``, ``models/llama``) only call this seam.
+``mx.compile``d one-token decode. The engine (:mod:`.engine`) builds ``Rows``; the shared decoder
+(:mod:`models.layers`, which every family in ``models/families`` runs) only calls this seam.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -154,7 +153,6 @@ class Step:
     write_rows: mx.array  # (B, 1) cache slot of each row, for the K/V scatter
     pos: mx.array  # (B, T) cache position of each token (scratch for padding)
     mask: mx.array | str | None
-    rope: Callable[[mx.array], mx.array]
     sdpa_decode: bool = False  # one-token masked rows through mx.fast SDPA instead of the matmuls
     write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
     read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
@@ -169,23 +167,21 @@ class Step:
         return x if self.rows.packed is None else x[self.rows.packed]
 
 
-def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdpa_decode: bool = False) -> Step:
-    """The per-forward values every layer's :func:`attend` shares (split-half RoPE).
+def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False) -> Step:
+    """The per-forward values every layer's :func:`attend` shares.
     ``sdpa_decode``: one-token masked rows attend through ``mx.fast.scaled_dot_product_attention``
     (the "sdpa" decode path) instead of :func:`_decode_attention` ("matmul").
 
     ``cache`` is a slot :class:`KVCache`, or a paged cache (then ``rows.block_table`` is set):
     the block table becomes flat write and read indices once per forward, not per layer."""
     b, t = rows.tokens.shape
-    rope = partial(mx.fast.rope, dims=head_dim, traditional=False, base=rope_theta, scale=1.0,
-                   offset=rows.start)
     if rows.block_table is not None:
         bs, table = cache.block_size, rows.block_table
         offs = mx.arange(t)[None, :]
         pos = rows.start[:, None] + offs
         blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
         write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
-        step = Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=None, rope=rope,
+        step = Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=None,
                     sdpa_decode=sdpa_decode, write_idx=write.reshape(-1))
         if rows.causal_groups is not None:
             step.groups = [(lo, hi, _read_idx(table[lo:hi], start + t, bs)) for lo, hi, start in rows.causal_groups]
@@ -197,7 +193,6 @@ def make_step(rows: Rows, cache: Cache, head_dim: int, rope_theta: float, *, sdp
         write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
         pos=_write_positions(rows, t, cache.max_len),
         mask=_mask(rows, t),
-        rope=rope,
         sdpa_decode=sdpa_decode,
     )
 
@@ -258,12 +253,9 @@ def compiled_decode(state: ModelState, max_len: int, kv_len: int, block_size: in
     new per-layer buffers (the caller stores them back). With ``block_size`` > 0 the cache is
     paged: call as ``fn(tokens, start, n_valid, block_table (B, W) int32, keys, values)``.
     Weights are captured as constants. MLX retraces once per new input shape. The forward traced
-    is that of ``state``'s family (``models.registry.family_model``): every family shares this
-    function.
+    is the shared decoder's (:func:`models.layers.forward`), whatever ``state``'s family.
     """
-    from ..registry import family_model  # the registry imports the families, which import this module
-
-    fwd = family_model(state).forward  # the forward of state's family (qwen3, llama, ...)
+    from ..layers import forward as fwd  # models.layers imports this module
 
     def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
              values: list[mx.array]) -> tuple:

@@ -46,9 +46,10 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from ..registry import family_model
+from .. import layers  # the shared decoder (models.layers imports this package: its names are read at call time)
 from .attention import Rows, compiled_decode, packing
 from .events import FinishReason, SeqEvent
+from .fused_decode import decode_path
 from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ConstraintFactory, TokenConstraint
 from .sampling import SamplingParams, greedy
@@ -143,7 +144,7 @@ class Engine:
     The slot design instead (one preallocated ``max_len`` slot per row, no preemption, no prefix
     caching) when ``kv_cache`` passes a :class:`KVCache` from ``init_kv_cache`` (its ``max_len``
     wins); ``kv_cache_bytes`` then caps the slot count. The fused CUDA decode path
-    (model.decode_path == "fused") reads either: its kernel follows the block table.
+    (``decode_path(state) == "fused"``) reads either: its kernel follows the block table.
 
     ``compile_decode`` runs decode steps through ``mx.compile``d graphs, one per padded row count
     (and, off the fused path, per attention span rounded up to a multiple of ``_KV_BUCKET``); None
@@ -171,8 +172,7 @@ class Engine:
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be None or >= 1, got {max_step_tokens}")
         self.max_step_tokens = max_step_tokens
-        self._model = family_model(state)  # the family's forward pass
-        self._fused = self._model.decode_path(state) == "fused"
+        self._fused = decode_path(state) == "fused"
         self.state, self.prefill_chunk = state, prefill_chunk
         self._kv: KVManager | None = None
         if kv_cache is not None:  # slot design
@@ -474,7 +474,7 @@ class Engine:
             else:
                 rows = Rows(self._tokens[:hi, None], None, mx.array(zeros), mx.array(zeros), span,
                             mx.array(zeros), dense=hi == 1, block_table=self._table_arg(table))
-                logits = self._model.forward(self.state, self.cache, rows)
+                logits = layers.forward(self.state, self.cache, rows)
             mx.eval(greedy(logits))
         self._warm_prefill()
 
@@ -506,7 +506,7 @@ class Engine:
                     start + t if paged else self._span(t), z,
                     block_table=self._table_arg(np.zeros((b, self._width(start + t)), dtype=np.int32)),
                     packed=packed, unpacked=unpacked, causal_groups=((0, b, start),) if paged else None)
-        mx.eval(self._model.forward(self.state, self.cache, rows))
+        mx.eval(layers.forward(self.state, self.cache, rows))
 
     def _pack(self) -> bool:
         """Whether a multi-row prefill is packed (:data:`PACK_PREFILL`)."""
@@ -621,7 +621,7 @@ class Engine:
                     mx.array(np.maximum(n_valid - 1, 0)), dense=dense,
                     block_table=self._table_arg(self._table(seqs, b, span)) if self._kv is not None else None,
                     packed=packed, unpacked=unpacked, causal_groups=groups)
-        logits = self._model.forward(self.state, self.cache, rows)
+        logits = layers.forward(self.state, self.cache, rows)
         done = []
         for i, (s, n) in enumerate(zip(seqs, n_valid)):
             s.prefilled += int(n)
@@ -654,7 +654,7 @@ class Engine:
             table = self._table_arg(self._decode_table(seqs, hi, kv_len)) if self._kv is not None else None
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1, block_table=table)
-            logits = self._model.forward(self.state, self.cache, rows)
+            logits = layers.forward(self.state, self.cache, rows)
         else:
             table = self._decode_table(seqs, hi, self._table_span(self._span(kv_len)))
             logits = self._decode_compiled(hi, start, n_valid, kv_len, table)

@@ -1,15 +1,15 @@
 """What the generation core needs of a loaded model, whatever its family, and of a token
 constraint (typing only).
 
-A family's ``load`` returns a state satisfying :class:`ModelState`; its ``model`` module (found
-through ``models.registry.family_model``) runs the forward pass over it. Structured output plugs in
+``models.loader.load`` returns a state satisfying :class:`ModelState` (a ``models.layers.State``,
+whatever the family), over which the shared decoder ``models.layers.forward`` runs. Structured output plugs in
 through :data:`ConstraintFactory` (``Engine(..., constraint_factory=)``), making one
 :class:`TokenConstraint` per sequence whose ``SamplingParams.grammar`` is set.
 """
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Protocol
+from typing import Callable, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -28,9 +28,8 @@ class ModelConfig(Protocol):
 
 
 class ModelState(Protocol):
-    """A loaded model: its family's package name, its config and its activation (KV) dtype."""
+    """A loaded model: its config and its activation (KV) dtype."""
 
-    family: ClassVar[str]
     config: ModelConfig
     dtype: mx.Dtype
 

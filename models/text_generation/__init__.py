@@ -43,8 +43,8 @@ _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation reques
 
 
 def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
-    """A text-generation Serving over a loaded model ``state`` (any family ``models.registry``
-    loads: Qwen3, Llama, Mistral).
+    """A text-generation Serving over a loaded model ``state`` (any family of ``models.families``
+    loads: Qwen3, Qwen2, Llama, Mistral).
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
@@ -84,10 +84,10 @@ def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequan
 
     The tokenizer comes from the same directory unless given. ``dequantize``: keep the
     projections as dense matrices (more memory, faster batched decode on a GPU; see
-    ``models.qwen3.load``). Raises FileNotFoundError naming a missing file, ValueError for an
+    ``models.loader.load``). Raises FileNotFoundError naming a missing file, ValueError for an
     unsupported checkpoint or option.
     """
-    from ..registry import load as load_family  # the family by config.json's model_type (qwen3, llama, ...)
+    from ..loader import load as load_family  # the family by config.json's model_type (qwen3, llama, ...)
 
     _check_option_names(options)
     state = load_family(path, dequantize=dequantize)

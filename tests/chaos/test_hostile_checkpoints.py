@@ -20,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_serving.models.qwen3 import load
-from mlx_serving.models.qwen3.config import LIMITS, MissingFieldError, config_from_dict, read_config
+from mlx_serving.models.loader import load
+from mlx_serving.models._checkpoint import LIMITS, MissingFieldError
+from mlx_serving.models.families import read_config
+from mlx_serving.models.families.qwen3 import config_from_dict
 from mlx_serving.tokenization import data_path
 
 REF_CONFIG = json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlx_serving.models.qwen3 import State, load
+from mlx_serving.models.layers import State
+from mlx_serving.models.loader import load
 @pytest.fixture(scope="session")
 def tiny(tiny_ckpt: Path) -> State:
     """The 4-bit tiny checkpoint, default compute dtype (float32 on the CPU)."""

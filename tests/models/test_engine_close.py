@@ -14,7 +14,8 @@ import pytest
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import Engine
 from mlx_serving.models.text_generation import GenerationBackend
-from mlx_serving.models.qwen3 import SamplingParams, State
+from mlx_serving.models.generation import SamplingParams
+from mlx_serving.models.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

@@ -15,7 +15,7 @@ from mlx_serving.models.generation.events import FinishReason, SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.generation.slot_cache import init_kv_cache, kv_bytes_per_token
 from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.qwen3.model import forward
+from mlx_serving.models.layers import forward
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -1,14 +1,12 @@
-"""The Llama family (models/llama): greedy parity with mlx-lm's ``mlx_lm.models.llama`` on seeded
+"""The Llama family (models/families/llama.py): greedy parity with mlx-lm's ``mlx_lm.models.llama`` on seeded
 tiny checkpoints (4-bit and float32; biases; RoPE scaling "llama3" and "linear"; Mistral), a
 checkpoint written by mlx-lm's own saver, continuous batching through the Engine, serving through
-``text_generation.from_mlx4bit`` and the registry, and the config / tensor checks."""
+``text_generation.from_mlx4bit`` and the registry (models/families), and the config / tensor checks."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +14,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serving.models import registry, text_generation
-from mlx_serving.models.llama import load
-from mlx_serving.models.llama.checkpoint import LLAMA3_ROPE_SCALING, write_checkpoint
-from mlx_serving.models.llama.config import MissingFieldError, config_from_dict
-from mlx_serving.models.llama.model import rope_frequencies
-from mlx_serving.models.qwen3 import Engine, SamplingParams, generate
+from parity import DROP, assert_logits_match, copy_with_config, mlx_lm_greedy
+
+from mlx_serving.models import text_generation
+from mlx_serving.models._checkpoint import MissingFieldError
+from mlx_serving.models.families import FAMILIES, model_type, read_config
+from mlx_serving.models.families.llama import LLAMA3_ROPE_SCALING, config_from_dict
+from mlx_serving.models.layers import rope_frequencies
+from mlx_serving.models.loader import load
+from mlx_serving.models.seeded_checkpoint import write_checkpoint
+from mlx_serving.models.generation import Engine, SamplingParams, generate
 from mlx_serving.serving import Serving
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir." (Qwen3 tokenizer)
@@ -31,7 +33,8 @@ LONG = [int(x) for x in np.random.default_rng(7).integers(0, 151000, 40)]
 SHARP_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}
 
-#: name -> write_checkpoint arguments (seed 0 unless given).
+#: name -> write_checkpoint arguments (seed 0 unless given; ``attention_bias``, ``mlp_bias`` and
+#: ``rope_scaling`` are config.json fields, :func:`_write` passes them as overrides).
 VARIANTS: dict[str, dict[str, Any]] = {
     "q4": {},  # mlx-community layout: 4-bit, tied, Llama 3.2's rope_scaling
     "q4_bias_untied": dict(attention_bias=True, tie_word_embeddings=False, seed=1),
@@ -49,12 +52,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("llama")
-    return {name: write_checkpoint(root / name, **kw) for name, kw in VARIANTS.items()}
+    return {name: _write(root / name, **kw) for name, kw in VARIANTS.items()}
+
+
+def _write(path: Path, *, config_overrides: dict[str, Any] | None = None, **kw: Any) -> Path:
+    """A seeded llama checkpoint; the config fields of ``kw`` become overrides."""
+    fields = {k: kw.pop(k) for k in ("attention_bias", "mlp_bias", "rope_scaling") if k in kw}
+    return write_checkpoint(path, family="llama", config_overrides={**fields, **(config_overrides or {})}, **kw)
 
 
 @pytest.fixture(scope="module")
 def f32(ckpts: dict[str, Path]):
-    return registry.load(ckpts["f32_llama3"])
+    return load(ckpts["f32_llama3"])
 
 
 def _mlx_lm_model(path: Path, dtype=mx.float32):
@@ -67,24 +76,18 @@ def _mlx_lm_model(path: Path, dtype=mx.float32):
     return model
 
 
-def _mlx_lm_greedy(model, prompt: list[int], n: int) -> list[int]:
-    from mlx_lm.generate import generate_step
-
-    return [int(tok) for tok, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
 # ---- parity with mlx-lm --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_greedy_ids_match_mlx_lm(ckpts, name):
     """Exact greedy ids over 24 new tokens, both sides computing in float32 (4-bit weights: the
     same packed values through quantized_matmul on both sides, as in the Qwen3 parity tests)."""
-    state = registry.load(ckpts[name])
-    assert type(state).family == "llama"
+    state = load(ckpts[name])
+    assert model_type(ckpts[name]) == state.config.model_type and FAMILIES[state.config.model_type] == "llama"
     model = _mlx_lm_model(ckpts[name])
     for prompt in (LONG, ELIXIR) if name == "q4" else (LONG,):
         ours, info = generate(prompt, state, max_new_tokens=24, eos_token_ids=[])
-        assert ours == _mlx_lm_greedy(model, prompt, 24), (name, prompt[:3])
+        assert ours == mlx_lm_greedy(model, prompt, 24), (name, prompt[:3])
         assert info["finish_reason"] == "length" and len(set(ours)) > 4  # not degenerate
 
 
@@ -93,31 +96,11 @@ def test_greedy_ids_match_mlx_lm_bfloat16(ckpts):
     CPU kernels are ~8x slower in bfloat16)."""
     state = load(ckpts["q4"], dtype="bfloat16")
     ours, _ = generate(ELIXIR, state, max_new_tokens=16, eos_token_ids=[])
-    assert ours == _mlx_lm_greedy(_mlx_lm_model(ckpts["q4"], mx.bfloat16), ELIXIR, 16)
+    assert ours == mlx_lm_greedy(_mlx_lm_model(ckpts["q4"], mx.bfloat16), ELIXIR, 16)
 
 
 def test_prefill_and_decode_logits_match_mlx_lm(ckpts):
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_serving.models.generation.attention import Rows
-    from mlx_serving.models.llama.model import forward
-    from mlx_serving.models.qwen3 import init_kv_cache
-
-    state = registry.load(ckpts["f32_bias"])
-    model = _mlx_lm_model(ckpts["f32_bias"])
-    cache, ref_cache = init_kv_cache(state, 64), make_prompt_cache(model)
-    t = len(ELIXIR)
-    ours = forward(state, cache, Rows(mx.array([ELIXIR]), None, mx.array([0]), mx.array([t]), t,
-                                      mx.array([t - 1]), dense=True))
-    theirs = model(mx.array([ELIXIR]), cache=ref_cache)[:, -1]
-    np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
-    nxt = int(mx.argmax(ours))
-    for step in range(3):
-        ours = forward(state, cache, Rows(mx.array([[nxt]]), None, mx.array([t + step]), mx.array([1]),
-                                          t + step + 1, mx.array([0]), dense=True))
-        theirs = model(mx.array([[nxt]]), cache=ref_cache)[:, -1]
-        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
-        nxt = int(mx.argmax(ours))
+    assert_logits_match(load(ckpts["f32_bias"]), _mlx_lm_model(ckpts["f32_bias"]), ELIXIR)
 
 
 def test_llama3_frequencies_are_mlx_lm_s_and_change_the_outputs(ckpts, f32):
@@ -154,20 +137,20 @@ def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path, quantized):
         model, cfg = quantize_model(model, cfg, 64, 4)
     save_model(tmp_path, model)
     save_config(cfg, tmp_path / "config.json")
-    state = registry.load(tmp_path)
+    state = load(tmp_path)
     assert state.config.num_key_value_heads == 1 and state.config.attention_bias
     assert (state.embed_tokens.scales is not None) == quantized
     for prompt in ([1, 5, 77, 300, 12], [9, 8, 7]):
         ours, _ = generate(prompt, state, max_new_tokens=24, eos_token_ids=[])
-        assert ours == _mlx_lm_greedy(model, prompt, 24)
+        assert ours == mlx_lm_greedy(model, prompt, 24)
 
 
 def test_dequantized_load_is_close(ckpts):
     quant, dense = load(ckpts["q4_bias_untied"]), load(ckpts["q4_bias_untied"], dequantize=True)
     assert dense.layers[0].qkv.merged.scales is None and dense.layers[0].qkv.merged.bias is not None
     from mlx_serving.models.generation.attention import Rows
-    from mlx_serving.models.llama.model import forward
-    from mlx_serving.models.qwen3 import init_kv_cache
+    from mlx_serving.models.layers import forward
+    from mlx_serving.models.generation import init_kv_cache
 
     t = len(ELIXIR)
     rows = Rows(mx.array([ELIXIR]), None, mx.array([0]), mx.array([t]), t, mx.array([t - 1]), dense=True)
@@ -197,7 +180,7 @@ def test_batched_equals_solo_through_the_engine(f32, slot_cache):
     """Staggered arrivals, chunked prefill, a queue longer than the batch: every sequence's
     tokens equal its solo run (float32, exact), with the engine's default KV cache and with a
     preallocated slot cache (``kv_cache=init_kv_cache(...)``)."""
-    from mlx_serving.models.qwen3 import init_kv_cache
+    from mlx_serving.models.generation import init_kv_cache
 
     rng = np.random.default_rng(3)
     prompts = [[int(x) for x in rng.integers(0, 151000, n)] for n in (3, 17, 1, 30, 9)]
@@ -212,8 +195,8 @@ def test_batched_equals_solo_through_the_engine(f32, slot_cache):
 
 
 def test_compiled_decode_gives_the_same_tokens(f32):
-    """``compile_decode=True`` traces this family's forward (the family-generic
-    ``compiled_decode`` dispatches through the registry)."""
+    """``compile_decode=True`` traces the shared decoder with this family's hooks (the
+    family-generic ``compiled_decode``)."""
     adds = {0: [(0, ELIXIR, 8), (1, LONG[:5], 8)]}
     eager = _run(Engine(f32, max_batch=2, max_len=64), adds)
     assert _run(Engine(f32, max_batch=2, max_len=64, compile_decode=True), adds) == eager
@@ -228,7 +211,7 @@ def test_from_mlx4bit_serves_a_llama_checkpoint(ckpts):
     from mlx_serving.tokenization import Tokenizer
 
     tok = Tokenizer.from_dir(ckpts["q4"])
-    ids, _ = generate(tok.encode("Hello"), registry.load(ckpts["q4"]), max_new_tokens=6, max_len=128,
+    ids, _ = generate(tok.encode("Hello"), load(ckpts["q4"]), max_new_tokens=6, max_len=128,
                       eos_token_ids=sorted(tok.eos_token_ids))
     assert r["generated_text"] == tok.decode(ids)
     with gen.start() as h:  # process mode: continuous batching of two callers' rows
@@ -238,30 +221,17 @@ def test_from_mlx4bit_serves_a_llama_checkpoint(ckpts):
 
 @pytest.mark.parametrize("kind", ["gpt2", None, ["llama"]])
 def test_registry_rejects_an_unknown_model_type(ckpts, tmp_path, kind):
-    d = _copy(ckpts["f32"], tmp_path / "ckpt", model_type=kind)
-    for call in (registry.load, text_generation.from_mlx4bit):
+    d = copy_with_config(ckpts["f32"], tmp_path / "ckpt", model_type=kind)
+    for call in (load, text_generation.from_mlx4bit):
         with pytest.raises(ValueError) as info:
             call(d)
         message = str(info.value)
         assert repr(kind) in message and "config.json" in message
-        assert all(name in message for name in ("llama", "mistral", "qwen3"))
+        assert all(name in message for name in ("llama", "mistral", "qwen2", "qwen3"))
 
 
 # ---- config.json and tensors are checked ---------------------------------------------------
 
-def _copy(src: Path, dst: Path, **fields: Any) -> Path:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tokenizer*", "config.json"), copy_function=os.link)
-    cfg = json.loads((src / "config.json").read_text())  # a new file: the weights are hard links
-    for k, v in fields.items():
-        if v is _DROP:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-_DROP = object()
 BAD_CONFIG = [
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, ValueError, ["rope_scaling", "yarn", "llama3"]),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ValueError, ["rope_scaling", "dynamic"]),
@@ -272,7 +242,7 @@ BAD_CONFIG = [
     ({"rope_scaling": {**LLAMA3_ROPE_SCALING, "original_max_position_embeddings": 0}}, ValueError,
      ["original_max_position_embeddings"]),
     ({"rope_scaling": "llama3"}, ValueError, ["rope_scaling"]),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "rope_scaling": _DROP}, ValueError,
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "rope_scaling": DROP}, ValueError,
      ["rope_parameters", "yarn"]),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, ValueError, ["rope_parameters", "disagree"]),
     ({"rope_theta": 0}, ValueError, ["rope_theta"]),
@@ -287,7 +257,7 @@ BAD_CONFIG = [
     ({"num_hidden_layers": 10**9}, ValueError, ["num_hidden_layers"]),
     ({"vocab_size": 10**12}, ValueError, ["vocab_size"]),
     ({"head_dim": 15}, ValueError, ["head_dim"]),
-    ({"hidden_size": _DROP}, MissingFieldError, ["hidden_size"]),
+    ({"hidden_size": DROP}, MissingFieldError, ["hidden_size"]),
     ({"quantization": {"group_size": 64, "bits": 7}}, ValueError, ["bits"]),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, ValueError, ["model_type", "gpt2"]),
     ({"model_type": "mistral", "sliding_window": 4096}, ValueError, ["sliding_window"]),
@@ -296,42 +266,42 @@ BAD_CONFIG = [
 
 @pytest.mark.parametrize("fields,exc,names", BAD_CONFIG, ids=[repr(f)[:40] for f, _, _ in BAD_CONFIG])
 def test_bad_config_is_named(ckpts, tmp_path, fields, exc, names):
-    d = _copy(ckpts["q4"], tmp_path / "ckpt", **fields)
-    for call in (load, registry.load):
+    d = copy_with_config(ckpts["q4"], tmp_path / "ckpt", **fields)
+    for call in (load, read_config):
         with pytest.raises(exc) as info:
             call(d)
         assert "config.json" in str(info.value) and all(n in str(info.value) for n in names), str(info.value)
 
 
 def test_tensors_are_checked_against_the_config(ckpts, tmp_path):
-    d = _copy(ckpts["f32_bias"], tmp_path / "a", num_key_value_heads=1)
+    d = copy_with_config(ckpts["f32_bias"], tmp_path / "a", num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"self_attn\.k_proj\.weight.*num_key_value_heads"):
         load(d)
-    d = _copy(ckpts["f32_bias"], tmp_path / "b", attention_bias=False)  # biases stored, not declared
+    d = copy_with_config(ckpts["f32_bias"], tmp_path / "b", attention_bias=False)  # biases stored, not declared
     with pytest.raises(ValueError, match=r"self_attn\.q_proj\.bias.*attention_bias"):
         load(d)
-    d = _copy(ckpts["f32"], tmp_path / "c", mlp_bias=True)  # declared, not stored
+    d = copy_with_config(ckpts["f32"], tmp_path / "c", mlp_bias=True)  # declared, not stored
     with pytest.raises(KeyError, match=r"model\.layers\.0\.mlp\.gate_proj\.bias"):
         load(d)
-    d = _copy(ckpts["q4"], tmp_path / "d", num_hidden_layers=3)
+    d = copy_with_config(ckpts["q4"], tmp_path / "d", num_hidden_layers=3)
     with pytest.raises(KeyError, match=r"model\.layers\.2\."):
         load(d)
 
 
 def test_tied_head_follows_the_tensors_when_the_config_is_silent(ckpts, tmp_path):
-    untied = load(_copy(ckpts["f32"], tmp_path / "a", tie_word_embeddings=_DROP))
+    untied = load(copy_with_config(ckpts["f32"], tmp_path / "a", tie_word_embeddings=DROP))
     assert untied.config.tie_word_embeddings is False and untied.lm_head is not untied.embed_tokens
-    tied = load(_copy(ckpts["q4"], tmp_path / "b", tie_word_embeddings=_DROP))
+    tied = load(copy_with_config(ckpts["q4"], tmp_path / "b", tie_word_embeddings=DROP))
     assert tied.config.tie_word_embeddings is True and tied.lm_head is tied.embed_tokens
 
 
 def test_defaults_follow_transformers(ckpts, tmp_path):
-    d = _copy(ckpts["f32"], tmp_path / "a", rope_theta=_DROP, rms_norm_eps=_DROP, max_position_embeddings=_DROP,
-              rope_scaling=_DROP, attention_bias=_DROP, mlp_bias=_DROP, hidden_act=_DROP)
+    d = copy_with_config(ckpts["f32"], tmp_path / "a", rope_theta=DROP, rms_norm_eps=DROP, max_position_embeddings=DROP,
+              rope_scaling=DROP, attention_bias=DROP, mlp_bias=DROP, hidden_act=DROP)
     c = load(d).config
     assert (c.rope_theta, c.rms_norm_eps, c.max_position_embeddings) == (10_000.0, 1e-6, 2048)
     assert c.rope_scaling is None and not c.attention_bias and not c.mlp_bias
-    v5 = _copy(ckpts["f32"], tmp_path / "b", rope_theta=_DROP, rope_scaling=_DROP,
+    v5 = copy_with_config(ckpts["f32"], tmp_path / "b", rope_theta=DROP, rope_scaling=DROP,
                rope_parameters={"rope_theta": 500000.0, **SHARP_LLAMA3})  # transformers 5's layout
     c = load(v5).config
     assert c.rope_theta == 500000.0 and c.rope_scaling.rope_type == "llama3"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlx_serving.models.generation.engine as engine_module
-import mlx_serving.models.qwen3.model as qwen3_model
+from mlx_serving.models import layers
 from mlx_serving.models.generation import Engine, SamplingParams
 from mlx_serving.models.generation.attention import Rows, packing
 from mlx_serving.models.generation.kv_cache import init_paged_kv_cache
@@ -54,7 +54,7 @@ def test_packed_forward_equals_padded(tiny32, packed_n: int) -> None:
     caches, logits = [], []
     for n in (None, packed_n):
         cache = init_paged_kv_cache(tiny32, 2 * len(prompts), 16)
-        logits.append(qwen3_model.forward(tiny32, cache, _rows(prompts, n)))
+        logits.append(layers.forward(tiny32, cache, _rows(prompts, n)))
         caches.append(cache)
     np.testing.assert_allclose(np.array(logits[1]), np.array(logits[0]), rtol=1e-5, atol=1e-5)
     for i, p in enumerate(prompts):  # the K/V of every real token (row i: blocks 2i+1, 2i+2)
@@ -71,7 +71,7 @@ def test_causal_groups_equal_boolean_mask(tiny32) -> None:
     out = []
     for groups in (None, ((0, 2, 0), (2, 4, 16))):
         cache = init_paged_kv_cache(tiny32, 2 * len(prompts), 16)
-        out.append((qwen3_model.forward(tiny32, cache, _rows(prompts, None, starts, groups)), cache))
+        out.append((layers.forward(tiny32, cache, _rows(prompts, None, starts, groups)), cache))
     np.testing.assert_allclose(np.array(out[1][0]), np.array(out[0][0]), rtol=1e-5, atol=1e-5)
     for i, (p, s) in enumerate(zip(prompts, starts)):  # real positions (the null block takes padding)
         at = slice(16 * (2 * i + 1) + s, 16 * (2 * i + 1) + s + len(p))
@@ -96,7 +96,7 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     generated alone."""
     seen: list[tuple[int, int, int]] = []  # (rows, padded tokens per row, packed tokens)
     groups: list[tuple[tuple[int, int, int], ...] | None] = []
-    forward = qwen3_model.forward
+    forward = layers.forward
 
     def spy(state, cache, rows: Rows) -> mx.array:
         if rows.packed is not None:
@@ -107,7 +107,7 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
 
     prompts = _prompts()
     solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
-    monkeypatch.setattr(qwen3_model, "forward", spy)
+    monkeypatch.setattr(layers, "forward", spy)
     assert _greedy(tiny32, prompts, False) == solo  # unbucketed (the CPU default): packed
     assert seen[0] == (4, 8, 5 + 1 + 8 + 8)  # first chunk of 8: rows 4 x 8 padded, 22 real
     assert groups[:2] == [((0, 4, 0),), ((0, 2, 8),)]  # second chunk: the 13- and 9-token rows at 8
@@ -128,14 +128,14 @@ def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest
     prompts = [rng.integers(0, 151000, 30).tolist() for _ in range(6)]
     solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
     calls: list[tuple[int, int, tuple[tuple[int, int, int], ...] | None]] = []  # (rows, real rows, groups)
-    forward = qwen3_model.forward
+    forward = layers.forward
 
     def spy(state, cache, rows: Rows) -> mx.array:
         if rows.tokens.shape[1] > 1:
             calls.append((rows.tokens.shape[0], int((np.array(rows.n_valid) > 0).sum()), rows.causal_groups))
         return forward(state, cache, rows)
 
-    monkeypatch.setattr(qwen3_model, "forward", spy)
+    monkeypatch.setattr(layers, "forward", spy)
     engine = Engine(tiny32, 6, 64, prefill_chunk=4, bucket_shapes=bucket)
     out: dict[int, list[int]] = {i: [] for i in range(6)}
     step = 0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mlx_serving.models.generation import BlockPool, Engine, block_hash
 from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
-from mlx_serving.models.qwen3 import SamplingParams, generate
+from mlx_serving.models.generation import SamplingParams, generate
 
 BS = 16
 
@@ -273,7 +273,7 @@ def test_text_generation_kv_options(tiny32):
     from mlx_serving.models.text_generation._backend import GenerationBackend
     from mlx_serving.models.text_generation._inputs import Prompt
     from mlx_serving.models.text_generation._options import GenerationOptions
-    from mlx_serving.models.qwen3 import Engine as Reexported
+    from mlx_serving.models.generation import Engine as Reexported
 
     assert Reexported is Engine
     for bad in (0, 1.5, True, "0.5"):

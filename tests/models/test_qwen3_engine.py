@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlx_serving.models.qwen3 import Engine, FinishReason, SamplingParams, SeqEvent, generate
+from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, SeqEvent, generate
 from mlx_serving.models.generation.slot_cache import init_kv_cache, kv_bytes_per_token
 
 

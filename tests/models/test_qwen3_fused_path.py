@@ -1,4 +1,4 @@
-"""The fused decode path's wiring (models/qwen3/model.py::_fused_decode) on any device: the three
+"""The fused decode path's wiring (models/generation/fused_decode.py::fused_decode) on any device: the three
 CUDA kernels are replaced by pure-MLX implementations of their documented contracts
 (kernel_refs.py), and whole continuous-batching generations must equal the generic path's. The
 kernels themselves are checked against the same references on a GPU (test_qwen3_kernels_cuda.py)."""
@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from mlx_serving.models.qwen3 import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, SamplingParams
 from mlx_serving.models.generation.slot_cache import init_kv_cache
-from mlx_serving.models.qwen3 import model as qmodel
+from mlx_serving.models.generation import fused_decode
 
 
 @pytest.fixture
 def reference_kernels(monkeypatch):
-    monkeypatch.setattr(qmodel, "decode_attention", ref_decode_attention)
-    monkeypatch.setattr(qmodel, "add_rms_norm", ref_add_rms_norm)
-    monkeypatch.setattr(qmodel, "swiglu", ref_swiglu)
-    monkeypatch.setattr(qmodel, "DECODE_PATH", "fused")
+    monkeypatch.setattr(fused_decode, "decode_attention", ref_decode_attention)
+    monkeypatch.setattr(fused_decode, "add_rms_norm", ref_add_rms_norm)
+    monkeypatch.setattr(fused_decode, "swiglu", ref_swiglu)
+    monkeypatch.setattr(fused_decode, "DECODE_PATH", "fused")
 
 
 def _generate(state, compiled: bool, slots: bool = False) -> dict[int, list[int]]:
@@ -48,7 +48,7 @@ def test_fused_wiring_equals_generic_path(tiny32, reference_kernels, monkeypatch
     """The fused decode reads the paged cache through the block table (or the slot cache) and
     generates what the generic path does."""
     fused = _generate(tiny32, compiled, slots)
-    monkeypatch.setattr(qmodel, "DECODE_PATH", "matmul")
+    monkeypatch.setattr(fused_decode, "DECODE_PATH", "matmul")
     generic = _generate(tiny32, False)
     assert fused == generic
     assert all(len(ids) == 9 for ids in fused.values())
@@ -56,7 +56,7 @@ def test_fused_wiring_equals_generic_path(tiny32, reference_kernels, monkeypatch
 
 def test_fused_path_is_taken(tiny32, reference_kernels, monkeypatch):
     """Guard against the test above passing vacuously: a broken kernel changes the output."""
-    monkeypatch.setattr(qmodel, "swiglu", lambda gu: ref_swiglu(gu) * 0.5)
+    monkeypatch.setattr(fused_decode, "swiglu", lambda gu: ref_swiglu(gu) * 0.5)
     broken = _generate(tiny32, False)
-    monkeypatch.setattr(qmodel, "DECODE_PATH", "matmul")
+    monkeypatch.setattr(fused_decode, "DECODE_PATH", "matmul")
     assert broken != _generate(tiny32, False)

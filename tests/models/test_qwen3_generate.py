@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_serving.models.qwen3 import generate, init_kv_cache, load
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+from mlx_serving.models.generation import generate, init_kv_cache
+from mlx_serving.models.loader import load
+from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.qwen3.model import forward
+from mlx_serving.models.layers import forward
 from mlx_serving.models.generation.sampling import SamplerKind, SamplingParams, sample_top_p
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir."

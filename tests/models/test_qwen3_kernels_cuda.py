@@ -1,4 +1,4 @@
-"""The fused CUDA decode path (models/qwen3/kernels.py): each kernel against its MLX reference
+"""The fused CUDA decode path (models/generation/cuda_kernels.py): each kernel against its MLX reference
 (kernel_refs.py), and whole generations equal to the generic path. Runs only on MLX's CUDA
 build (skipped elsewhere, CI included); bench/gpu_step.py records the same checks on an H200."""
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from mlx_serving.models.qwen3 import Engine, SamplingParams
-from mlx_serving.models.qwen3 import model as qmodel
-from mlx_serving.models.qwen3.kernels import add_rms_norm, decode_attention, kernels_available, swiglu
+from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import fused_decode
+from mlx_serving.models.generation.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
 
@@ -107,7 +107,7 @@ def test_fused_generation_equals_generic_path(tiny32, compiled):
     outs = []
     try:
         for path in ("matmul", "fused"):
-            qmodel.DECODE_PATH = path
+            fused_decode.DECODE_PATH = path
             engine = Engine(tiny32, max_batch=4, max_len=64, compile_decode=compiled and path == "fused")
             for i, p in enumerate(prompts):
                 engine.add(i, p, SamplingParams(max_new_tokens=12, eos_token_ids=()))
@@ -117,5 +117,5 @@ def test_fused_generation_equals_generic_path(tiny32, compiled):
                     got[ev.seq_id].append(ev.token_id)
             outs.append(got)
     finally:
-        qmodel.DECODE_PATH = None
+        fused_decode.DECODE_PATH = None
     assert outs[0] == outs[1]

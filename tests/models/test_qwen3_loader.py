@@ -12,12 +12,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serving.models.qwen3 import generate, init_kv_cache, load
+from mlx_serving.models.generation import generate, init_kv_cache
+from mlx_serving.models.loader import load
 from mlx_serving.tokenization import data_path
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint
-from mlx_serving.models.qwen3.config import config_from_dict, read_config
+from mlx_serving.models.seeded_checkpoint import write_checkpoint
+from mlx_serving.models.families import read_config
+from mlx_serving.models.families.qwen3 import config_from_dict
 from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.qwen3.model import forward
+from mlx_serving.models.layers import forward
 
 PROMPT = [7985, 825, 11652, 911, 468, 97772, 13]
 REF_CONFIG = json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())
@@ -202,7 +204,7 @@ def test_cli_and_mlx_lm_full_load(tmp_path):
     from mlx_lm import load as mlx_lm_load
 
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "-m", "mlx_serving.models.qwen3.checkpoint", str(out), "--preset", "tiny",
+    subprocess.run([sys.executable, "-m", "mlx_serving.models.seeded_checkpoint", str(out), "--preset", "tiny",
                     "--seed", "3", "--unquantized", "--dtype", "float32"], check=True, timeout=60)
     assert "quantization" not in json.loads((out / "config.json").read_text())
     model, tokenizer = mlx_lm_load(str(out))

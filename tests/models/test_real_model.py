@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_serving import Serving, text_generation
-from mlx_serving.models import registry
+from mlx_serving.models.loader import load
 from mlx_serving.models.generation.generate import generate
 from mlx_serving.tokenization import Tokenizer
 
@@ -42,7 +42,7 @@ def test_greedy_ids_match_mlx_lm_on_the_converted_checkpoint(smollm2_dir: Path) 
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     prompts = [tokenizer.encode(t) for t in ("The three primary colors are", "def add(a, b):\n")]
-    ours, _ = generate(prompts, registry.load(smollm2_dir), max_new_tokens=16, eos_token_ids=[])
+    ours, _ = generate(prompts, load(smollm2_dir), max_new_tokens=16, eos_token_ids=[])
     model = load_model(smollm2_dir)[0]
     model.set_dtype(mx.float32)
     for prompt, mine in zip(prompts, ours):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.qwen3 import State, generate
+from mlx_serving.models.generation import generate
+from mlx_serving.models.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

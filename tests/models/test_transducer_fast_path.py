@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mlx_serving.models.qwen3 import FinishReason
+from mlx_serving.models.generation import FinishReason
 from mlx_serving.models.text_generation import TokenEvent
 from mlx_serving.models.text_generation._inputs import RequestInfo, RowOutput
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 
-from mlx_serving.models.qwen3.checkpoint import write_checkpoint
+from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.text_generation import from_mlx4bit
 from mlx_serving.serving import ServingPool
 

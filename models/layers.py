@@ -1,0 +1,146 @@
+"""The shared pre-norm decoder every family runs: weights (:class:`Layer`, :class:`State`) and the
+forward pass over a ragged batch, writing the KV cache through the seam of
+:mod:`models.generation.attention`.
+
+Per layer: RMSNorm -> q/k/v projections (+ bias: ``attention_bias``) -> per-head q/k RMSNorm
+(``qk_norm``) -> RoPE (split-half unless ``rope_traditional``; base ``rope_theta``, the "llama3"
+frequency table or positions divided by a "linear" factor; per-row offsets) -> K/V into the cache
+and GQA attention over each row's valid prefix (``attend``) -> o_proj (+ bias: ``o_proj_bias``)
+-> residual; RMSNorm -> SwiGLU MLP (+ biases: ``mlp_bias``) -> residual. Then the final norm and
+the (tied or separate) head, for one position per row only. The hooks are fields of the family's
+:class:`~models.config.DecoderConfig`; the references are mlx-lm's ``qwen3.py``, ``llama.py`` and
+``qwen2.py`` (the parity tests).
+
+Every projection sees 2-D activations ``(rows, features)``: on MLX's CUDA build a ``(B, 1, K)``
+input into ``quantized_matmul`` costs time linear in B. One-token decode forwards take the fused
+CUDA path where it runs (:mod:`models.generation.fused_decode`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from ._weights import Fused, Linear
+from .config import DecoderConfig
+from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
+from .generation.fused_decode import decode_path, fused_decode
+
+__all__ = ["Layer", "State", "forward", "rope_frequencies", "swiglu"]
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights; ``qkv`` fuses q/k/v_proj, ``gate_up`` gate/up_proj (each with
+    its biases when the config has them); ``q_norm`` / ``k_norm`` ``(head_dim,)`` with ``qk_norm``."""
+
+    input_layernorm: mx.array
+    post_attention_layernorm: mx.array
+    qkv: Fused
+    o_proj: Linear
+    gate_up: Fused
+    down_proj: Linear
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
+
+
+@dataclass
+class State:
+    """A loaded model: config (``tie_word_embeddings`` resolved), weights, activation ``dtype``,
+    checkpoint ``path``, and ``rope_freqs`` ``(head_dim / 2,)``, the RoPE frequency table when
+    ``rope_scaling`` is "llama3" (None otherwise)."""
+
+    config: DecoderConfig
+    embed_tokens: Linear
+    layers: list[Layer]
+    norm: mx.array
+    lm_head: Linear
+    dtype: mx.Dtype
+    path: Path | None = None
+    rope_freqs: mx.array | None = None
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``silu(gate) * up``, as mlx-lm's ``swiglu``."""
+    return gate * mx.sigmoid(gate) * up
+
+
+def rope_frequencies(config: DecoderConfig) -> mx.array | None:
+    """The RoPE frequency table ``(head_dim / 2,)`` for ``rope_scaling`` type "llama3" (None for
+    any other RoPE, which ``mx.fast.rope`` derives from its base).
+
+    Llama 3.1's rule (transformers ``_compute_llama3_parameters``), computed with the same MLX
+    operations as mlx-lm's ``Llama3RoPE`` so the table is the same to the bit: wavelengths
+    ``2 pi theta^(2i/d)`` longer than ``original / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``original / high_freq_factor`` kept, and those between
+    interpolated smoothly."""
+    s = config.rope_scaling
+    if s is None or s.rope_type != "llama3":
+        return None
+    dims = config.head_dim
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    freqs = config.rope_theta ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * mx.pi * freqs
+    freqs = mx.where(wavelens > low_wavelen, freqs * s.factor, freqs)
+    is_medium = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (s.original_max_position_embeddings / wavelens - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smooth_freqs = freqs / ((1 - smooth) / s.factor + smooth)
+    return mx.where(is_medium, smooth_freqs, freqs)
+
+
+def _rope(state: State, rows: Rows) -> Callable[[mx.array], mx.array]:
+    """RoPE of ``(B, heads, T, head_dim)`` at each row's start position."""
+    c = state.config
+    kw: dict = dict(dims=c.head_dim, traditional=c.rope_traditional, offset=rows.start)
+    if state.rope_freqs is not None:
+        return partial(mx.fast.rope, base=None, scale=1.0, freqs=state.rope_freqs, **kw)
+    linear = c.rope_scaling is not None and c.rope_scaling.rope_type == "linear"
+    return partial(mx.fast.rope, base=c.rope_theta, scale=1 / c.rope_scaling.factor if linear else 1.0, **kw)
+
+
+def _heads(x: mx.array, step: Step, heads: int, d: int) -> mx.array:
+    b, t = step.rows.tokens.shape
+    return step.unpack(x).reshape(b, t, heads, d)
+
+
+def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step,
+               rope: Callable[[mx.array], mx.array], c: DecoderConfig) -> mx.array:
+    """Layer ``i``'s attention block on normed ``x`` ``(N, hidden)`` -> ``(N, hidden)``."""
+    d = c.head_dim
+    q, k, v = layer.qkv(x)
+    q, k = _heads(q, step, c.num_attention_heads, d), _heads(k, step, c.num_key_value_heads, d)
+    if c.qk_norm:
+        q, k = mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps), mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+    q, k = rope(q.transpose(0, 2, 1, 3)), rope(k.transpose(0, 2, 1, 3))
+    v = _heads(v, step, c.num_key_value_heads, d)
+    return layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
+
+
+def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
+    """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
+
+    Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at token
+    index ``rows.last``. Does not update the cache's lengths (the caller does). Any cache
+    :func:`models.generation.attention.make_step` / ``attend`` accept works here.
+    """
+    c = state.config
+    h = state.embed_tokens.rows(token_ids(rows))
+    path = decode_path(state)
+    if rows.tokens.shape[1] == 1 and rows.slots is None and path == "fused":
+        return fused_decode(state, cache, rows, h)
+    step = make_step(rows, cache, sdpa_decode=path == "sdpa")
+    rope = _rope(state, rows)
+    eps = c.rms_norm_eps
+    for i, layer in enumerate(state.layers):
+        h = h + _attention(layer, mx.fast.rms_norm(h, layer.input_layernorm, eps), cache, i, step, rope, c)
+        gate, up = layer.gate_up(mx.fast.rms_norm(h, layer.post_attention_layernorm, eps))
+        h = h + layer.down_proj(swiglu(gate, up))
+    h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, eps)
+    return state.lm_head(h)
