@@ -4,13 +4,14 @@ bias), :class:`Fused` (linears reading the same input, run as one matmul) and :c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ._checkpoint import QuantSpec, Quantization
+from .native import QuantizedMatmul
 
 __all__ = ["Fused", "Linear", "Reader"]
 
@@ -26,7 +27,9 @@ class Linear:
     per-group offsets, not the layer's ``bias``) and ``spec``.
     Call with 2-D ``x`` ``(rows, in)`` -> ``(rows, out)``. The bias is added as mlx-lm's
     ``nn.Linear`` (``mx.addmm``) and ``nn.QuantizedLinear`` (a sum after the matmul) add it,
-    so the results are the same to the bit.
+    so the results are the same to the bit. ``kernel``: the product of a quantized matrix when
+    not MLX's ``mx.quantized_matmul`` (the native CPU kernel, :func:`models.native.quantized_matmul_cpu`,
+    set at load by :meth:`with_kernel`).
     """
 
     weight: mx.array
@@ -35,6 +38,7 @@ class Linear:
     spec: QuantSpec | None = None
     weight_t: mx.array | None = field(default=None, repr=False)
     bias: mx.array | None = None
+    kernel: QuantizedMatmul | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.scales is None and self.weight_t is None:
@@ -43,11 +47,21 @@ class Linear:
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
             return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
-        y = mx.quantized_matmul(
-            x, self.weight, self.scales, self.biases, transpose=True,
-            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
-        )
+        spec = self.spec
+        if self.kernel is not None:
+            y = self.kernel(x, self.weight, self.scales, self.biases, spec.group_size, spec.bits)
+        else:
+            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+                                    group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         return y if self.bias is None else y + self.bias
+
+    def with_kernel(self, kernel: QuantizedMatmul) -> "Linear":
+        """This matrix computed by ``kernel`` when it is quantized in a layout the native CPU kernel
+        takes (affine, 4 or 8 bits, group size 32 / 64 / 128, float32 scales); itself otherwise."""
+        spec = self.spec
+        takes = (spec is not None and spec.mode == "affine" and spec.bits in (4, 8) and spec.group_size in (32, 64, 128)
+                 and self.scales is not None and self.scales.dtype == mx.float32)
+        return replace(self, kernel=kernel) if takes else self
 
     def dequantized(self, dtype: mx.Dtype) -> "Linear":
         """This matrix as a dense ``(out, in)`` Linear in ``dtype`` (itself when dense)."""
@@ -112,6 +126,12 @@ class Fused:
         if self.merged is None:
             return Fused(None, [], [p.dequantized(dtype) for p in self.parts])
         return Fused(self.merged.dequantized(dtype), self.splits, [])
+
+    def with_kernel(self, kernel: QuantizedMatmul) -> "Fused":
+        """The same linears, each computed by ``kernel`` where it takes them (:meth:`Linear.with_kernel`)."""
+        if self.merged is None:
+            return Fused(None, [], [p.with_kernel(kernel) for p in self.parts])
+        return Fused(self.merged.with_kernel(kernel), self.splits, [])
 
     def linears(self) -> list[Linear]:
         """The matrices this holds (the merged one, or the parts)."""

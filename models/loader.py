@@ -23,6 +23,7 @@ from ._weights import Fused, Linear, Reader
 from .config import DecoderConfig
 from .families import read_config
 from .layers import Layer, State, rope_frequencies
+from .native import quantized_matmul_cpu
 
 __all__ = ["load"]
 
@@ -74,7 +75,8 @@ def _layer(r: Reader, i: int, c: DecoderConfig) -> Layer:
     )
 
 
-def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: bool = False) -> State:
+def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: bool = False,
+         native: bool = True) -> State:
     """Load the checkpoint directory ``path`` (its family picked by config.json's ``model_type``,
     :mod:`models.families`) and evaluate its weights.
 
@@ -86,6 +88,9 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
     batched decode step then runs 2.3x faster at 128 rows (bench/gpu_step.py). A tied head
     (``tie_word_embeddings``, or when config.json does not say and the family has no default, no
     ``lm_head.weight`` stored) reuses ``model.embed_tokens`` (a stray ``lm_head.*`` is ignored).
+    ``native``: on the CPU device, computing in float32, the quantized projections and head run
+    on the native CPU kernel (:mod:`models.native`; 5-40x MLX's CPU ``quantized_matmul``,
+    docs/benchmarks.md) when it builds on this machine; False keeps MLX's own everywhere.
 
     The checkpoint is untrusted: config.json is range-checked (the family's ``config_from_dict``),
     every file must resolve inside the directory, and every safetensors header is parsed and every
@@ -119,8 +124,24 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
                   dtype=compute, path=path, rope_freqs=rope_frequencies(config))
     if dequantize:
         state = _dequantized(state)
+    elif native and compute == mx.float32 and mx.default_device() == mx.cpu:
+        state = _with_native_kernel(state)
     mx.eval(_arrays(state))
     return state
+
+
+def _with_native_kernel(state: State) -> State:
+    """``state`` with every quantized matrix the native CPU kernel takes computed by it (itself
+    when the kernel is unavailable: :func:`models.native.quantized_matmul_cpu` says why, once)."""
+    kernel = quantized_matmul_cpu()
+    if kernel is None:
+        return state
+    layers = [replace(layer, qkv=layer.qkv.with_kernel(kernel), o_proj=layer.o_proj.with_kernel(kernel),
+                      gate_up=layer.gate_up.with_kernel(kernel), down_proj=layer.down_proj.with_kernel(kernel))
+              for layer in state.layers]
+    head = state.lm_head.with_kernel(kernel)
+    embed = head if state.lm_head is state.embed_tokens else state.embed_tokens  # a tied head stays tied
+    return replace(state, layers=layers, lm_head=head, embed_tokens=embed)
 
 
 def _dequantized(state: State) -> State:

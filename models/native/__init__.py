@@ -1,0 +1,134 @@
+"""Native CPU kernels, built on first use for this machine's MLX and cached.
+
+:func:`quantized_matmul_cpu` is an MLX primitive (C++ extension API, ``eval_cpu``) for MLX's
+affine 4- and 8-bit matrices, used by the family layers on the CPU device where MLX's own
+``mx.quantized_matmul`` is a scalar loop (docs/benchmarks.md, "CPU"). The source
+(``quantized_matmul.cpp``) is compiled once with the C++ compiler (``$CXX``, else ``c++``) against
+the installed MLX's headers and library and nanobind (the ``cpu`` extra), into
+``cache_dir()/native/<key>`` (the key hashes the source, MLX's and nanobind's versions and the
+Python ABI): about 30-60 s on 2 cores, with one line on stderr. When it cannot be built or loaded
+(no compiler, no nanobind, an MLX whose nanobind ABI differs), one line on stderr says why and the
+callers use ``mx.quantized_matmul``; ``MLX_SERVING_NATIVE=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol
+
+import mlx.core as mx
+
+from .._fetch import cache_dir
+
+__all__ = ["QuantizedMatmul", "quantized_matmul_cpu", "unavailable_reason"]
+
+_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
+_MODULE = "_quantized_matmul"
+_lock = threading.Lock()
+_reason: list[str] = []
+
+
+class QuantizedMatmul(Protocol):
+    """``(x (..., K) float32, w (N, K * bits / 32) uint32, scales (N, K / G) float32, biases
+    (N, K / G) float32, group_size, bits) -> (..., N) float32``: ``x @ dequantize(w).T``."""
+
+    def __call__(self, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int) -> mx.array: ...
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels are not in use (None when they are, or before the first attempt)."""
+    return _reason[0] if _reason else None
+
+
+def quantized_matmul_cpu() -> QuantizedMatmul | None:
+    """The native CPU quantized matmul, built on first call (None when unavailable: see the module
+    docstring; the reason is printed once and kept in :func:`unavailable_reason`)."""
+    module = _load()
+    return None if module is None else module.quantized_matmul
+
+
+@cache
+def _load() -> ModuleType | None:
+    if os.environ.get("MLX_SERVING_NATIVE", "1") == "0":
+        _reason.append("MLX_SERVING_NATIVE=0")
+        return None
+    try:
+        with _lock:
+            module = _import(_build())
+        _check(module)
+        return module
+    except Exception as exc:  # a compiler, ABI or import failure of any kind: fall back, say so once
+        _reason.append(f"{type(exc).__name__}: {str(exc).strip()[-600:]}")
+        print(f"mlx-serving: the native CPU kernels are not available ({_reason[0]}); using MLX's "
+              "quantized_matmul (slower on the CPU)", file=sys.stderr, flush=True)
+        return None
+
+
+def _key() -> str:
+    import nanobind
+
+    parts = [_SOURCE.read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+             (sysconfig.get_config_var("EXT_SUFFIX") or "").encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _build() -> Path:
+    """The built extension module (compiled first when the cache lacks it)."""
+    out = cache_dir() / "native" / _key()
+    target = out / f"{_MODULE}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    if target.is_file():
+        return target
+    out.mkdir(parents=True, exist_ok=True)
+    print("mlx-serving: building the native CPU kernels once for this machine (30-60 s)...", file=sys.stderr,
+          flush=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(_command(built), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the compiler failed: {(done.stderr or done.stdout)[-1500:]}")
+        os.replace(built, target)  # atomic: a concurrent build's result is as good
+    return target
+
+
+def _command(output: Path) -> list[str]:
+    import nanobind
+
+    mlx_dir = Path(mx.__file__).parent
+    nb_dir = Path(nanobind.__file__).parent
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
+    return [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx",
+            "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb_dir / 'include'}",
+            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
+            str(_SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(output)]
+
+
+def _import(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(module: ModuleType) -> None:
+    """One small product against MLX's own (the module must accept and return ``mx.array``)."""
+    x = mx.arange(64, dtype=mx.float32).reshape(1, 64) / 64
+    w, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
+    got = module.quantized_matmul(x, w, s, b, 32, 4)
+    want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+    if not mx.allclose(got, want, atol=1e-4).item():
+        raise RuntimeError("the native kernel disagrees with mx.quantized_matmul")

@@ -1,0 +1,91 @@
+"""The native CPU kernel (models/native): its products equal a pure-MLX reference (dequantize,
+then matmul) on every supported layout, through both instruction paths, non-contiguous and
+batched inputs, inside mx.compile; bad arguments are refused by name; the loader uses it on the
+CPU and the generated ids do not change."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_serving.models import native
+from mlx_serving.models.generation.generate import generate
+from mlx_serving.models.loader import load
+
+kernel = native.quantized_matmul_cpu()
+pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel unavailable: {native.unavailable_reason()}")
+
+
+@pytest.fixture(params=["auto", "portable"])
+def isa(request: pytest.FixtureRequest):
+    module = native._load()
+    module.force_portable(request.param == "portable")
+    yield module.isa()
+    module.force_portable(False)
+
+
+def _case(m: int, n: int, k: int, bits: int, group: int, seed: int = 0):
+    key = mx.random.key(seed)
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal((m, k), key=kx)
+    w, s, b = mx.quantize(mx.random.normal((n, k), key=kw) * 0.2, group_size=group, bits=bits)
+    reference = x @ mx.dequantize(w, s, b, group_size=group, bits=bits).T
+    mx.eval(x, w, s, b, reference)
+    return x, w, s, b, reference
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)])
+def test_products_equal_the_mlx_reference(isa: str, bits: int, group: int) -> None:
+    for m, n in itertools.product((1, 2, 3, 5, 8, 33), (1, 3, 4, 5, 64, 70)):
+        k = 2 * group if group > 32 else 96
+        x, w, s, b, want = _case(m, n, k, bits, group, seed=m * 100 + n)
+        got = kernel(x, w, s, b, group, bits)
+        assert got.shape == (m, n) and got.dtype == mx.float32
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), (isa, m, n, k)
+
+
+def test_real_layer_shapes_and_mlx_s_own_quantized_matmul(isa: str) -> None:
+    for m, n, k in [(1, 960, 576), (7, 1536, 576), (64, 576, 1536), (1, 512, 4096)]:
+        x, w, s, b, _ = _case(m, n, k, 4, 32)
+        want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+        assert mx.allclose(kernel(x, w, s, b, 32, 4), want, rtol=1e-4, atol=1e-4).item(), (isa, m, n, k)
+
+
+def test_batched_and_non_contiguous_inputs() -> None:
+    x, w, s, b, _ = _case(12, 40, 64, 4, 32)
+    batched = x.reshape(3, 4, 64)
+    assert mx.allclose(kernel(batched, w, s, b, 32, 4).reshape(12, 40), kernel(x, w, s, b, 32, 4)).item()
+    strided = mx.concatenate([x, x], axis=1)[:, ::2]  # a view with stride 2 along K
+    want = strided @ mx.dequantize(w, s, b, group_size=32, bits=4).T
+    assert mx.allclose(kernel(strided, w, s, b, 32, 4), want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_inside_mx_compile_shapeless() -> None:
+    x, w, s, b, want = _case(5, 16, 64, 4, 32)
+    f = mx.compile(lambda a: kernel(a, w, s, b, 32, 4) * 2.0, shapeless=True)
+    assert mx.allclose(f(x), want * 2.0, rtol=1e-5, atol=1e-5).item()
+    x2 = mx.concatenate([x, x])
+    assert f(x2).shape == (10, 16)
+
+
+@pytest.mark.parametrize("bad", ["bits", "group", "dtype", "shape"])
+def test_bad_arguments_are_refused(bad: str) -> None:
+    x, w, s, b, _ = _case(2, 8, 64, 4, 32)
+    args = {"bits": (x, w, s, b, 32, 3), "group": (x, w, s, b, 16, 4), "dtype": (x.astype(mx.float16), w, s, b, 32, 4),
+            "shape": (x[:, :32], w, s, b, 32, 4)}[bad]
+    with pytest.raises(ValueError, match={"bits": "bits must be 4 or 8", "group": "group_size must be",
+                                          "dtype": "float32", "shape": "do not agree"}[bad]):
+        kernel(*args)
+
+
+def test_the_loader_uses_it_on_the_cpu_and_the_ids_do_not_change(tiny_ckpt: Path) -> None:
+    fast, plain = load(tiny_ckpt), load(tiny_ckpt, native=False)
+    assert fast.layers[0].qkv.linears()[0].kernel is not None and fast.lm_head.kernel is not None
+    assert plain.layers[0].qkv.linears()[0].kernel is None
+    prompt = [7985, 825, 11652, 911, 264, 3460, 13]
+    ours, _ = generate(prompt, fast, max_new_tokens=16, eos_token_ids=[])
+    theirs, _ = generate(prompt, plain, max_new_tokens=16, eos_token_ids=[])
+    assert ours == theirs
