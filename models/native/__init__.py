@@ -8,7 +8,7 @@ the installed MLX's headers and library and nanobind (the ``cpu`` extra), into
 ``cache_dir()/native/<key>`` (the key hashes the source, MLX's and nanobind's versions and the
 Python ABI): about 30-60 s on 2 cores, with one line on stderr. When it cannot be built or loaded
 (no compiler, no nanobind, an MLX whose nanobind ABI differs), one line on stderr says why and the
-callers use ``mx.quantized_matmul``; ``MLX_SERVING_NATIVE=0`` turns the kernels off.
+callers use ``mx.quantized_matmul``; ``MLX_SERVING_NATIVE=0`` turns the kernels off (silently).
 """
 
 from __future__ import annotations

@@ -122,6 +122,37 @@ __attribute__((target("avx2,fma"))) void tile_1x4(const float* x0, const float* 
   for (int c = 0; c < 4; ++c) y0[c] = hsum(a[c]);
 }
 
+// One row of x against four weight rows, dequantized in registers (decode: nothing is stored).
+__attribute__((target("avx2,fma"))) void gemv_4rows(const float* x, const uint32_t* w, const float* s, const float* b,
+                                                      const Shape& sh, float* y) {
+  const int64_t words = sh.k * sh.bits / 32, groups = sh.k / sh.group;
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 vs[4], vb[4];
+    for (int r = 0; r < 4; ++r) {
+      vs[r] = _mm256_set1_ps(s[r * groups + g]);
+      vb[r] = _mm256_set1_ps(b[r * groups + g]);
+    }
+    for (int i = 0; i < sh.group / 8; ++i) {
+      const int64_t j = g * sh.group + i * 8;
+      const __m256 xc = _mm256_loadu_ps(x + j);
+      for (int r = 0; r < 4; ++r) {
+        __m256 q;
+        if (sh.bits == 4) {
+          const int word = static_cast<int>(w[r * words + j / 8]);
+          q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask));
+        } else {
+          const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w + r * words);
+          q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + j))));
+        }
+        acc[r] = _mm256_fmadd_ps(xc, _mm256_fmadd_ps(q, vs[r], vb[r]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r) y[r] = hsum(acc[r]);
+}
+
 bool portable_only = false;  // set by force_portable(): the tests' way to run the portable path here
 
 bool has_avx2() {
@@ -160,6 +191,12 @@ void product(const float* x, const uint32_t* w, const float* s, const float* b, 
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t n0 = blk * 4;
       const int cols = static_cast<int>(std::min<int64_t>(4, sh.n - n0));
+#ifdef QMM_X86
+      if (avx2 && cols == 4 && sh.m == 1) {
+        gemv_4rows(x, w + n0 * words, s + n0 * groups, b + n0 * groups, sh, y + n0);
+        continue;
+      }
+#endif
       for (int c = 0; c < cols; ++c) {
         const int64_t n = n0 + c;
 #ifdef QMM_X86

@@ -89,3 +89,26 @@ def test_the_loader_uses_it_on_the_cpu_and_the_ids_do_not_change(tiny_ckpt: Path
     ours, _ = generate(prompt, fast, max_new_tokens=16, eos_token_ids=[])
     theirs, _ = generate(prompt, plain, max_new_tokens=16, eos_token_ids=[])
     assert ours == theirs
+
+
+def test_without_a_compiler_it_says_so_once_and_falls_back(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A fresh cache and a compiler that fails: one line on stderr, MLX's kernel, the same ids."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from mlx_serving.models.loader import load; "
+              "from mlx_serving.models.generation.generate import generate; "
+              f"s = load({str(tiny_ckpt)!r}); load({str(tiny_ckpt)!r}); "
+              "assert s.lm_head.kernel is None; "
+              "print(generate([7985, 825, 11652], s, max_new_tokens=6, eos_token_ids=[])[0])")
+    env = {**os.environ, "MLX_SERVING_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("the native CPU kernels are not available") == 1
+    assert "the compiler failed" in done.stderr
+    plain = load(tiny_ckpt, native=False)
+    assert done.stdout.strip() == str(generate([7985, 825, 11652], plain, max_new_tokens=6, eos_token_ids=[])[0])
+    off = subprocess.run([sys.executable, "-c", script], env={**env, "MLX_SERVING_NATIVE": "0"},
+                         capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0 and "not available" not in off.stderr  # asked for: nothing to report
