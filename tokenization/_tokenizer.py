@@ -18,7 +18,7 @@ from ._chat import ChatTemplate, Message
 from ._data import data_path
 from ._errors import ChatTemplateError, InvalidTextError, InvalidTokenIdError, TokenizationError
 from ._specials import SpecialTokens
-from ._stream import ByteTable, check_id
+from ._stream import ByteTable, check_id, sentencepiece_chain
 
 _TEMPLATE_VARIABLES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -334,21 +334,30 @@ class Tokenizer:
         return ids
 
     def byte_table(self) -> ByteTable:
-        """The id -> bytes table of a byte-level BPE tokenizer (and each id's text where its
-        bytes stand on their own, ``ByteTable.texts``), built on first call (~0.25 s for Qwen3)
-        and cached; used by ``StreamingDetokenizer``.
+        """The id -> bytes table (and each id's text where it stands on its own,
+        ``ByteTable.texts``), built on first call (~0.25 s for Qwen3) and cached; used by
+        ``StreamingDetokenizer``. Picked by the decoder: ``ByteLevel`` -> byte-level BPE
+        (``ByteTable.build``); a SentencePiece chain ``sentencepiece_chain`` accepts ->
+        ``ByteTable.build_sentencepiece``.
 
         Raises:
-            TokenizationError: the decoder is not byte-level, so tokens are not byte strings.
+            TokenizationError: any other decoder (its tokens' text cannot be streamed exactly).
         """
         return self._byte_table
 
     @functools.cached_property
     def _byte_table(self) -> ByteTable:
-        if type(self._backend.decoder).__name__ != "ByteLevel":
-            raise TokenizationError("streaming detokenization needs a byte-level BPE decoder")
+        decoder = self._backend.decoder
         vocab = self._backend.get_vocab(with_added_tokens=False)
-        return ByteTable.build(vocab, self._added)
+        if type(decoder).__name__ == "ByteLevel":
+            return ByteTable.build(vocab, self._added)
+        chain = None if decoder is None else sentencepiece_chain(json.loads(decoder.__getstate__()))
+        if chain is None:
+            raise TokenizationError(
+                "streaming detokenization needs a byte-level BPE decoder or a SentencePiece one "
+                '(Replace("▁", " ") or Metaspace, then ByteFallback, Fuse, Strip), got '
+                f"{'none' if decoder is None else type(decoder).__name__}")
+        return ByteTable.build_sentencepiece(vocab, self._added, chain)
 
     def special_token_strings(self) -> dict[int, str]:
         """Special (control) token id -> its string, e.g. {151645: "<|im_end|>", ...}."""

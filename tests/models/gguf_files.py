@@ -108,14 +108,18 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: Path, shape: Shape, kind: T = T.Q4_0, *, seed: int = 0, embed_kind: T | None = None,
-               extra_metadata: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+               extra_metadata: dict[str, object] | None = None,
+               tokenizer: dict[str, object] | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF of ``shape`` with every matrix in ``kind`` (the embedding in ``embed_kind``
     when given; 1-D tensors F32) and return the dense Hugging Face weights it holds (quantized
-    values dequantized with ``gguf.quants``)."""
+    values dequantized with ``gguf.quants``). ``tokenizer``: ``tokenizer.*`` metadata (plain
+    values, e.g. copied from llama.cpp's ``ggml-vocab-llama-spm.gguf``) written instead of the
+    GPT-2 vocabulary; the embedding then has one row per its ``tokenizer.ggml.tokens``."""
     tokens, types = vocabulary()
-    weights = hf_weights(shape, len(tokens), seed)
+    rows = len(tokens) if tokenizer is None else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
+    weights = hf_weights(shape, rows, seed)
     writer = gguf.GGUFWriter(str(path), shape.arch)
-    _metadata(writer, shape, tokens, types, extra_metadata or {})
+    _metadata(writer, shape, tokens, types, extra_metadata or {}, tokenizer)
     reference: dict[str, np.ndarray] = {}
     for name, w in weights.items():
         stored, data, raw = w, w, T.F32
@@ -136,7 +140,7 @@ def write_gguf(path: Path, shape: Shape, kind: T = T.Q4_0, *, seed: int = 0, emb
 
 
 def _metadata(writer: gguf.GGUFWriter, shape: Shape, tokens: list[str], types: list[int],
-              extra: dict[str, object]) -> None:
+              extra: dict[str, object], tokenizer: dict[str, object] | None = None) -> None:
     writer.add_block_count(shape.layers)
     writer.add_context_length(512)
     writer.add_embedding_length(shape.hidden)
@@ -148,14 +152,17 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, tokens: list[str], types: l
     if shape.arch == "qwen3":
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(_MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHATML)
+    if tokenizer is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(_MERGES)
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(2)
+        writer.add_chat_template(CHATML)
+    else:
+        _add_plain(writer, tokenizer)
     for key, value in extra.items():
         if isinstance(value, str):
             writer.add_string(key, value)
@@ -163,3 +170,19 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, tokens: list[str], types: l
             writer.add_float32(key, value)
         else:
             writer.add_uint32(key, int(value))
+
+
+def _add_plain(writer: gguf.GGUFWriter, metadata: dict[str, object]) -> None:
+    """Write plain metadata values: str, bool, int (uint32), float (float32), lists (typed by
+    their items, as ``GGUFWriter.add_array`` does)."""
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_array(key, list(value))  # type: ignore[call-overload]
