@@ -4,11 +4,15 @@ cached outside the repository.
     python bench/llamacpp.py build                      # prints the bin dir (llama-tokenize)
     python bench/llamacpp.py build --target llama-bench --target llama-server
     python bench/llamacpp.py build --sdist /path/to/llama_cpp_python-0.3.36.tar.gz
+    nice -n 19 python bench/llamacpp.py build --native --target llama-bench --target llama-server
     python bench/llamacpp.py tokenize MODEL.gguf CASES.json   # CASES.json with llama-tokenize's ids
 
 Layout: ``<cache>/llama.cpp/<version>/`` holds the sdist (fetched with ``pip download``, so pip's
 own HTTP cache serves a second fetch), ``src/`` (its ``vendor/llama.cpp`` tree, extracted once)
 and ``build/`` (cmake's tree, reused: building another target later compiles only what it adds).
+``--native`` uses ``build-native/`` instead, configured with ``-DGGML_NATIVE=ON`` (``-march=native``:
+this machine's best SIMD, e.g. AVX-512 + VNNI, for a peer-at-its-best speed comparison; the binaries
+only run on CPUs like this one, so CI never builds it).
 ``<cache>`` is ``$MLX_SERVING_CACHE``, else ``$XDG_CACHE_HOME/mlx-serving``, else
 ``~/.cache/mlx-serving``. ``<version>`` is the llama-cpp-python version; 0.3.36 vendors
 ggml-org/llama.cpp@0c1e57098 (its CHANGELOG.md).
@@ -31,7 +35,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098"  # vendored by LLAMA_CPP_PYTHON_VERSION (its CHANGELOG.md)
 DEFAULT_TARGETS = ("llama-tokenize",)
 CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
 )
 
@@ -82,15 +86,17 @@ def source_dir(archive: Path, version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
 
 
 def build(targets: Sequence[str] = DEFAULT_TARGETS, version: str = LLAMA_CPP_PYTHON_VERSION, *,
-          seed: Path | None = None, jobs: int = 2) -> Path:
+          seed: Path | None = None, jobs: int = 2, native: bool = False) -> Path:
     """Build ``targets`` (cmake target names, e.g. ``llama-tokenize``, ``llama-bench``,
     ``llama-server``) CPU-only and return the bin dir. Targets already built are not rebuilt
-    (cmake decides); the first llama-tokenize build takes a few minutes on 2 cores."""
+    (cmake decides); the first llama-tokenize build takes a few minutes on 2 cores. ``native``
+    builds in ``build-native/`` with ``-DGGML_NATIVE=ON`` (this CPU's instruction set), else in
+    ``build/`` with ``-DGGML_NATIVE=OFF`` (portable)."""
     src = source_dir(sdist(version, seed=seed), version)
-    build_dir = version_dir(version) / "build"
+    build_dir = version_dir(version) / ("build-native" if native else "build")
     if not (build_dir / "CMakeCache.txt").is_file():
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_OPTIONS], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_OPTIONS,
+                        f"-DGGML_NATIVE={'ON' if native else 'OFF'}"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *targets], check=True,
                    stdout=subprocess.DEVNULL)
     return build_dir / "bin"
@@ -136,12 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python version")
     cmd.add_argument("--sdist", type=Path, help="an already downloaded sdist to seed the cache with")
     cmd.add_argument("-j", "--jobs", type=int, default=2)
+    cmd.add_argument("--native", action="store_true", help="build-native/ with -DGGML_NATIVE=ON")
     cmd = sub.add_parser("tokenize", help="fill a cases JSON file's ids with llama-tokenize's; print it")
     cmd.add_argument("model", type=Path, help="a .gguf file")
     cmd.add_argument("cases", type=Path, help='JSON object with "cases": [{"text": ...}, ...]')
     args = parser.parse_args(argv)
     if args.command == "build":
-        print(build(args.target or DEFAULT_TARGETS, args.version, seed=args.sdist, jobs=args.jobs))
+        print(build(args.target or DEFAULT_TARGETS, args.version, seed=args.sdist, jobs=args.jobs,
+                    native=args.native))
     else:
         print(_dump(tokenize_cases(args.model, args.cases)))
     return 0
