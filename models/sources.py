@@ -183,7 +183,7 @@ def _download(repo: str, revision: str) -> Path:
     where = f"model {repo!r} (revision {revision!r}) is not in the Hugging Face cache ({hf_hub_cache()})"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         raise ModelSourceError(f"{where} and HF_HUB_OFFLINE is set: download it where you are online "
-                               f"(huggingface-cli download {repo}) or unset HF_HUB_OFFLINE")
+                               f"(hf download {repo}) or unset HF_HUB_OFFLINE")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:

@@ -155,7 +155,7 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     try:
         for name, spec in models:
             model = resolve(spec)
-            _log.info("model %r: %s (%s)", name, model.path, model.origin)
+            print(f"mlx-serving: model {name!r}: {model.origin} ({model.path})", file=sys.stderr, flush=True)
             factory = functools.partial(text_generation.from_mlx4bit, model.path, **options)
             if workers > 1:
                 clients[name] = ServingPool(factory, workers=workers, max_queue=max_queue)
