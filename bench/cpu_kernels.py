@@ -1,0 +1,82 @@
+"""The native CPU kernel (models/native) beside MLX's own ``mx.quantized_matmul`` on SmolLM2's
+layer shapes (issue 24): milliseconds and GFLOP/s per product, medians of ``--repeats`` calls,
+alternating the two kernels, and the largest difference between their outputs.
+
+    .venv/bin/python bench/cpu_kernels.py            # JSON to bench/results/cpu_kernels.json
+
+Shapes (rows x out x in, bits, group size): one row (decode) and 8, 32 and 512 rows (batched
+decode, prefill) through SmolLM2-135M's q/k/v (960 x 576), gate/up (3072 x 576), down (576 x
+1536) and tied head (49,152 x 576, 8 bits), all group size 32 as its GGUF's Q4_1 / Q8_0 convert.
+FLOPs = 2 x rows x out x in. Threads: OpenMP's default (the cores), ``OMP_NUM_THREADS`` to set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_serving.models import native
+
+SHAPES = [(rows, out, inn, bits) for rows in (1, 8, 32, 512)
+          for out, inn, bits in ((960, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str, float | int]:
+    kernel = native.quantized_matmul_cpu()
+    x = mx.random.normal((rows, inn))
+    w, s, b = mx.quantize(mx.random.normal((out, inn)) * 0.1, group_size=32, bits=bits)
+    mx.eval(x, w, s, b)
+    theirs = lambda: mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=bits))  # noqa: E731
+    ours = lambda: mx.eval(kernel(x, w, s, b, 32, bits))  # noqa: E731
+    mlx_ms, native_ms = [], []
+    for _ in range(3):  # alternating
+        mlx_ms.append(_median_ms(theirs, repeats))
+        native_ms.append(_median_ms(ours, repeats))
+    diff = mx.abs(kernel(x, w, s, b, 32, bits) - mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32,
+                                                                     bits=bits)).max().item()
+    flops = 2 * rows * out * inn
+    m, n = statistics.median(mlx_ms), statistics.median(native_ms)
+    return {"rows": rows, "out": out, "in": inn, "bits": bits, "mlx_ms": m, "native_ms": n,
+            "mlx_gflops": flops / m / 1e6, "native_gflops": flops / n / 1e6, "speedup": m / n, "max_abs_diff": diff}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
+    args = ap.parse_args()
+    if native.quantized_matmul_cpu() is None:
+        raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
+    results = []
+    for shape in SHAPES:
+        results.append(measure(*shape, repeats=args.repeats if shape[0] < 512 else 3))
+        r = results[-1]
+        print(f"{r['rows']:>4} x {r['out']:>5} x {r['in']:>4} q{r['bits']}: MLX {r['mlx_ms']:8.3f} ms "
+              f"({r['mlx_gflops']:5.1f} GFLOP/s)  native {r['native_ms']:7.3f} ms ({r['native_gflops']:5.1f})  "
+              f"x{r['speedup']:.1f}  max |diff| {r['max_abs_diff']:.1e}", flush=True)
+    info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
+            "isa": native._load().isa(), "loadavg": os.getloadavg(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": info, "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
