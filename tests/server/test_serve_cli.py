@@ -30,6 +30,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
+    """Until /health answers 200; the server's stderr in the failure when it exits first."""
+    def healthy() -> bool:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        try:
+            return httpx.get(f"{url}/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(healthy, timeout=timeout, what="the server to be healthy")
+
+
 @pytest.fixture(scope="module")
 def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     port = _free_port()
@@ -38,16 +50,8 @@ def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
                "--log-level", "warning"]
     process = subprocess.Popen(command, env={**os.environ, API_KEY_ENV: KEY}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        try:
-            return httpx.get(f"{url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_for(healthy, timeout=90, what="the server to be healthy")
+        _wait_healthy(url, process, timeout=90)
         yield url, process
     finally:
         if process.poll() is None:
@@ -128,16 +132,8 @@ def test_serve_with_no_model_serves_smollm2(smollm2_gguf: Path, tmp_path: Path):
                                 "--max-batch", "2", "--log-level", "warning"],
                                env={**os.environ, "MLX_SERVING_CACHE": str(cache)}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        try:
-            return httpx.get(f"{url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_for(healthy, timeout=120, what="the server to be healthy")
+        _wait_healthy(url, process, timeout=120)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
         question = [{"role": "user", "content": "What is the capital of France?"}]
