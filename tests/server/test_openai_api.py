@@ -4,12 +4,13 @@ async): outputs equal ``Serving.run`` on the same inputs; errors in OpenAI's sha
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from mlx_serving import Serving
+from mlx_serving import Serving, text_generation
 from mlx_serving.server import create_app
 
 from server_helpers import MODEL, Server, serve
@@ -182,15 +183,20 @@ def test_deadline_mid_stream_ends_the_stream_with_an_error(client: openai.OpenAI
     assert "".join(pieces)  # some text streamed before the deadline
 
 
-def test_overloaded_is_503_with_retry_after(tiny_serving: Serving):
-    with Serving.start(tiny_serving, batch_size=1, max_queue=1) as handle, serve(create_app({MODEL: handle})) as url:
-        body = {"prompt": "busy", "max_tokens": 300, "stream": True}
+def test_overloaded_is_503_with_retry_after(tiny_ckpt: Path):
+    # 4,000 tokens (seconds even on the native CPU kernel): the first row still runs when the third
+    # request arrives; leaving the streams cancels them.
+    long = text_generation.from_mlx4bit(tiny_ckpt, max_new_tokens=8, max_len=4096, max_batch=1)
+    with Serving.start(long, batch_size=1, max_queue=1) as handle, serve(create_app({MODEL: handle})) as url:
+        body = {"prompt": "busy", "max_tokens": 4000, "min_tokens": 4000, "stream": True}
         with httpx.Client(base_url=url, timeout=30) as http:
             with http.stream("POST", "/v1/completions", json=body) as running:
-                next(running.iter_lines())  # admitted and generating: the one row of the batch
+                lines = running.iter_lines()  # kept: a dropped iterator would close the stream (a cancel)
+                next(lines)  # admitted and generating: the one row of the batch
                 with http.stream("POST", "/v1/completions", json=body) as queued:
                     assert queued.status_code == 200  # waits in the queue (max_queue 1)
                     refused = http.post("/v1/completions", json=body)
+    long.close()
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "overloaded"
 
