@@ -109,12 +109,14 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: Path, shape: Shape, kind: T = T.Q4_0, *, seed: int = 0, embed_kind: T | None = None,
                extra_metadata: dict[str, object] | None = None,
-               tokenizer: dict[str, object] | None = None) -> dict[str, np.ndarray]:
+               tokenizer: dict[str, object] | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Write a GGUF of ``shape`` with every matrix in ``kind`` (the embedding in ``embed_kind``
     when given; 1-D tensors F32) and return the dense Hugging Face weights it holds (quantized
     values dequantized with ``gguf.quants``). ``tokenizer``: ``tokenizer.*`` metadata (plain
     values, e.g. copied from llama.cpp's ``ggml-vocab-llama-spm.gguf``) written instead of the
-    GPT-2 vocabulary; the embedding then has one row per its ``tokenizer.ggml.tokens``."""
+    GPT-2 vocabulary; the embedding then has one row per its ``tokenizer.ggml.tokens``.
+    ``extra_tensors``: more F32 tensors by GGUF name (e.g. llama.cpp's ``rope_freqs.weight``)."""
     tokens, types = vocabulary()
     rows = len(tokens) if tokenizer is None else len(tokenizer["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
     weights = hf_weights(shape, rows, seed)
@@ -132,6 +134,8 @@ def write_gguf(path: Path, shape: Shape, kind: T = T.Q4_0, *, seed: int = 0, emb
             n = shape.heads if ".q_proj." in name else shape.kv_heads
             data = permute(data, n)
         writer.add_tensor(gguf_name(name), data, raw_dtype=raw)
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data.astype(np.float32), raw_dtype=T.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -148,7 +152,8 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, tokens: list[str], types: l
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10_000.0)
+    if f"{shape.arch}.rope.freq_base" not in extra:
+        writer.add_rope_freq_base(10_000.0)
     if shape.arch == "qwen3":
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)

@@ -128,3 +128,31 @@ def test_rope_scaling_linear_and_yarn(tmp_path: Path) -> None:
     write_gguf(tmp_path / "yarn.gguf", Shape(), T.F16, extra_metadata={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(GGUFError, match="'yarn' is not supported"):
         G.hf_config(read_header(tmp_path / "yarn.gguf"))
+
+
+def test_llama3_rope_factors_become_the_llama3_block(tmp_path: Path) -> None:
+    """llama.cpp stores Llama 3.1+'s RoPE scaling as per-frequency factors (rope_freqs.weight):
+    factors that follow the rule exactly become rope_scaling "llama3" (and the converted model
+    computes what mlx-lm computes from that block); others are refused."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    shape = Shape()
+    block = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+    # head_dim 16 with a large base: some frequencies scaled, some kept, some smoothed
+    meta = {"llama.rope.freq_base": 5e5}
+    factors = G._llama3_factors(block, shape.head_dim, 5e5)
+    assert len(set(np.round(factors, 4))) > 2
+    write_gguf(tmp_path / "l3.gguf", shape, T.Q4_0, extra_metadata=meta, extra_tensors={"rope_freqs.weight": factors})
+    config = G.hf_config(read_header(tmp_path / "l3.gguf"))
+    assert config["rope_scaling"] == block and config["rope_theta"] == 5e5
+    out = G.convert(tmp_path / "l3.gguf", tmp_path / "out")
+    ours, _ = generate(PROMPT, load(out), max_new_tokens=8, eos_token_ids=[])
+    model = load_model(out)[0]
+    model.set_dtype(mx.float32)
+    assert ours == [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=8)]
+    write_gguf(tmp_path / "odd.gguf", shape, T.Q4_0, extra_metadata=meta,
+               extra_tensors={"rope_freqs.weight": factors * 1.5})
+    with pytest.raises(GGUFError, match="rope_freqs.weight matches no RoPE scaling rule"):
+        G.hf_config(read_header(tmp_path / "odd.gguf"))
