@@ -89,7 +89,7 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
     (``tie_word_embeddings``, or when config.json does not say and the family has no default, no
     ``lm_head.weight`` stored) reuses ``model.embed_tokens`` (a stray ``lm_head.*`` is ignored).
     ``native``: on the CPU device, computing in float32, the quantized projections and head run
-    on the native CPU kernel (:mod:`models.native`; 5-40x MLX's CPU ``quantized_matmul``,
+    on the native CPU kernel (:mod:`models.native`; 7-42x MLX's CPU ``quantized_matmul``,
     docs/benchmarks.md) when it builds on this machine; False keeps MLX's own everywhere.
 
     The checkpoint is untrusted: config.json is range-checked (the family's ``config_from_dict``),
