@@ -150,7 +150,9 @@ def _rope_scaling(header: GGUFHeader, arch: str, cfg: dict[str, object]) -> dict
     entry = header.tensors.get("rope_freqs.weight")
     if entry is None:
         return None
-    factors = np.asarray(mx.load(str(header.path))["rope_freqs.weight"].astype(mx.float32))
+    if entry.type not in (GGMLType.F32, GGMLType.F16):
+        raise GGUFError(f"{header.path}: rope_freqs.weight has ggml type {entry.type_name}, expected F32 or F16")
+    factors = _stored(header, entry).astype(np.float32)
     d, theta = int(cfg["head_dim"]), float(cfg["rope_theta"])
     block = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
     if factors.shape != (d // 2,) or not np.allclose(factors, _llama3_factors(block, d, theta), rtol=1e-4):
@@ -200,10 +202,19 @@ def _check_types(header: GGUFHeader) -> None:
                             "(e.g. llama.cpp's llama-quantize ... Q4_0)")
 
 
+_STORED = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+
+
+def _stored(header: GGUFHeader, entry: TensorEntry) -> np.ndarray:
+    """A dense (F32, F16 or BF16: its raw 16-bit words) tensor's values, read from the file alone:
+    the header reader checked that they lie inside it."""
+    raw = np.memmap(header.path, dtype=_STORED[entry.type], mode="r", offset=entry.offset, shape=entry.shape)
+    return np.array(raw)
+
+
 def _bf16(header: GGUFHeader, entry: TensorEntry) -> mx.array:
     """A BF16 tensor read as stored (MLX's GGUF reader rounds BF16 to float16)."""
-    raw = np.memmap(header.path, dtype=np.uint16, mode="r", offset=entry.offset, shape=entry.shape)
-    return mx.array(np.array(raw)).view(mx.bfloat16)
+    return mx.array(_stored(header, entry)).view(mx.bfloat16)
 
 
 def _hf_tensors(header: GGUFHeader, cfg: dict[str, object]) -> tuple[dict[str, mx.array], dict[str, GGMLType]]:

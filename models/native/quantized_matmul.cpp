@@ -186,7 +186,7 @@ void product(const float* x, const uint32_t* w, const float* s, const float* b, 
   const bool parallel = sh.m * sh.n * sh.k >= (1 << 18);
 #pragma omp parallel if (parallel)
   {
-    std::vector<float> wt(4 * sh.k);
+    std::vector<float> wt;  // allocated on first use: the one-row (decode) path dequantizes in registers
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t n0 = blk * 4;
@@ -197,6 +197,7 @@ void product(const float* x, const uint32_t* w, const float* s, const float* b, 
         continue;
       }
 #endif
+      if (wt.empty()) wt.resize(4 * sh.k);
       for (int c = 0; c < cols; ++c) {
         const int64_t n = n0 + c;
 #ifdef QMM_X86
