@@ -5,6 +5,7 @@ bias), :class:`Fused` (linears reading the same input, run as one matmul) and :c
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +14,14 @@ import numpy as np
 from ._checkpoint import QuantSpec, Quantization
 from .native import QuantizedMatmul
 
-__all__ = ["Fused", "Linear", "Reader"]
+__all__ = ["Fused", "Linear", "Reader", "swiglu"]
+
+
+@partial(mx.compile, shapeless=True)
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """The gated MLP activation of a gate/up projection pair: ``silu(gate) * up``, ``(rows, I)``
+    each -> ``(rows, I)`` in their dtype (mlx-lm's ``swiglu``; one compiled kernel)."""
+    return gate * mx.sigmoid(gate) * up
 
 
 @dataclass

@@ -25,12 +25,12 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ._weights import Fused, Linear
+from ._weights import Fused, Linear, swiglu
 from .config import DecoderConfig
 from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
 from .generation.fused_decode import decode_path, fused_decode
 
-__all__ = ["Layer", "State", "forward", "rope_frequencies", "swiglu"]
+__all__ = ["Layer", "State", "forward", "rope_frequencies"]
 
 
 @dataclass
@@ -62,12 +62,6 @@ class State:
     dtype: mx.Dtype
     path: Path | None = None
     rope_freqs: mx.array | None = None
-
-
-@partial(mx.compile, shapeless=True)
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up``, as mlx-lm's ``swiglu``."""
-    return gate * mx.sigmoid(gate) * up
 
 
 def rope_frequencies(config: DecoderConfig) -> mx.array | None:

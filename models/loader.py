@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 
@@ -136,20 +137,26 @@ def _with_native_kernel(state: State) -> State:
     kernel = quantized_matmul_cpu()
     if kernel is None:
         return state
-    layers = [replace(layer, qkv=layer.qkv.with_kernel(kernel), o_proj=layer.o_proj.with_kernel(kernel),
-                      gate_up=layer.gate_up.with_kernel(kernel), down_proj=layer.down_proj.with_kernel(kernel))
-              for layer in state.layers]
+    state = _map_projections(state, lambda m: m.with_kernel(kernel))
     head = state.lm_head.with_kernel(kernel)
     embed = head if state.lm_head is state.embed_tokens else state.embed_tokens  # a tied head stays tied
-    return replace(state, layers=layers, lm_head=head, embed_tokens=embed)
+    return replace(state, lm_head=head, embed_tokens=embed)
 
 
 def _dequantized(state: State) -> State:
+    """The projections and the head dense in the compute dtype (the embedding stays as stored)."""
     d = state.dtype
-    layers = [replace(layer, qkv=layer.qkv.dequantized(d), o_proj=layer.o_proj.dequantized(d),
-                      gate_up=layer.gate_up.dequantized(d), down_proj=layer.down_proj.dequantized(d))
-              for layer in state.layers]
-    return replace(state, layers=layers, lm_head=state.lm_head.dequantized(d))
+    return replace(_map_projections(state, lambda m: m.dequantized(d)), lm_head=state.lm_head.dequantized(d))
+
+
+_PROJECTIONS = ("qkv", "o_proj", "gate_up", "down_proj")
+
+
+def _map_projections(state: State, fn: Callable[[Linear | Fused], Linear | Fused]) -> State:
+    """``state`` with ``fn`` applied to every layer's projections (a :class:`Linear` or :class:`Fused`
+    each: both have ``with_kernel`` and ``dequantized``)."""
+    layers = [replace(layer, **{name: fn(getattr(layer, name)) for name in _PROJECTIONS}) for layer in state.layers]
+    return replace(state, layers=layers)
 
 
 def _arrays(state: State) -> list[mx.array]:

@@ -31,6 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..tokenization import data_path
+from ._checkpoint import COMPUTE_DTYPES
 from .config import DecoderConfig
 from . import families
 
@@ -38,7 +39,7 @@ __all__ = ["write_checkpoint"]
 
 _GAINS = {"self_attn.q_proj": 2.0, "self_attn.k_proj": 2.0, "self_attn.o_proj": 4.0, "mlp.down_proj": 4.0}
 _QUANTIZATION = {"group_size": 64, "bits": 4}  # the mlx-community 4-bit layout
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = tuple(COMPUTE_DTYPES)  # the dtypes a checkpoint is written in: the compute dtypes
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> mx.array:
@@ -166,7 +167,7 @@ def write_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0, *, f
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     weights = _dense_weights(config, np.random.default_rng(seed), progress)
-    _save(path, _finish(weights, quantized, getattr(mx, dtype)), shards)
+    _save(path, _finish(weights, quantized, COMPUTE_DTYPES[dtype]), shards)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     _copy_tokenizer(path)
     return path

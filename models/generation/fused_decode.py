@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .attention import Cache, Rows
+from .._weights import swiglu as split_swiglu
 from .cuda_kernels import add_rms_norm, decode_attention, kernels_available, supports, swiglu
 
 if TYPE_CHECKING:
@@ -44,8 +45,6 @@ def fused_decode(state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.arra
     (rows ``0..B-1`` = cache slots, or on a paged cache the blocks of ``rows.block_table``); the
     K/V cache is written in place. Returns logits ``(B, vocab_size)``, as
     :func:`models.layers.forward`."""
-    from ..layers import swiglu as split_swiglu  # models.layers imports this module
-
     c = state.config
     eps = c.rms_norm_eps
     paged = {} if rows.block_table is None else {"block_table": rows.block_table, "block_size": cache.block_size}
