@@ -86,6 +86,9 @@ def resolve(model: str | os.PathLike[str] | None = None) -> ResolvedModel:
         return _directory(path, path.resolve().name)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ResolvedModel(path.stem, _converted(path), f"converted from {path}")
+    if path.is_file():
+        raise ModelSourceError(f"model {spec!r} is a file but not a .gguf file: name a checkpoint directory, a "
+                               ".gguf file or a Hugging Face repo id (docs/models.md)")
     match = _HF_ID.fullmatch(spec)
     if match and not spec.startswith((".", "/", "~")):
         return _hugging_face(match["repo"], match["revision"])
@@ -122,6 +125,8 @@ def _directory(path: Path, name: str) -> ResolvedModel:
         if ggufs:
             raise ModelSourceError(f"model {str(path)!r} holds {len(ggufs)} .gguf files and no config.json: "
                                    f"name one of them ({', '.join(g.name for g in ggufs)})")
+        raise ModelSourceError(f"model {str(path)!r}: a directory with neither config.json (a checkpoint) nor "
+                               "one .gguf file")
     return ResolvedModel(name, path, f"the directory {path}")
 
 

@@ -6,7 +6,7 @@ affine 4- and 8-bit matrices, used by the family layers on the CPU device where 
 (``quantized_matmul.cpp``) is compiled once with the C++ compiler (``$CXX``, else ``c++``) against
 the installed MLX's headers and library and nanobind (the ``cpu`` extra), into
 ``cache_dir()/native/<key>`` (the key hashes the source, MLX's and nanobind's versions and the
-Python ABI): about 30-60 s on 2 cores, with one line on stderr. When it cannot be built or loaded
+Python ABI): 10-60 s on 2 cores, with one line on stderr. When it cannot be built or loaded
 (no compiler, no nanobind, an MLX whose nanobind ABI differs), one line on stderr says why and the
 callers use ``mx.quantized_matmul``; ``MLX_SERVING_NATIVE=0`` turns the kernels off (silently).
 """
@@ -91,7 +91,7 @@ def _build() -> Path:
     if target.is_file():
         return target
     out.mkdir(parents=True, exist_ok=True)
-    print("mlx-serving: building the native CPU kernels once for this machine (30-60 s)...", file=sys.stderr,
+    print("mlx-serving: building the native CPU kernels once for this machine (10-60 s)...", file=sys.stderr,
           flush=True)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         built = Path(tmp) / target.name

@@ -119,6 +119,14 @@ def test_an_unknown_name_lists_what_a_model_can_be(spec: str) -> None:
         resolve(spec)
 
 
+def test_a_file_or_directory_that_is_no_model_says_what_it_is(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ModelSourceError, match="is a file but not a .gguf file"):
+        resolve(tmp_path / "notes.txt")
+    with pytest.raises(ModelSourceError, match="neither config.json .* nor one .gguf file"):
+        resolve(tmp_path)
+
+
 def test_seeded_checkpoints_by_name(cache: Path) -> None:
     found = resolve("seeded:llama-tiny")
     assert found.path == cache / "llama-tiny-random-4bit-seed0"
