@@ -29,6 +29,7 @@ from ._weights import Fused, Linear, swiglu
 from .config import DecoderConfig
 from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
 from .generation.fused_decode import decode_path, fused_decode
+from .native import PagedAttention
 
 __all__ = ["Layer", "State", "forward", "rope_frequencies"]
 
@@ -51,8 +52,9 @@ class Layer:
 @dataclass
 class State:
     """A loaded model: config (``tie_word_embeddings`` resolved), weights, activation ``dtype``,
-    checkpoint ``path``, and ``rope_freqs`` ``(head_dim / 2,)``, the RoPE frequency table when
-    ``rope_scaling`` is "llama3" (None otherwise)."""
+    checkpoint ``path``, ``rope_freqs`` ``(head_dim / 2,)``, the RoPE frequency table when
+    ``rope_scaling`` is "llama3" (None otherwise), and ``attention``, the native CPU attention over
+    the paged KV cache when the loader picked it (:func:`models.native.paged_attention_cpu`)."""
 
     config: DecoderConfig
     embed_tokens: Linear
@@ -62,6 +64,7 @@ class State:
     dtype: mx.Dtype
     path: Path | None = None
     rope_freqs: mx.array | None = None
+    attention: PagedAttention | None = None
 
 
 def rope_frequencies(config: DecoderConfig) -> mx.array | None:
@@ -129,7 +132,7 @@ def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
     path = decode_path(state)
     if rows.tokens.shape[1] == 1 and rows.slots is None and path == "fused":
         return fused_decode(state, cache, rows, h)
-    step = make_step(rows, cache, sdpa_decode=path == "sdpa")
+    step = make_step(rows, cache, sdpa_decode=path == "sdpa", kernel=state.attention)
     rope = _rope(state, rows)
     eps = c.rms_norm_eps
     for i, layer in enumerate(state.layers):

@@ -24,7 +24,7 @@ from ._weights import Fused, Linear, Reader
 from .config import DecoderConfig
 from .families import read_config
 from .layers import Layer, State, rope_frequencies
-from .native import quantized_matmul_cpu
+from .native import paged_attention_cpu, quantized_matmul_cpu
 
 __all__ = ["load"]
 
@@ -91,7 +91,8 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
     ``lm_head.weight`` stored) reuses ``model.embed_tokens`` (a stray ``lm_head.*`` is ignored).
     ``native``: on the CPU device, computing in float32, the quantized projections and head run
     on the native CPU kernel (:mod:`models.native`; 7-42x MLX's CPU ``quantized_matmul``,
-    docs/benchmarks.md) when it builds on this machine; False keeps MLX's own everywhere.
+    docs/benchmarks.md) and attention over the paged KV cache on the native CPU attention, when
+    they build on this machine; False keeps MLX's own everywhere.
 
     The checkpoint is untrusted: config.json is range-checked (the family's ``config_from_dict``),
     every file must resolve inside the directory, and every safetensors header is parsed and every
@@ -123,10 +124,13 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
                   norm=r.tensor("model.norm.weight"),
                   lm_head=embed if config.tie_word_embeddings else r.linear("lm_head"),
                   dtype=compute, path=path, rope_freqs=rope_frequencies(config))
+    on_cpu = native and compute == mx.float32 and mx.default_device() == mx.cpu
     if dequantize:
         state = _dequantized(state)
-    elif native and compute == mx.float32 and mx.default_device() == mx.cpu:
+    elif on_cpu:
         state = _with_native_kernel(state)
+    if on_cpu:
+        state = replace(state, attention=paged_attention_cpu())
     mx.eval(_arrays(state))
     return state
 

@@ -17,6 +17,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
+from ..native import PagedAttention
 from .kv_cache import PagedKVCache
 from .protocol import ModelState
 from .slot_cache import KVCache
@@ -157,6 +158,7 @@ class Step:
     write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
     read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
     groups: list[tuple[int, int, mx.array]] | None = None  # causal groups: (lo, hi, read_idx (hi-lo, start+T))
+    kernel: PagedAttention | None = None  # paged: the native CPU attention reads the block table itself
 
     def unpack(self, x: mx.array) -> mx.array:
         """Packed ``(N, F)`` activations laid out as ``(B * T, F)`` (identity when not packed)."""
@@ -167,10 +169,13 @@ class Step:
         return x if self.rows.packed is None else x[self.rows.packed]
 
 
-def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False) -> Step:
+def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False, kernel: PagedAttention | None = None) -> Step:
     """The per-forward values every layer's :func:`attend` shares.
     ``sdpa_decode``: one-token masked rows attend through ``mx.fast.scaled_dot_product_attention``
-    (the "sdpa" decode path) instead of :func:`_decode_attention` ("matmul").
+    (the "sdpa" decode path) instead of :func:`_decode_attention` ("matmul"). ``kernel``: on a
+    paged cache, every row attends through this native CPU attention
+    (:func:`models.native.paged_attention_cpu`), which reads the block table itself: no mask, no
+    gathered K/V, prefill and decode one computation (the model state's ``attention``).
 
     ``cache`` is a slot :class:`KVCache`, or a paged cache (then ``rows.block_table`` is set):
     the block table becomes flat write and read indices once per forward, not per layer."""
@@ -182,7 +187,9 @@ def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False) -> Step:
         blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
         write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
         step = Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=None,
-                    sdpa_decode=sdpa_decode, write_idx=write.reshape(-1))
+                    sdpa_decode=sdpa_decode, write_idx=write.reshape(-1), kernel=kernel)
+        if kernel is not None:
+            return step
         if rows.causal_groups is not None:
             step.groups = [(lo, hi, _read_idx(table[lo:hi], start + t, bs)) for lo, hi, start in rows.causal_groups]
         else:
@@ -218,13 +225,18 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     On a paged cache (``step.write_idx`` set by :func:`make_step`) K/V are written at each
     token's flat block position and each row's blocks are gathered into ``(B, Hkv, kv_len, D)``
     before the same masked attention, or per causal group (``Rows.causal_groups``) into
-    ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask."""
+    ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with ``step.kernel`` the native CPU
+    attention reads them through the block table instead."""
     rows = step.rows
     b, h, t, d = q.shape
     if step.write_idx is not None:
         hkv = k.shape[1]
         cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
         cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
+        if step.kernel is not None:
+            out = step.kernel(q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, d**-0.5,
+                              cache.block_size)
+            return out.reshape(b * t, h * d)
         if step.groups is not None:
             outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
                                                          mask="causal") for lo, hi, read in step.groups]

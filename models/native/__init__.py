@@ -1,14 +1,16 @@
 """Native CPU kernels, built on first use for this machine's MLX and cached.
 
-:func:`quantized_matmul_cpu` is an MLX primitive (C++ extension API, ``eval_cpu``) for MLX's
-affine 4- and 8-bit matrices, used by the family layers on the CPU device where MLX's own
-``mx.quantized_matmul`` is a scalar loop (docs/benchmarks.md, "CPU"). The source
-(``quantized_matmul.cpp``) is compiled once with the C++ compiler (``$CXX``, else ``c++``) against
+Two MLX primitives (C++ extension API, ``eval_cpu``) used on the CPU device, computing in float32:
+:func:`quantized_matmul_cpu` for MLX's affine 4- and 8-bit matrices (the family layers' projections
+and head; MLX's own ``mx.quantized_matmul`` is a scalar loop there) and :func:`paged_attention_cpu`,
+causal GQA attention read through the paged KV cache's block table (MLX's CPU attention runs on a
+reference BLAS): docs/benchmarks.md, "CPU". The sources (``*.cpp`` here) are compiled once into one
+module with the C++ compiler (``$CXX``, else ``c++``) against
 the installed MLX's headers and library and nanobind (the ``cpu`` extra), into
 ``cache_dir()/native/<key>`` (the key hashes the source, MLX's and nanobind's versions and the
 Python ABI): 10-60 s on 2 cores, with one line on stderr. When it cannot be built or loaded
 (no compiler, no nanobind, an MLX whose nanobind ABI differs), one line on stderr says why and the
-callers use ``mx.quantized_matmul``; ``MLX_SERVING_NATIVE=0`` turns the kernels off (silently).
+callers use MLX's own operations; ``MLX_SERVING_NATIVE=0`` turns the kernels off (silently).
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ import mlx.core as mx
 
 from .._fetch import cache_dir
 
-__all__ = ["QuantizedMatmul", "quantized_matmul_cpu", "unavailable_reason"]
+__all__ = ["PagedAttention", "QuantizedMatmul", "paged_attention_cpu", "quantized_matmul_cpu", "unavailable_reason"]
 
-_SOURCE = Path(__file__).with_name("quantized_matmul.cpp")
-_MODULE = "_quantized_matmul"
+_DIR = Path(__file__).parent
+_SOURCES = ("module.cpp", "quantized_matmul.cpp", "paged_attention.cpp")
+_MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
 
@@ -47,6 +50,18 @@ class QuantizedMatmul(Protocol):
                  bits: int) -> mx.array: ...
 
 
+class PagedAttention(Protocol):
+    """``(q (B, H, T, D) float32, k (R, Hkv, D) float32, v (R, Hkv, D) float32, block_table (B, W)
+    int32, start (B,) int32, n_valid (B,) int32, scale, block_size) -> (B, T, H, D) float32``: query
+    ``j`` of row ``b`` (position ``start[b] + j``) attends to the keys at positions ``0..start[b] + j``,
+    read at flat row ``block_table[b, p // block_size] * block_size + p % block_size``; head ``h``
+    reads KV head ``h // (H // Hkv)``; queries ``j >= n_valid[b]`` are padding (zeros). Each query's
+    result depends only on its own vector and its prefix (batch-invariant, bit for bit)."""
+
+    def __call__(self, q: mx.array, k: mx.array, v: mx.array, block_table: mx.array, start: mx.array,
+                 n_valid: mx.array, scale: float, block_size: int) -> mx.array: ...
+
+
 def unavailable_reason() -> str | None:
     """Why the native kernels are not in use (None when they are, or before the first attempt)."""
     return _reason[0] if _reason else None
@@ -57,6 +72,13 @@ def quantized_matmul_cpu() -> QuantizedMatmul | None:
     docstring; the reason is printed once and kept in :func:`unavailable_reason`)."""
     module = _load()
     return None if module is None else module.quantized_matmul
+
+
+def paged_attention_cpu() -> PagedAttention | None:
+    """The native CPU paged attention, built on first call (None when unavailable, as
+    :func:`quantized_matmul_cpu`)."""
+    module = _load()
+    return None if module is None else module.paged_attention
 
 
 @cache
@@ -79,7 +101,7 @@ def _load() -> ModuleType | None:
 def _key() -> str:
     import nanobind
 
-    parts = [_SOURCE.read_bytes(), mx.__version__.encode(), nanobind.__version__.encode(),
+    parts = [*((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h")), mx.__version__.encode(), nanobind.__version__.encode(),
              (sysconfig.get_config_var("EXT_SUFFIX") or "").encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -111,7 +133,7 @@ def _command(output: Path) -> list[str]:
     return [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx",
             "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb_dir / 'include'}",
             f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
-            str(_SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+            *(str(_DIR / name) for name in _SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(output)]
 
 
@@ -125,7 +147,8 @@ def _import(path: Path) -> ModuleType:
 
 
 def _check(module: ModuleType) -> None:
-    """One small product against MLX's own (the module must accept and return ``mx.array``)."""
+    """One small product against MLX's own (the module must accept and return ``mx.array``); the
+    attention is checked by the tests (tests/models/test_native_kernels.py)."""
     x = mx.arange(64, dtype=mx.float32).reshape(1, 64) / 64
     w, s, b = mx.quantize(mx.ones((8, 64)), group_size=32, bits=4)
     got = module.quantized_matmul(x, w, s, b, 32, 4)

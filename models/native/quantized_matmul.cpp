@@ -16,16 +16,13 @@
 // product accumulates in float32 (in 8 lanes, summed at the end), so results differ from MLX's
 // own kernel only by the order of float32 additions.
 
-#include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/variant.h>
-
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
 
+#include "kernels.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -36,8 +33,8 @@
 #endif
 
 namespace mx = mlx::core;
-namespace nb = nanobind;
 
+namespace mlx_serving {
 namespace {
 
 struct Shape {
@@ -153,12 +150,6 @@ __attribute__((target("avx2,fma"))) void gemv_4rows(const float* x, const uint32
   for (int r = 0; r < 4; ++r) y[r] = hsum(acc[r]);
 }
 
-bool portable_only = false;  // set by force_portable(): the tests' way to run the portable path here
-
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes && !portable_only;
-}
 #endif
 
 // ---- the product over a block of 4 output columns ---------------------------------------------
@@ -174,12 +165,43 @@ void block_portable(const float* x, const float* wt, float* y, const Shape& sh, 
     }
 }
 
+// y[:, n0..n0+cols) through the dequantized rows wt (cols x K): pairs of x rows against four
+// columns at a time, so a pair is read from memory once per panel, not once per four columns.
+void panel(const float* x, const float* wt, float* y, const Shape& sh, int64_t n0, int cols, bool avx2) {
+#ifdef QMM_X86
+  if (avx2 && cols % 4 == 0) {
+    float out[2][4];
+    int64_t m = 0;
+    for (; m + 1 < sh.m; m += 2)
+      for (int c = 0; c < cols; c += 4) {
+        tile_2x4(x + m * sh.k, x + (m + 1) * sh.k, wt + c * sh.k, sh.k, out[0], out[1]);
+        std::memcpy(y + m * sh.n + n0 + c, out[0], sizeof out[0]);
+        std::memcpy(y + (m + 1) * sh.n + n0 + c, out[1], sizeof out[1]);
+      }
+    if (m < sh.m)
+      for (int c = 0; c < cols; c += 4) {
+        tile_1x4(x + m * sh.k, wt + c * sh.k, sh.k, out[0]);
+        std::memcpy(y + m * sh.n + n0 + c, out[0], sizeof out[0]);
+      }
+    return;
+  }
+#else
+  (void)avx2;
+#endif
+  block_portable(x, wt, y, sh, n0, cols);
+}
+
 void product(const float* x, const uint32_t* w, const float* s, const float* b, float* y, const Shape& sh) {
   const int64_t words = sh.k * sh.bits / 32, groups = sh.k / sh.group;
-  const int64_t blocks = (sh.n + 3) / 4;
 #ifdef QMM_X86
-  const bool avx2 = has_avx2() && sh.k % 8 == 0;
+  const bool avx2 = cpu_has_avx2() && sh.k % 8 == 0;
+#else
+  const bool avx2 = false;
 #endif
+  // One row (decode): 4 columns per block, dequantized in registers. More rows: panels of 16
+  // dequantized columns (64 KiB at K = 1,024: in L2) that each pair of x rows runs through.
+  const int64_t width = sh.m == 1 ? 4 : 16;
+  const int64_t blocks = (sh.n + width - 1) / width;
   // Dynamic blocks: when the cores are shared (another process, MLX's own thread), a descheduled
   // thread must not hold the whole product at the barrier; small products run on one thread.
   const int64_t chunk = std::max<int64_t>(1, blocks / 32);
@@ -189,15 +211,15 @@ void product(const float* x, const uint32_t* w, const float* s, const float* b, 
     std::vector<float> wt;  // allocated on first use: the one-row (decode) path dequantizes in registers
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t n0 = blk * 4;
-      const int cols = static_cast<int>(std::min<int64_t>(4, sh.n - n0));
+      const int64_t n0 = blk * width;
+      const int cols = static_cast<int>(std::min<int64_t>(width, sh.n - n0));
 #ifdef QMM_X86
       if (avx2 && cols == 4 && sh.m == 1) {
         gemv_4rows(x, w + n0 * words, s + n0 * groups, b + n0 * groups, sh, y + n0);
         continue;
       }
 #endif
-      if (wt.empty()) wt.resize(4 * sh.k);
+      if (wt.empty()) wt.resize(width * sh.k);
       for (int c = 0; c < cols; ++c) {
         const int64_t n = n0 + c;
 #ifdef QMM_X86
@@ -208,23 +230,9 @@ void product(const float* x, const uint32_t* w, const float* s, const float* b, 
 #endif
         dequant_row_portable(w + n * words, s + n * groups, b + n * groups, wt.data() + c * sh.k, sh);
       }
-#ifdef QMM_X86
-      if (avx2 && cols == 4) {
-        float out[2][4];
-        int64_t m = 0;
-        for (; m + 1 < sh.m; m += 2) {
-          tile_2x4(x + m * sh.k, x + (m + 1) * sh.k, wt.data(), sh.k, out[0], out[1]);
-          std::memcpy(y + m * sh.n + n0, out[0], sizeof out[0]);
-          std::memcpy(y + (m + 1) * sh.n + n0, out[1], sizeof out[1]);
-        }
-        if (m < sh.m) {
-          tile_1x4(x + m * sh.k, wt.data(), sh.k, out[0]);
-          std::memcpy(y + m * sh.n + n0, out[0], sizeof out[0]);
-        }
-        continue;
-      }
-#endif
-      block_portable(x, wt.data(), y, sh, n0, cols);
+      const int whole = avx2 ? cols / 4 * 4 : 0;  // the AVX2 tiles take columns four at a time
+      if (whole) panel(x, wt.data(), y, sh, n0, whole, avx2);
+      if (whole < cols) block_portable(x, wt.data() + whole * sh.k, y, sh, n0 + whole, cols - whole);
     }
   }
 }
@@ -271,6 +279,8 @@ class QuantizedMatmul : public mx::Primitive {
   int group_, bits_;
 };
 
+}  // namespace
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matmul_cpu: bits must be 4 or 8");
@@ -292,26 +302,4 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    std::move(inputs));
 }
 
-const char* isa() {
-#ifdef QMM_X86
-  return has_avx2() ? "avx2+fma" : "portable";
-#else
-  return "portable";
-#endif
-}
-
-}  // namespace
-
-NB_MODULE(_quantized_matmul, m) {
-  m.doc() = "CPU kernel for MLX affine-quantized matrix products (mlx-serving)";
-  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
-        "x (..., K) float32 @ dequantize(w, scales, biases).T -> (..., N) float32 (MLX's affine layout).");
-  m.def("isa", &isa, "The instruction set the kernel runs with on this CPU: 'avx2+fma' or 'portable'.");
-#ifdef QMM_X86
-  m.def("force_portable", [](bool on) { portable_only = on; },
-        "Run the portable loop even where AVX2 + FMA are present (for tests).");
-#else
-  m.def("force_portable", [](bool) {}, "The portable loop is the only one on this CPU.");
-#endif
-}
+}  // namespace mlx_serving

@@ -1,7 +1,11 @@
-"""The native CPU kernel (models/native): its products equal a pure-MLX reference (dequantize,
-then matmul) on every supported layout, through both instruction paths, non-contiguous and
-batched inputs, inside mx.compile; bad arguments are refused by name; the loader uses it on the
-CPU and the generated ids do not change."""
+"""The native CPU kernels (models/native). The quantized matmul's products equal a pure-MLX
+reference (dequantize, then matmul) on every supported layout, through both instruction paths,
+non-contiguous and batched inputs, inside mx.compile. The paged attention equals a pure-MLX
+reference (the K/V gathered through the block table, then ``mx.fast.scaled_dot_product_attention``
+with the causal mask, row by row) on GQA and MHA shapes, padding and empty rows, both instruction
+paths; each query's result is bit-for-bit independent of its batchmates and of the call's query
+count. Bad arguments are refused by name; the loader uses both on the CPU and the generated ids do
+not change."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import itertools
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_serving.models import native
@@ -16,6 +21,7 @@ from mlx_serving.models.generation.generate import generate
 from mlx_serving.models.loader import load
 
 kernel = native.quantized_matmul_cpu()
+attention = native.paged_attention_cpu()
 pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel unavailable: {native.unavailable_reason()}")
 
 
@@ -84,6 +90,7 @@ def test_bad_arguments_are_refused(bad: str) -> None:
 def test_the_loader_uses_it_on_the_cpu_and_the_ids_do_not_change(tiny_ckpt: Path) -> None:
     fast, plain = load(tiny_ckpt), load(tiny_ckpt, native=False)
     assert fast.layers[0].qkv.linears()[0].kernel is not None and fast.lm_head.kernel is not None
+    assert fast.attention is not None and plain.attention is None
     assert plain.layers[0].qkv.linears()[0].kernel is None
     prompt = [7985, 825, 11652, 911, 264, 3460, 13]
     ours, _ = generate(prompt, fast, max_new_tokens=16, eos_token_ids=[])
@@ -100,7 +107,7 @@ def test_without_a_compiler_it_says_so_once_and_falls_back(tiny_ckpt: Path, tmp_
     script = ("import sys; from mlx_serving.models.loader import load; "
               "from mlx_serving.models.generation.generate import generate; "
               f"s = load({str(tiny_ckpt)!r}); load({str(tiny_ckpt)!r}); "
-              "assert s.lm_head.kernel is None; "
+              "assert s.lm_head.kernel is None and s.attention is None; "
               "print(generate([7985, 825, 11652], s, max_new_tokens=6, eos_token_ids=[])[0])")
     env = {**os.environ, "MLX_SERVING_CACHE": str(tmp_path), "CXX": "/bin/false"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -112,3 +119,83 @@ def test_without_a_compiler_it_says_so_once_and_falls_back(tiny_ckpt: Path, tmp_
     off = subprocess.run([sys.executable, "-c", script], env={**env, "MLX_SERVING_NATIVE": "0"},
                          capture_output=True, text=True, timeout=120)
     assert off.returncode == 0 and "not available" not in off.stderr  # asked for: nothing to report
+
+
+# -- paged attention ------------------------------------------------------------------------------
+
+def _paged(b: int, h: int, hkv: int, t: int, d: int, bs: int, width: int, seed: int):
+    """Random q (B, H, T, D), a shuffled block pool k, v (R, Hkv, D), a block table (B, W) of
+    distinct blocks (block 0 never handed out), starts leaving room for T queries."""
+    rng = np.random.default_rng(seed)
+    rows = (b * width + 1) * bs
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((b, h, t, d), (rows, hkv, d), (rows, hkv, d)))
+    table = mx.array(rng.permutation(np.arange(1, b * width + 1)).reshape(b, width).astype(np.int32))
+    start = mx.array(rng.integers(0, width * bs - t + 1, b).astype(np.int32))
+    return q, k, v, table, start
+
+
+def _reference(q, k, v, table, start, n_valid, bs: int) -> mx.array:
+    """Pure MLX, row by row: the row's keys and values gathered through its blocks, then MLX's
+    attention with the causal mask over positions 0..start + n - 1; padding queries zero."""
+    b, h, t, d = q.shape
+    out = mx.zeros((b, t, h, d))
+    for r in range(b):
+        s, n = int(start[r]), int(n_valid[r])
+        if n == 0:
+            continue
+        pos = mx.arange(s + n)
+        flat = table[r][pos // bs] * bs + pos % bs
+        keys, values = k[flat].transpose(1, 0, 2)[None], v[flat].transpose(1, 0, 2)[None]
+        mask = mx.arange(s + n)[None, :] <= (s + mx.arange(n))[:, None]
+        o = mx.fast.scaled_dot_product_attention(q[r:r + 1, :, :n], keys, values, scale=d**-0.5, mask=mask)
+        out[r, :n] = o[0].transpose(1, 0, 2)
+    return out
+
+
+@pytest.mark.parametrize("b,h,hkv,t,d,bs,width", [(1, 9, 3, 70, 64, 16, 8), (3, 4, 2, 1, 32, 4, 9),
+                                                  (2, 6, 6, 5, 20, 8, 3), (4, 8, 2, 33, 128, 16, 4),
+                                                  (5, 16, 8, 3, 64, 16, 2)])
+def test_paged_attention_equals_the_mlx_reference(isa: str, b: int, h: int, hkv: int, t: int, d: int, bs: int,
+                                                  width: int) -> None:
+    q, k, v, table, start = _paged(b, h, hkv, t, d, bs, width, seed=b * 7 + t)
+    n_valid = mx.array(np.random.default_rng(t).integers(0, t + 1, b).astype(np.int32))
+    n_valid[0] = t  # one full row at least; others may be padding-only (0)
+    got = attention(q, k, v, table, start, n_valid, d**-0.5, bs)
+    assert got.shape == (b, t, h, d) and got.dtype == mx.float32
+    want = _reference(q, k, v, table, start, n_valid, bs)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), (isa, float(mx.abs(got - want).max()))
+
+
+def test_paged_attention_is_batch_and_chunk_invariant() -> None:
+    """A row alone equals the row in a batch, and a query computed in a prefill of many tokens
+    equals the same query in a one-token call at its position (decode; a prefix-cache hit's or a
+    preempted row's recomputation): bit for bit, not merely close."""
+    b, h, hkv, t, d, bs = 4, 9, 3, 40, 64, 16
+    q, k, v, table, start = _paged(b, h, hkv, t, d, bs, 6, seed=3)
+    n_valid = mx.array([40, 17, 40, 1], dtype=mx.int32)
+    batched = attention(q, k, v, table, start, n_valid, 0.125, bs)
+    for r in range(b):
+        alone = attention(q[r:r + 1], k, v, table[r:r + 1], start[r:r + 1], n_valid[r:r + 1], 0.125, bs)
+        assert mx.array_equal(alone[0], batched[r]).item(), r
+    for j in (0, 15, 16, 31, 39):  # block edges of the key tiling and of the query tiles
+        one = attention(q[:1, :, j:j + 1], k, v, table[:1], start[:1] + j, mx.array([1], dtype=mx.int32), 0.125, bs)
+        assert mx.array_equal(one[0, 0], batched[0, j]).item(), j
+
+
+def test_paged_attention_inside_mx_compile() -> None:
+    q, k, v, table, start = _paged(2, 4, 2, 3, 32, 8, 4, seed=5)
+    n_valid = mx.array([3, 2], dtype=mx.int32)
+    f = mx.compile(lambda a: attention(a, k, v, table, start, n_valid, 0.5, 8) + 1.0)
+    assert mx.allclose(f(q), attention(q, k, v, table, start, n_valid, 0.5, 8) + 1.0).item()
+
+
+@pytest.mark.parametrize("bad", ["dtype", "index dtype", "heads", "table"])
+def test_paged_attention_bad_arguments_are_refused(bad: str) -> None:
+    q, k, v, table, start = _paged(2, 4, 2, 3, 32, 8, 4, seed=1)
+    n = mx.array([3, 3], dtype=mx.int32)
+    args = {"dtype": (q.astype(mx.float16), k, v, table, start, n), "index dtype": (q, k, v, table, start.astype(mx.int64), n),
+            "heads": (q[:, :3], k, v, table, start, n), "table": (q, k, v, table[:1], start, n)}[bad]
+    with pytest.raises(ValueError, match={"dtype": "must be float32", "index dtype": "must be int32",
+                                          "heads": "H % Hkv == 0", "table": "block_table"}[bad]):
+        attention(*args, 0.5, 8)

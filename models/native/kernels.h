@@ -1,0 +1,22 @@
+// The native CPU kernels of mlx-serving: MLX primitives with eval_cpu (see each source file).
+#pragma once
+
+#include "mlx/array.h"
+
+namespace mlx_serving {
+
+// True when the CPU has AVX2 + FMA and the portable loops are not forced (force_portable).
+bool cpu_has_avx2();
+void force_portable(bool on);
+
+// x (..., K) float32 @ dequantize(w, scales, biases).T -> (..., N) float32 (quantized_matmul.cpp).
+mlx::core::array quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                  const mlx::core::array& scales, const mlx::core::array& biases, int group_size,
+                                  int bits);
+
+// Causal GQA attention over the paged KV cache -> (B, T, H, D) float32 (paged_attention.cpp).
+mlx::core::array paged_attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                                 const mlx::core::array& block_table, const mlx::core::array& start,
+                                 const mlx::core::array& n_valid, float scale, int block_size);
+
+}  // namespace mlx_serving
