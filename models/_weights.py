@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -71,6 +72,16 @@ class Linear:
                  and self.scales is not None and self.scales.dtype == mx.float32)
         return replace(self, kernel=kernel) if takes else self
 
+    def compact(self) -> "Linear":
+        """This matrix with its quantization scales and biases stored as float16 when the native
+        kernel computes it and float16 holds them exactly (a GGUF's or an MLX float16 checkpoint's
+        always do): the same products, a sixth fewer bytes per 4-bit weight read; itself otherwise."""
+        if self.kernel is None or self.scales.dtype != mx.float32:
+            return self
+        half = [a.astype(mx.float16) for a in (self.scales, self.biases)]
+        exact = all(mx.array_equal(h.astype(mx.float32), a).item() for h, a in zip(half, (self.scales, self.biases)))
+        return replace(self, scales=half[0], biases=half[1]) if exact else self
+
     def dequantized(self, dtype: mx.Dtype) -> "Linear":
         """This matrix as a dense ``(out, in)`` Linear in ``dtype`` (itself when dense)."""
         if self.scales is None:
@@ -129,17 +140,23 @@ class Fused:
         offsets = [int(x) for x in np.cumsum([p.weight.shape[0] for p in parts])[:-1]]
         return cls(Linear(cat[0], cat[1], cat[2], first.spec, bias=cat[3]), offsets, [])
 
+    def map(self, fn: Callable[[Linear], Linear]) -> "Fused":
+        """The same linears, each replaced by ``fn`` of it (the merged one, or every part)."""
+        if self.merged is None:
+            return Fused(None, [], [fn(p) for p in self.parts])
+        return Fused(fn(self.merged), self.splits, [])
+
     def dequantized(self, dtype: mx.Dtype) -> "Fused":
         """The same linears stored dense in ``dtype``."""
-        if self.merged is None:
-            return Fused(None, [], [p.dequantized(dtype) for p in self.parts])
-        return Fused(self.merged.dequantized(dtype), self.splits, [])
+        return self.map(lambda m: m.dequantized(dtype))
 
     def with_kernel(self, kernel: QuantizedMatmul) -> "Fused":
         """The same linears, each computed by ``kernel`` where it takes them (:meth:`Linear.with_kernel`)."""
-        if self.merged is None:
-            return Fused(None, [], [p.with_kernel(kernel) for p in self.parts])
-        return Fused(self.merged.with_kernel(kernel), self.splits, [])
+        return self.map(lambda m: m.with_kernel(kernel))
+
+    def compact(self) -> "Fused":
+        """The same linears, each :meth:`Linear.compact`."""
+        return self.map(Linear.compact)
 
     def linears(self) -> list[Linear]:
         """The matrices this holds (the merged one, or the parts)."""
@@ -151,6 +168,11 @@ class Reader:
 
     def __init__(self, path: Path, tensors: dict[str, mx.array], quantization: Quantization | None):
         self.path, self.tensors, self.quantization = path, tensors, quantization
+
+    def release(self, prefix: str) -> None:
+        """Forget every tensor whose name starts with ``prefix`` (built into weights already)."""
+        for name in [n for n in self.tensors if n.startswith(prefix)]:
+            del self.tensors[name]
 
     def tensor(self, name: str) -> mx.array:
         """Tensor ``name``; KeyError naming it when absent."""

@@ -24,7 +24,7 @@ from ._weights import Fused, Linear, Reader
 from .config import DecoderConfig
 from .families import read_config
 from .layers import Layer, State, rope_frequencies
-from .native import paged_attention_cpu, quantized_matmul_cpu
+from .native import QuantizedMatmul, paged_attention_cpu, quantized_matmul_cpu
 
 __all__ = ["load"]
 
@@ -118,58 +118,59 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
 
     tensors, compute = cast_floating(read_tensors(path, check), dtype)
     r = Reader(path, tensors, config.quantization)
-    embed = r.linear("model.embed_tokens")
-    state = State(config=config, embed_tokens=embed,
-                  layers=[_layer(r, i, config) for i in range(config.num_hidden_layers)],
-                  norm=r.tensor("model.norm.weight"),
-                  lm_head=embed if config.tie_word_embeddings else r.linear("lm_head"),
-                  dtype=compute, path=path, rope_freqs=rope_frequencies(config))
     on_cpu = native and compute == mx.float32 and mx.default_device() == mx.cpu
+    kernel = quantized_matmul_cpu() if on_cpu and not dequantize else None
+    layers = [_load_layer(r, i, config, _preparation(compute, dequantize, kernel))
+              for i in range(config.num_hidden_layers)]
+    embed = r.linear("model.embed_tokens")
+    head = embed if config.tie_word_embeddings else r.linear("lm_head")
     if dequantize:
-        state = _dequantized(state)
-    elif on_cpu:
-        state = _with_native_kernel(state)
-    if on_cpu:
-        state = replace(state, attention=paged_attention_cpu())
+        head = head.dequantized(compute)  # the embedding stays as stored: it is only looked up
+    elif kernel is not None:
+        head = head.with_kernel(kernel)
+        embed = head if config.tie_word_embeddings else embed  # a tied head stays tied
+    state = State(config=config, embed_tokens=embed, layers=layers, norm=r.tensor("model.norm.weight"),
+                  lm_head=head, dtype=compute, path=path, rope_freqs=rope_frequencies(config),
+                  attention=paged_attention_cpu() if on_cpu else None)
     mx.eval(_arrays(state))
+    mx.clear_cache()  # the buffers of the stored tensors the layers were built from
     return state
 
 
-def _with_native_kernel(state: State) -> State:
-    """``state`` with every quantized matrix the native CPU kernel takes computed by it (itself
-    when the kernel is unavailable: :func:`models.native.quantized_matmul_cpu` says why, once)."""
-    kernel = quantized_matmul_cpu()
-    if kernel is None:
-        return state
-    state = _map_projections(state, lambda m: m.with_kernel(kernel))
-    head = state.lm_head.with_kernel(kernel)
-    embed = head if state.lm_head is state.embed_tokens else state.embed_tokens  # a tied head stays tied
-    return replace(state, lm_head=head, embed_tokens=embed)
+def _preparation(compute: mx.Dtype, dequantize: bool,
+                 kernel: QuantizedMatmul | None) -> Callable[[Linear | Fused], Linear | Fused]:
+    """What the loader does to each projection: dense in ``compute`` (``dequantize``), computed
+    by the native CPU ``kernel`` with its scales compacted where exact, or nothing."""
+    if dequantize:
+        return lambda m: m.dequantized(compute)
+    if kernel is not None:
+        return lambda m: m.with_kernel(kernel).compact()
+    return lambda m: m
 
 
-def _dequantized(state: State) -> State:
-    """The projections and the head dense in the compute dtype (the embedding stays as stored)."""
-    d = state.dtype
-    return replace(_map_projections(state, lambda m: m.dequantized(d)), lm_head=state.lm_head.dequantized(d))
+def _load_layer(r: Reader, i: int, c: DecoderConfig, prepare: Callable[[Linear | Fused], Linear | Fused]) -> Layer:
+    """Layer ``i`` built, prepared and evaluated, and its stored tensors dropped from ``r``: the
+    loader's peak memory is the model plus one layer's stored tensors, not twice the model."""
+    layer = _layer(r, i, c)
+    layer = replace(layer, **{name: prepare(getattr(layer, name)) for name in _PROJECTIONS})
+    mx.eval(_layer_arrays(layer))
+    r.release(f"model.layers.{i}.")
+    return layer
 
 
 _PROJECTIONS = ("qkv", "o_proj", "gate_up", "down_proj")
 
 
-def _map_projections(state: State, fn: Callable[[Linear | Fused], Linear | Fused]) -> State:
-    """``state`` with ``fn`` applied to every layer's projections (a :class:`Linear` or :class:`Fused`
-    each: both have ``with_kernel`` and ``dequantized``)."""
-    layers = [replace(layer, **{name: fn(getattr(layer, name)) for name in _PROJECTIONS}) for layer in state.layers]
-    return replace(state, layers=layers)
+def _layer_arrays(layer: Layer) -> list[mx.array]:
+    out = [a for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm)
+           if a is not None]
+    for lin in [layer.o_proj, layer.down_proj] + layer.qkv.linears() + layer.gate_up.linears():
+        out += lin.arrays()
+    return out
 
 
 def _arrays(state: State) -> list[mx.array]:
     out = [a for a in (state.norm, state.rope_freqs) if a is not None]
-    linears: list[Linear] = [state.embed_tokens, state.lm_head]
     for layer in state.layers:
-        out += [a for a in (layer.input_layernorm, layer.post_attention_layernorm, layer.q_norm, layer.k_norm)
-                if a is not None]
-        linears += [layer.o_proj, layer.down_proj] + layer.qkv.linears() + layer.gate_up.linears()
-    for lin in linears:
-        out += lin.arrays()
-    return out
+        out += _layer_arrays(layer)
+    return out + state.embed_tokens.arrays() + state.lm_head.arrays()

@@ -43,8 +43,9 @@ _reason: list[str] = []
 
 
 class QuantizedMatmul(Protocol):
-    """``(x (..., K) float32, w (N, K * bits / 32) uint32, scales (N, K / G) float32, biases
-    (N, K / G) float32, group_size, bits) -> (..., N) float32``: ``x @ dequantize(w).T``."""
+    """``(x (..., K) float32, w (N, K * bits / 32) uint32, scales (N, K / G), biases (N, K / G)
+    (both float32 or both float16), group_size, bits) -> (..., N) float32``: ``x @ dequantize(w).T``,
+    each weight dequantized in float32."""
 
     def __call__(self, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                  bits: int) -> mx.array: ...

@@ -5,7 +5,7 @@
 
 namespace mlx_serving {
 
-// True when the CPU has AVX2 + FMA and the portable loops are not forced (force_portable).
+// True when the CPU has AVX2, FMA and F16C and the portable loops are not forced (force_portable).
 bool cpu_has_avx2();
 void force_portable(bool on);
 

@@ -16,7 +16,8 @@ bool portable_only = false;  // set by force_portable(): the tests' way to run t
 
 bool cpu_has_avx2() {
 #if defined(__x86_64__) || defined(_M_X64)
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool yes =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes && !portable_only;
 #else
   return false;

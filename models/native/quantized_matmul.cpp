@@ -10,7 +10,8 @@
 // Layout (MLX's affine quantization, mx.quantize): w (N, K * bits / 32) uint32, value j of row n
 // in word j * bits / 32 at bit (j % (32 / bits)) * bits; scales and biases (N, K / group_size);
 // dequantized w[n, j] = scales[n, j / G] * q + biases[n, j / G]. x (M, K) float32, y (M, N)
-// float32. bits 4 or 8, group_size 32, 64 or 128.
+// float32; scales and biases float32, or float16 (half the bytes a decode step reads for them; the
+// loader stores them so only where that is exact). bits 4 or 8, group_size 32, 64 or 128.
 //
 // Numerics: each weight is dequantized to float32 exactly as MLX does (s * q + b), and each dot
 // product accumulates in float32 (in 8 lanes, summed at the end), so results differ from MLX's
@@ -44,24 +45,37 @@ struct Shape {
 
 // ---- dequantization of one row into a float buffer --------------------------------------------
 
-void dequant_row_portable(const uint32_t* w, const float* s, const float* b, float* out, const Shape& sh) {
+inline float f32(float v) { return v; }
+inline float f32(mx::float16_t v) { return static_cast<float>(v); }
+
+template <typename S>
+void dequant_row_portable(const uint32_t* w, const S* s, const S* b, float* out, const Shape& sh) {
   const int per_word = 32 / sh.bits;
   const uint32_t mask = (1u << sh.bits) - 1u;
   for (int64_t j = 0; j < sh.k; ++j) {
     const uint32_t q = (w[j / per_word] >> ((j % per_word) * sh.bits)) & mask;
-    out[j] = s[j / sh.group] * static_cast<float>(q) + b[j / sh.group];
+    out[j] = f32(s[j / sh.group]) * static_cast<float>(q) + f32(b[j / sh.group]);
   }
 }
 
 #ifdef QMM_X86
-__attribute__((target("avx2,fma"))) void dequant_row_avx2(const uint32_t* w, const float* s, const float* b,
+// The same conversions with F16C's instruction (the portable one is a bit-manipulation routine).
+__attribute__((target("avx2,fma,f16c"))) inline float f32x(float v) { return v; }
+__attribute__((target("avx2,fma,f16c"))) inline float f32x(mx::float16_t v) {
+  uint16_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) void dequant_row_avx2(const uint32_t* w, const S* s, const S* b,
                                                             float* out, const Shape& sh) {
   const int64_t groups = sh.k / sh.group;
   if (sh.bits == 4) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i mask = _mm256_set1_epi32(0xF);
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 vs = _mm256_set1_ps(s[g]), vb = _mm256_set1_ps(b[g]);
+      const __m256 vs = _mm256_set1_ps(f32x(s[g])), vb = _mm256_set1_ps(f32x(b[g]));
       for (int i = 0; i < sh.group / 8; ++i) {
         const int64_t word = g * (sh.group / 8) + i;  // 8 values per word
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w[word])), shifts), mask);
@@ -71,7 +85,7 @@ __attribute__((target("avx2,fma"))) void dequant_row_avx2(const uint32_t* w, con
   } else {  // 8 bits: 4 values per word, bytes in order
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256 vs = _mm256_set1_ps(s[g]), vb = _mm256_set1_ps(b[g]);
+      const __m256 vs = _mm256_set1_ps(f32x(s[g])), vb = _mm256_set1_ps(f32x(b[g]));
       for (int i = 0; i < sh.group / 8; ++i) {
         const int64_t j = g * sh.group + i * 8;
         const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + j));
@@ -120,7 +134,8 @@ __attribute__((target("avx2,fma"))) void tile_1x4(const float* x0, const float* 
 }
 
 // One row of x against four weight rows, dequantized in registers (decode: nothing is stored).
-__attribute__((target("avx2,fma"))) void gemv_4rows(const float* x, const uint32_t* w, const float* s, const float* b,
+template <typename S>
+__attribute__((target("avx2,fma,f16c"))) void gemv_4rows(const float* x, const uint32_t* w, const S* s, const S* b,
                                                       const Shape& sh, float* y) {
   const int64_t words = sh.k * sh.bits / 32, groups = sh.k / sh.group;
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
@@ -128,8 +143,8 @@ __attribute__((target("avx2,fma"))) void gemv_4rows(const float* x, const uint32
   for (int64_t g = 0; g < groups; ++g) {
     __m256 vs[4], vb[4];
     for (int r = 0; r < 4; ++r) {
-      vs[r] = _mm256_set1_ps(s[r * groups + g]);
-      vb[r] = _mm256_set1_ps(b[r * groups + g]);
+      vs[r] = _mm256_set1_ps(f32x(s[r * groups + g]));
+      vb[r] = _mm256_set1_ps(f32x(b[r * groups + g]));
     }
     for (int i = 0; i < sh.group / 8; ++i) {
       const int64_t j = g * sh.group + i * 8;
@@ -191,7 +206,8 @@ void panel(const float* x, const float* wt, float* y, const Shape& sh, int64_t n
   block_portable(x, wt, y, sh, n0, cols);
 }
 
-void product(const float* x, const uint32_t* w, const float* s, const float* b, float* y, const Shape& sh) {
+template <typename S>
+void product(const float* x, const uint32_t* w, const S* s, const S* b, float* y, const Shape& sh) {
   const int64_t words = sh.k * sh.bits / 32, groups = sh.k / sh.group;
 #ifdef QMM_X86
   const bool avx2 = cpu_has_avx2() && sh.k % 8 == 0;
@@ -254,6 +270,11 @@ class QuantizedMatmul : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(y);
+    if (inputs[2].dtype() == mx::float16) {
+      encoder.dispatch([xp = x.data<float>(), wp = w.data<uint32_t>(), sp = inputs[2].data<mx::float16_t>(),
+                        bp = inputs[3].data<mx::float16_t>(), yp = y.data<float>(), sh]() { product(xp, wp, sp, bp, yp, sh); });
+      return;
+    }
     encoder.dispatch([xp = x.data<float>(), wp = w.data<uint32_t>(), sp = inputs[2].data<float>(),
                       bp = inputs[3].data<float>(), yp = y.data<float>(), sh]() { product(xp, wp, sp, bp, yp, sh); });
   }
@@ -286,9 +307,10 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   if (bits != 4 && bits != 8) throw std::invalid_argument("quantized_matmul_cpu: bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("quantized_matmul_cpu: group_size must be 32, 64 or 128");
-  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32 ||
-      w.dtype() != mx::uint32)
-    throw std::invalid_argument("quantized_matmul_cpu: x, scales, biases float32 and w uint32 expected");
+  if (x.dtype() != mx::float32 || (scales.dtype() != mx::float32 && scales.dtype() != mx::float16) ||
+      biases.dtype() != scales.dtype() || w.dtype() != mx::uint32)
+    throw std::invalid_argument(
+        "quantized_matmul_cpu: x float32, scales and biases both float32 or both float16, w uint32 expected");
   const int k = x.shape(-1);
   if (w.ndim() != 2 || k % group_size || w.shape(1) * 32 / bits != k || scales.shape() != biases.shape() ||
       scales.ndim() != 2 || scales.shape(0) != w.shape(0) || scales.shape(1) != k / group_size)

@@ -60,6 +60,16 @@ def test_real_layer_shapes_and_mlx_s_own_quantized_matmul(isa: str) -> None:
         assert mx.allclose(kernel(x, w, s, b, 32, 4), want, rtol=1e-4, atol=1e-4).item(), (isa, m, n, k)
 
 
+def test_float16_scales_give_the_same_products_bit_for_bit(isa: str) -> None:
+    """Scales and biases stored as float16 (what the loader keeps where that is exact) dequantize
+    to the same float32 weights, so the products are identical, not merely close."""
+    for m, n, k, bits in [(1, 64, 96, 4), (5, 70, 128, 4), (33, 16, 64, 8)]:
+        x, w, s, b, _ = _case(m, n, k, bits, 32, seed=m)
+        s, b = s.astype(mx.float16).astype(mx.float32), b.astype(mx.float16).astype(mx.float32)
+        got = kernel(x, w, s.astype(mx.float16), b.astype(mx.float16), 32, bits)
+        assert mx.array_equal(got, kernel(x, w, s, b, 32, bits)).item(), (isa, m, n, k)
+
+
 def test_batched_and_non_contiguous_inputs() -> None:
     x, w, s, b, _ = _case(12, 40, 64, 4, 32)
     batched = x.reshape(3, 4, 64)
@@ -90,6 +100,7 @@ def test_bad_arguments_are_refused(bad: str) -> None:
 def test_the_loader_uses_it_on_the_cpu_and_the_ids_do_not_change(tiny_ckpt: Path) -> None:
     fast, plain = load(tiny_ckpt), load(tiny_ckpt, native=False)
     assert fast.layers[0].qkv.linears()[0].kernel is not None and fast.lm_head.kernel is not None
+    assert fast.layers[0].down_proj.scales.dtype == mx.float16  # stored float16: compacted, exactly
     assert fast.attention is not None and plain.attention is None
     assert plain.layers[0].qkv.linears()[0].kernel is None
     prompt = [7985, 825, 11652, 911, 264, 3460, 13]
