@@ -57,9 +57,10 @@ def _seed(text: str) -> int:
 
 def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=_MODEL_HELP)
-    p.add_argument("--max-new-tokens", type=int, default=100, help="most generated tokens per reply (an EOS counts)")
+    p.add_argument("--max-new-tokens", "-m", "--max-tokens", type=int, default=100,
+                   help="most generated tokens per reply (an EOS counts)")
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (1 = plain temperature sampling)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most probable tokens (default: off)")
     p.add_argument("--min-p", type=float, default=None,
@@ -89,16 +90,22 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", formatter_class=_HelpFormatter, epilog=_EPILOG,
                          help="stream the generation for one prompt",
                          description="Stream the generation for one prompt to stdout.")
-    gen.add_argument("prompt", help="the prompt; '-' reads it from stdin (trailing newlines dropped)")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt; '-' reads it from stdin (trailing newlines dropped)")
+    gen.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="PROMPT",
+                     help="the prompt, as mlx-lm's flag, instead of the positional argument (default: none)")
     _common_options(gen)
     gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user message)")
+    gen.add_argument("--system-prompt", default=None, metavar="PROMPT",
+                     help="a system message before the prompt, implies --chat (default: none)")
     gen.set_defaults(run=_generate)
     chat = sub.add_parser("chat", formatter_class=_HelpFormatter, epilog=_EPILOG,
                           help="interactive chat (the conversation is kept across turns)",
                           description=textwrap.fill(f"Interactive chat: one user message per line on stdin; "
                                                     f"{_CHAT_HELP}. Each reply streams to stdout.", 78))
     _common_options(chat)
-    chat.add_argument("--system", default=None, metavar="PROMPT", help="system prompt (default: none)")
+    chat.add_argument("--system", "--system-prompt", default=None, metavar="PROMPT",
+                      help="system prompt (default: none)")
     chat.add_argument("--no-thinking", action="store_true",
                       help="render the chat template with enable_thinking=False (Qwen3: no <think> block)")
     chat.set_defaults(run=_chat)
@@ -146,10 +153,16 @@ def _stream_reply(serving: Serving, request: dict[str, Any], out: IO[str]) -> tu
 
 
 def _generate(args: argparse.Namespace) -> int:
-    prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
-    serving = _serving(args, chat=args.chat)
+    if (args.prompt is None) == (args.prompt_option is None):
+        raise ValueError("give the prompt once: as the positional argument or with -p/--prompt")
+    given = args.prompt if args.prompt is not None else args.prompt_option
+    prompt = sys.stdin.read().rstrip("\n") if given == "-" else given
+    chat = args.chat or args.system_prompt is not None
+    serving = _serving(args, chat=chat)
     try:
-        request: dict[str, Any] = {"text": prompt, **_sampling(args)}
+        text: dict[str, Any] = {"text": prompt} if args.system_prompt is None else {"messages": [
+            {"role": "system", "content": args.system_prompt}, {"role": "user", "content": prompt}]}
+        request: dict[str, Any] = {**text, **_sampling(args)}
         if args.seed is not None:
             request["seed"] = args.seed
         _, final = _stream_reply(serving, request, sys.stdout)
@@ -212,6 +225,9 @@ def _chat_loop(serving: Serving, args: argparse.Namespace) -> None:
             reply, final = _stream_reply(serving, request, sys.stdout)
         except ValueError as e:  # e.g. the conversation outgrew --max-len: this turn is dropped
             print(f"{_PROG}: error: {e} (/reset clears the history)", file=sys.stderr, flush=True)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C during a reply stops that reply; the session goes on
+            print("[reply stopped; not kept in the history]", file=sys.stderr, flush=True)
             continue
         history += [user, {"role": "assistant", "content": reply}]
         turn += 1

@@ -2,15 +2,18 @@
 ``pip install 'mlx-serving[server]'``. The core never imports this package; importing it does not
 import FastAPI (``create_app`` imports it on first use).
 
-``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0)`` builds the ASGI app
-over ``{name: Client}`` (docs/server.md).
+``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0, allowed_origins=())``
+builds the ASGI app over ``{name: Client or ServedModel}`` (docs/server.md); ``ServedModel`` (a
+client with its context length and tokenizer) is importable without FastAPI.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_app"]
+from ._models import ServedModel
+
+__all__ = ["ServedModel", "create_app"]
 
 
 def create_app(*args: Any, **kwargs: Any) -> Any:

@@ -1,9 +1,13 @@
 """``create_app``: the OpenAI-compatible ASGI app (FastAPI) over one or more served models.
 
-Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...); the
-app uses only the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it
-never branches on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST
-/v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /`` (the chat page).
+Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...), or a
+:class:`~._models.ServedModel` holding one with its context length and tokenizer; the app uses only
+the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it never branches
+on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET
+/v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /health``, ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and
+methods included, has OpenAI's shape; every response carries ``x-request-id`` (the request's own,
+or a new one); CORS answers only for ``allowed_origins``.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..serving import AsyncStream, Client, ServingError, ServingStats
 from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
 from ._errors import RETRY_AFTER_S, APIError, from_exception
 from ._metrics import Metrics
-from ._requests import Call, chat_call, completion_call
+from ._models import ServedModel, detokenize, model_object, tokenize
+from ._requests import Call, chat_call, completion_call, messages_of
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
@@ -39,7 +46,7 @@ _log = logging.getLogger("mlx_serving.server")
 #: refuses prompts that cannot fit before tokenizing them), far below what would strain memory.
 MAX_BODY_BYTES = 32 << 20
 
-Models = Mapping[str, Client]
+Models = Mapping[str, Client | ServedModel]
 Loader = Callable[[], Models]
 
 
@@ -48,43 +55,45 @@ class _Served:
 
     def __init__(self, stuck_after: float) -> None:
         self.status, self.error = "loading", ""
-        self.clients: dict[str, Client] = {}
+        self.models: dict[str, ServedModel] = {}
         self.owned = False
         self.created = int(time.time())
         self._stuck_after = stuck_after
         self.progress: dict[str, Progress] = {}
 
-    def ready(self, clients: Models, owned: bool) -> None:
-        if not clients:
+    def ready(self, models: Models, owned: bool) -> None:
+        if not models:
             raise ValueError("no model to serve: give at least one {name: client}")
-        self.clients, self.owned = dict(clients), owned
-        self.progress = {name: Progress(self._stuck_after) for name in clients}
+        self.models = {name: m if isinstance(m, ServedModel) else ServedModel(m) for name, m in models.items()}
+        self.owned = owned
+        self.progress = {name: Progress(self._stuck_after) for name in models}
         self.status = "ready"
 
-    def pick(self, model: Any) -> tuple[str, Client]:
+    def pick(self, model: Any) -> tuple[str, ServedModel]:
         """The model a request names (None: the first one); APIError 404 for an unknown one, 503
         while loading."""
         if self.status != "ready":
             raise APIError(503, f"the server is {self.status}: no model is ready yet", "server_error",
                            code=self.status, headers={"Retry-After": str(RETRY_AFTER_S)})
         if model is None:
-            return next(iter(self.clients.items()))
-        if isinstance(model, str) and model in self.clients:
-            return model, self.clients[model]
-        raise APIError(404, f"the model {model!r} does not exist (served: {sorted(self.clients)})",
+            return next(iter(self.models.items()))
+        if isinstance(model, str) and model in self.models:
+            return model, self.models[model]
+        raise APIError(404, f"the model {model!r:.200} does not exist (served: {sorted(self.models)})",
                        param="model", code="model_not_found")
 
     def stats(self) -> dict[str, ServingStats]:
         """Every model's ``ServingStats`` (blocking for a pool: call off the event loop)."""
-        return {name: client.stats() for name, client in self.clients.items()}
+        return {name: m.client.stats() for name, m in self.models.items()}
 
 
 def create_app(models: Models | Loader, *, api_key: str | None = None, request_timeout: float | None = None,
                stuck_after: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The server's ASGI app.
 
-    ``models``: ``{name: client}``, served as given (the caller closes them), or a function returning
+    ``models``: ``{name: client or ServedModel}``, served as given (the caller closes them), or a function returning
     that mapping, called on a thread when the app starts (``/health`` answers 503 "loading" until it
     returns; the app closes those clients at shutdown; if it raises, ``/health`` answers 503
     "failed" and ``on_load_error(exc)`` is called). ``api_key``: when set, ``/v1/*`` needs
@@ -92,7 +101,9 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
     ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
     ``max_body_bytes``: larger request bodies are refused with 413 before they are read whole.
-    Raises ValueError for an empty mapping.
+    ``allowed_origins``: origins (``https://host:port``, or ``*``) a browser may call the API from
+    (CORS; none by default: cross-origin pages get no CORS headers). Raises ValueError for an empty
+    mapping.
     """
     served = _Served(stuck_after)
     if not callable(models):
@@ -118,16 +129,34 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
         if loader_thread:
             await anyio.to_thread.run_sync(loader_thread[0].join)
         if served.owned:
-            for client in served.clients.values():
-                await client.aclose()
+            for model in served.models.values():
+                await model.client.aclose()
 
     app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   max_body_size=max_body_bytes)
     app.state.served, app.state.metrics = served, metrics
     _error_handlers(app)
     app.include_router(_v1_router(served, metrics, api_key, request_timeout))
+    app.include_router(_token_router(served, api_key))
     _add_service_routes(app, served, metrics)
+    _add_middleware(app, allowed_origins)
     return app
+
+
+def _add_middleware(app: FastAPI, allowed_origins: tuple[str, ...]) -> None:
+    """``x-request-id`` on every response (the request's, else a new one); CORS when asked for."""
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get("x-request-id", "")[:128] or secrets.token_hex(16)
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        return response
+
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           expose_headers=["x-request-id", "retry-after"])
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -137,8 +166,17 @@ def _error_handlers(app: FastAPI) -> None:
             _log.exception("request failed", exc_info=exc)
         return JSONResponse(error.body(), error.status, error.headers)
 
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Starlette's own errors (no such route: 404, wrong method: 405, ...) in OpenAI's shape."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        detail = {404: f"no route {request.method} {request.url.path}",
+                  405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        error = APIError(exc.status_code, detail, kind, code=str(exc.status_code), headers=dict(exc.headers or {}))
+        return JSONResponse(error.body(), error.status, error.headers)
+
     for exc_type in (APIError, ValueError, ServingError, Exception):
         app.add_exception_handler(exc_type, handle)
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
 
 def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -158,7 +196,8 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     async def complete(request: Request, kind: Kind) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, client = served.pick(body.get("model"))
+        name, model = served.pick(body.get("model"))
+        client = model.client
         call = chat_call(body) if kind == "chat" else completion_call(body)
         deadline = call.deadline if call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, call, arrival)
@@ -186,9 +225,33 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     @router.get("/models")
     async def list_models() -> Response:
         served.pick(None)  # 503 while loading
-        data = [{"id": name, "object": "model", "created": served.created, "owned_by": "mlx-serving"}
-                for name in served.clients]
+        data = [model_object(name, m, served.created) for name, m in served.models.items()]
         return JSONResponse({"object": "list", "data": data})
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        name, model = served.pick(model_id)
+        return JSONResponse(model_object(name, model, served.created))
+
+    return router
+
+
+def _token_router(served: _Served, api_key: str | None) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (behind the API key, as ``/v1``)."""
+    router = APIRouter(dependencies=[Depends(_auth(api_key))])
+
+    @router.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        body = await _body(request)
+        name, model = served.pick(body.get("model"))
+        messages = messages_of(body) if "messages" in body else None
+        return JSONResponse(await anyio.to_thread.run_sync(tokenize, body, name, model, messages))
+
+    @router.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        body = await _body(request)
+        name, model = served.pick(body.get("model"))
+        return JSONResponse(await anyio.to_thread.run_sync(detokenize, body, name, model))
 
     return router
 
@@ -208,6 +271,12 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
                                     503)
         return JSONResponse({"status": "ok"})
 
+    @app.get("/version")
+    async def version() -> Response:
+        from .. import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(await anyio.to_thread.run_sync(metrics.exposition), media_type=CONTENT_TYPE_LATEST)
@@ -218,6 +287,12 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    """The JSON object a POST carries; APIError 415 for another media type (a cross-origin HTML form
+    may post ``text/plain`` without a CORS preflight), 400 for invalid JSON or a non-object."""
+    media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, f"the request body must be JSON (content-type: application/json), got {media!r:.80}",
+                       code="unsupported_media_type")
     try:
         body = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as exc:

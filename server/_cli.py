@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,9 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
                    help="seconds a request may take before it is withdrawn (504; default: no limit)")
     p.add_argument("--stuck-after", type=float, default=60.0,
                    help="/health answers 503 when a model holds rows without progress for this many seconds")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                   help="an origin (https://host:port, or *) whose web pages may call the API (CORS; repeatable; "
+                        "default: none)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(run=run)
     return p
@@ -88,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         server[0].should_exit = True
 
     app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue), api_key=api_key,
-                     request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed)
+                     request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed,
+                     allowed_origins=tuple(args.allowed_origins or ()))
     server.append(uvicorn.Server(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level)))
     server[0].run()
     if failed:
@@ -149,21 +154,40 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     """Build and start every model's client (on the app's loading thread)."""
     from ..models import text_generation
     from ..models.sources import resolve
-    from ..serving import Serving, ServingPool
+    from ..serving import Client, Serving, ServingPool
+    from ..tokenization import Tokenizer
+    from ._models import ServedModel
 
-    clients: dict[str, Any] = {}
+    served: dict[str, ServedModel] = {}
+    t0 = time.monotonic()
     try:
         for name, spec in models:
             model = resolve(spec)
             print(f"mlx-serving: model {name!r}: {model.origin} ({model.path})", file=sys.stderr, flush=True)
-            factory = functools.partial(text_generation.from_mlx4bit, model.path, **options)
+            tokenizer = Tokenizer.from_dir(model.path)  # for /tokenize; the serving's own when in process
+            client: Client
             if workers > 1:
-                clients[name] = ServingPool(factory, workers=workers, max_queue=max_queue)
+                client = ServingPool(functools.partial(text_generation.from_mlx4bit, model.path, **options),
+                                     workers=workers, max_queue=max_queue)
             else:
-                clients[name] = Serving.start(factory(), max_queue=max_queue)
-            _log.info("model %r ready (%s)", name, f"{workers} workers" if workers > 1 else "in process")
+                client = Serving.start(text_generation.from_mlx4bit(model.path, tokenizer, **options),
+                                       max_queue=max_queue)
+            served[name] = ServedModel(client, options["max_len"], tokenizer)
+            print(f"mlx-serving: model {name!r} ready: {_describe(client, options, workers)}", file=sys.stderr,
+                  flush=True)
     except BaseException:
-        for client in clients.values():
-            client.close()
+        for m in served.values():
+            m.client.close()
         raise
-    return clients
+    print(f"mlx-serving: ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    return served
+
+
+def _describe(client: Any, options: dict[str, Any], workers: int) -> str:
+    """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens (65536 tokens), in process``."""
+    from ..models.generation.kv_cache import BLOCK_SIZE
+
+    blocks = int(client.stats().backend.get("blocks_total", 0))
+    cache = f"KV cache {blocks} blocks x {BLOCK_SIZE} tokens" if blocks else "slot KV cache"
+    where = f"{workers} worker processes" if workers > 1 else "in process"
+    return f"max_len {options['max_len']}, max_batch {options['max_batch']}, {cache} per worker, {where}"

@@ -21,7 +21,8 @@ RETRY_AFTER_S = 1
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "text": "prompt", "enable_thinking": "chat_template_kwargs"}
 _KEYS = ("messages", "text", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
          "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "seed", "stop", "n", "logprobs",
-         "top_logprobs", "response_format", "tools", "enable_thinking", "priority")
+         "top_logprobs", "response_format", "tools", "enable_thinking", "priority", "tool_choice",
+         "parallel_tool_calls", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
 _KEY = re.compile(r"(?<![\w.])(" + "|".join(sorted(_KEYS, key=len, reverse=True)) + r")(?!\w)")
 
 

@@ -12,13 +12,14 @@ naming the field.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from ._errors import APIError
 
-__all__ = ["Call", "chat_call", "completion_call"]
+__all__ = ["Call", "chat_call", "completion_call", "messages_of"]
 
 # OpenAI field -> text-generation input key, passed through when present and not null.
 _PASS = {
@@ -26,10 +27,34 @@ _PASS = {
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "seed": "seed", "stop": "stop",
     "min_tokens": "min_tokens", "priority": "priority",
+    # vLLM's extension fields
+    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
-# Fields of the OpenAI API this server cannot honour (answered 400 when set to anything but their default).
+# Fields this server cannot honour (answered 400, naming the field, when set to anything but their
+# default): OpenAI's, then vLLM's extensions.
 _UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "modalities": None,
-                "prediction": None}
+                "prediction": None, "functions": None, "function_call": None, "reasoning_effort": None,
+                "verbosity": None, "web_search_options": None,
+                "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "skip_special_tokens": True,
+                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+                "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+                "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": None,
+                "chat_template": None, "documents": None, "mm_processor_kwargs": None,
+                "guided_decoding_backend": None, "guided_whitespace_pattern": None, "request_id": None,
+                "cache_salt": None, "vllm_xargs": None, "kv_transfer_params": None, "return_token_ids": None}
+# Fields accepted and without effect on the output (OpenAI's bookkeeping).
+_IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+# vLLM's structured-output fields -> the response_format they stand for.
+_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# Every other field a request may carry (the ones read by name below).
+_READ = {
+    "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "response_format", "tools", "tool_choice",
+             "parallel_tool_calls", "chat_template_kwargs", "logprobs", "top_logprobs", "n", "stream",
+             "stream_options", "deadline"),
+    "completion": ("model", "prompt", "max_tokens", "response_format", "logprobs", "n", "stream", "stream_options",
+                   "deadline"),
+}
 # Message keys whose null value means "absent" (OpenAI clients send content: null with tool calls).
 _MESSAGE_NULLABLE = ("content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
                      "function_call", "audio")
@@ -56,6 +81,7 @@ def chat_call(body: dict[str, Any]) -> Call:
     envelope: ``messages`` missing or not a list of message dicts, a content part that is not text,
     a bad ``stream`` / ``stream_options`` / ``tool_choice`` / ``chat_template_kwargs``, or an
     unsupported field."""
+    _check_fields(body, "chat")
     spec: dict[str, Any] = {"messages": _messages(body.get("messages"))}
     _sampling(body, spec, max_keys=("max_completion_tokens", "max_tokens"))
     logprobs = _flag(body, "logprobs")
@@ -73,6 +99,7 @@ def chat_call(body: dict[str, Any]) -> Call:
 def completion_call(body: dict[str, Any]) -> Call:
     """Map a ``/v1/completions`` body (``prompt``: a string or a list of strings; ``logprobs``: an
     int, the alternatives per token). Raises APIError (400, naming the field) for a malformed one."""
+    _check_fields(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -122,8 +149,72 @@ def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, .
             spec[key] = body[field]
     if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
         spec["response_format"] = body["response_format"]  # chat and completions alike
+    guided = _guided(body)
+    if guided is not None:
+        if "response_format" in spec:
+            raise APIError(400, "give either 'response_format' or one of vLLM's structured-output fields "
+                                f"{list(_GUIDED)}, not both", param="response_format")
+        spec["response_format"] = guided
     if spec.get("top_k") == -1:  # vLLM's spelling of "off" (the serving's is 0)
         del spec["top_k"]
+
+
+def _check_fields(body: dict[str, Any], kind: str) -> None:
+    """APIError 400 naming the first field no table above knows: no field is silently dropped."""
+    known = {*_PASS, *_UNSUPPORTED, *_IGNORED, *_GUIDED, *_READ[kind]}
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        raise APIError(400, f"unknown field {unknown[0]!r:.80} in a {kind} request", param=str(unknown[0])[:80])
+
+
+def _guided(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``response_format`` that vLLM's ``structured_outputs`` (``{"json" | "regex" | "choice" |
+    "grammar" | "json_object": ...}``) or its older ``guided_json`` / ``guided_regex`` /
+    ``guided_choice`` / ``guided_grammar`` stand for; None when none is set."""
+    present = [k for k in _GUIDED if body.get(k) is not None]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise APIError(400, f"give only one of {present}", param=present[1])
+    field, value = present[0], body[present[0]]
+    if field == "structured_outputs":
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if isinstance(value, dict)
+                 and value.get(k) is not None]
+        if not isinstance(value, dict) or len(kinds) != 1 or set(value) - {kinds[0]}:
+            raise APIError(400, "'structured_outputs' must hold exactly one of json, regex, choice, grammar, "
+                                "json_object", param=field)
+        kind, value = kinds[0], value[kinds[0]]
+    else:
+        kind = field.removeprefix("guided_")
+    return _format_of(kind, value, field)
+
+
+def _format_of(kind: str, value: Any, field: str) -> dict[str, Any]:
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except ValueError:
+                raise APIError(400, f"'{field}' must be a JSON Schema (an object, or its JSON text)", param=field) from None
+        if not isinstance(schema, dict):
+            raise APIError(400, f"'{field}' must be a JSON Schema (an object, or its JSON text)", param=field)
+        return {"type": "json_schema", "json_schema": {"name": "structured_output", "schema": schema}}
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"'{field}' must be a non-empty list of non-empty strings", param=field)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        return {"type": "grammar", "grammar": f"start: {alternatives}\n"}
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"'{field}' must be a non-empty string", param=field)
+    return {"type": kind, kind: value}
+
+
+def messages_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A request's ``messages`` as the chat template takes them (APIError 400 naming ``messages``)."""
+    return _messages(body.get("messages"))
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:
@@ -158,11 +249,18 @@ def _content(content: Any, i: int) -> Any:
 
 
 def _tools(body: dict[str, Any], spec: dict[str, Any]) -> None:
+    """``tools`` reach the template unless ``tool_choice`` is "none"; "required" and a named
+    function pass through (the serving forces the call's format: ``_structured.tool_call_format``),
+    as does ``parallel_tool_calls``."""
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise APIError(400, f"'tool_choice' {choice!r} is not supported: use 'auto' or 'none'", param="tool_choice")
+    if choice is not None and body.get("tools") is None and choice != "none":
+        raise APIError(400, f"'tool_choice' {choice!r:.80} needs 'tools'", param="tool_choice")
     if body.get("tools") is not None and choice != "none":
         spec["tools"] = body["tools"]
+        if choice not in (None, "auto"):
+            spec["tool_choice"] = choice
+        if body.get("parallel_tool_calls") is not None:
+            spec["parallel_tool_calls"] = body["parallel_tool_calls"]
 
 
 def _template_kwargs(kwargs: Any, spec: dict[str, Any]) -> None:

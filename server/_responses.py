@@ -54,10 +54,14 @@ def event(item: Any, is_list: bool, n: int) -> Event:
     return Event(row * n + index, delta, value.get("logprobs") if final is None else None, final)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's ``usage`` object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` when the engine reports
+    prefix-cache hits (the paged KV cache)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _entries(result: Any) -> list[list[dict[str, Any]]]:
@@ -65,9 +69,11 @@ def _entries(result: Any) -> list[list[dict[str, Any]]]:
     return [r["results"] for r in (result if isinstance(result, list) else [result])]
 
 
-def _usage_of(per_prompt: list[list[dict[str, Any]]]) -> dict[str, int]:
-    prompt = sum(entries[0]["token_summary"]["input"] for entries in per_prompt if entries)
-    return usage(prompt, sum(e["num_tokens"] for entries in per_prompt for e in entries))
+def _usage_of(per_prompt: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    firsts = [entries[0]["token_summary"] for entries in per_prompt if entries]
+    cached = [t["cached"] for t in firsts if "cached" in t]
+    return usage(sum(t["input"] for t in firsts), sum(e["num_tokens"] for entries in per_prompt for e in entries),
+                 sum(cached) if cached else None)
 
 
 def _envelope(rid: str, model: str, obj: str) -> dict[str, Any]:
@@ -167,11 +173,14 @@ class StreamState:
 
     def usage_chunk(self) -> str:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
-        prompts: dict[int, int] = {}
-        for choice, final in self.finals.items():
-            prompts[choice // self.n] = final.get("token_summary", {}).get("input", 0)
+        prompts: dict[int, dict[str, int]] = {}
+        for choice, final in sorted(self.finals.items()):
+            prompts.setdefault(choice // self.n, final.get("token_summary", {}))
         generated = sum(f.get("num_tokens", 0) for f in self.finals.values())
-        body = {**self._envelope(), "choices": [], "usage": usage(sum(prompts.values()), generated)}
+        cached = [t["cached"] for t in prompts.values() if "cached" in t]
+        body = {**self._envelope(), "choices": [],
+                "usage": usage(sum(t.get("input", 0) for t in prompts.values()), generated,
+                               sum(cached) if cached else None)}
         return json.dumps(body, ensure_ascii=False)
 
     def _delta(self, ev: Event) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class _Seq:
     emitted: int = 0  # tokens returned as events
     generated: list[int] = field(default_factory=list)  # tokens landed on the host
     kv: SeqBlocks = field(default_factory=SeqBlocks)
+    cached: int | None = None  # prompt tokens found in the prefix cache at the first admission
     done: bool = False
 
     @property
@@ -335,6 +336,7 @@ class Engine:
                 if reused is None:
                     return  # FCFS: the head waits for blocks
                 seq.prefilled = seq.length = reused
+                seq.cached = reused if seq.cached is None else seq.cached
             else:
                 self.cache.lengths[slot] = 0
             self._waiting.pop()
@@ -726,7 +728,8 @@ class Engine:
             elif s.emitted + 1 >= s.params.max_new_tokens:
                 reason = FinishReason.LENGTH
             lp, top = logprobs.get(s, (None, None))
-            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason, lp, top))
+            events.append(SeqEvent(s.seq_id, token, (now - s.admitted) * 1e3, reason, lp, top,
+                                   s.cached if s.emitted == 0 else None))
             s.emitted += 1
             s.generated.append(token)
             if reason is not None:

@@ -35,6 +35,10 @@ class SeqEvent(NamedTuple):
     tokens as (token_id, logprob) pairs in descending order. Both come from the processed logits
     (after logit_bias, the min_tokens EOS mask, penalties and constraint masks; before temperature,
     top-k, top-p and min-p), as vLLM's "processed_logprobs" without the temperature.
+
+    ``cached_tokens``: on the sequence's first event only, the prompt tokens its first admission
+    found in the prefix cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 without
+    a hit, None on the slot design (no prefix cache) and on every later event.
     """
 
     seq_id: int
@@ -43,3 +47,4 @@ class SeqEvent(NamedTuple):
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    cached_tokens: int | None = None

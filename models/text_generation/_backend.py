@@ -82,7 +82,8 @@ class GenerationBackend:
 
     def step(self, engine: Engine) -> list[tuple[int, TokenEvent, bool]]:
         """One engine step; returns ``(row_id, TokenEvent, done)``, done on a row's last event."""
-        return [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason, ev.logprob, ev.top_logprobs),
+        return [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason, ev.logprob, ev.top_logprobs,
+                                          ev.cached_tokens),
                  ev.finish_reason is not None) for ev in engine.step()]
 
     def cancel(self, engine: Engine, row_ids: list[int]) -> None:

@@ -21,7 +21,8 @@ class TokenEvent(NamedTuple):
     after penalties, logit_bias and masks, before temperature and top-k/p/min-p;
     docs/generation.md). Picklable (it crosses the ServingPool wire); immutable. A named tuple:
     one is made per token on the engine's thread, ~0.25 us against ~0.6 us for a frozen
-    dataclass (CPython 3.11; bench/serving_step_overhead.py).
+    dataclass (CPython 3.11; bench/serving_step_overhead.py). ``cached_tokens``: the engine's,
+    on the row's first event (prompt tokens that hit the prefix cache).
     """
 
     token_id: int
@@ -29,3 +30,4 @@ class TokenEvent(NamedTuple):
     finish_reason: FinishReason | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    cached_tokens: int | None = None

@@ -72,7 +72,8 @@ class RowOutput:
     log-probabilities were asked for; ``reasoning``: split ``<think>`` blocks into
     ``reasoning_content`` (``enable_thinking`` true); ``tools``: parse ``<tool_call>`` blocks
     (``tools`` given); ``deltas``: stream dict deltas instead of str pieces (its input asked for
-    ``n`` > 1, logprobs, tools or thinking)."""
+    ``n`` > 1, logprobs, tools or thinking); ``keep_stop``: a matched stop string stays at the end
+    of the text (``include_stop_str_in_output``, vLLM's)."""
 
     input: int = 0
     index: int = 0
@@ -80,6 +81,7 @@ class RowOutput:
     reasoning: bool = False
     tools: bool = False
     deltas: bool = False
+    keep_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,7 +249,7 @@ def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     n, priority = _request.completions(spec), _request.priority(spec)
     stop = _stop_tuple(spec["stop"]) if spec.get("stop") is not None else opts.stop
     chat = "messages" in spec or opts.chat
-    for key in ("enable_thinking", "tools"):
+    for key in ("enable_thinking", "tools", "tool_choice"):
         if spec.get(key) is not None and not chat:
             raise ValueError(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
                              "chat=True)")
@@ -279,8 +281,11 @@ def _output(spec: dict[str, Any], chat: bool, thinking: bool | None, params: Sam
     logprobs = params.logprobs is not None
     reasoning = chat and thinking is True
     tools = chat and bool(spec.get("tools"))
+    keep = spec.get("include_stop_str_in_output")
+    if keep is not None and not isinstance(keep, bool):
+        raise ValueError(f"include_stop_str_in_output must be true, false or null, got {_show(keep)}")
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
-                     deltas=n > 1 or logprobs or reasoning or tools)
+                     deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(keep))
 
 
 def _as_dict(item: Any) -> dict[str, Any]:

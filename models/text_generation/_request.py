@@ -17,7 +17,7 @@ from ...tokenization import Tokenizer
 
 from ..generation.sampling import MAX_SEED, SamplingParams, _show
 from ._options import GenerationOptions
-from ._structured import compile_response_format
+from ._structured import compile_response_format, tool_call_format
 
 __all__ = ["KEYS", "MAX_COMPLETIONS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "completion_params", "completion_seed",
            "completions", "priority", "sampling_params"]
@@ -27,7 +27,10 @@ __all__ = ["KEYS", "MAX_COMPLETIONS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "com
 _SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
                   "presence_penalty", "frequency_penalty", "min_tokens")
 #: Every key read here.
-KEYS = (*_SAMPLING_KEYS, "logit_bias", "logprobs", "top_logprobs", "n", "response_format", "priority")
+KEYS = (*_SAMPLING_KEYS, "logit_bias", "logprobs", "top_logprobs", "n", "response_format", "priority", "tool_choice",
+        "parallel_tool_calls", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
+#: Most ``stop_token_ids``: bounds the caller-side check, as ``logit_bias``.
+MAX_STOP_TOKEN_IDS = 1024
 #: Most completions of one prompt (``n``); as many rows of the batch.
 MAX_COMPLETIONS = 16
 #: Most alternatives per token (``top_logprobs``), OpenAI's bound.
@@ -44,15 +47,59 @@ def sampling_params(spec: dict[str, Any], tokenizer: Tokenizer, opts: Generation
     ``logit_bias``: ``{token id: bias}``, ids as ints or decimal strings (JSON object keys), each in
     ``[0, tokenizer.vocab_size)``, biases in [-100, 100], at most :data:`MAX_LOGIT_BIAS` entries.
     ``logprobs``: a bool; ``top_logprobs``: an int in [0, 20], only with ``logprobs`` true.
-    ``response_format``: OpenAI's shape, compiled to a grammar (``_structured``).
-    Raises ValueError naming the key."""
+    ``response_format``: OpenAI's shape, compiled to a grammar (``_structured``); ``tool_choice``
+    "required" or a named function (with ``tools``; ``parallel_tool_calls`` false: one call) compiles
+    to the grammar of a forced call instead (:func:`~._structured.tool_call_format`).
+    ``ignore_eos`` (a bool, vLLM's): the tokenizer's EOS ids do not end the row (it runs to
+    ``max_new_tokens``, a stop string or a stop token); ``stop_token_ids`` (vLLM's): a list of
+    ids in ``[0, vocab_size)``, at most :data:`MAX_STOP_TOKEN_IDS`, that end the row as EOS does
+    (the id is the row's last token). Raises ValueError naming the key."""
     values = {k: spec[k] if spec.get(k) is not None else getattr(opts, k, None) for k in _SAMPLING_KEYS}
     kwargs = {k: v for k, v in values.items() if v is not None}
     if spec.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(spec["logit_bias"], tokenizer.vocab_size)
     kwargs["logprobs"] = _logprobs(spec.get("logprobs"), spec.get("top_logprobs"))
-    kwargs["grammar"] = compile_response_format(spec.get("response_format"))
-    return SamplingParams(eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)), **kwargs)
+    kwargs["grammar"] = compile_response_format(_response_format(spec))
+    return SamplingParams(eos_token_ids=_stop_ids(spec, tokenizer), **kwargs)
+
+
+def _stop_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end the row: the tokenizer's EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
+    ignore = spec.get("ignore_eos")
+    if ignore is not None and not isinstance(ignore, bool):
+        raise ValueError(f"ignore_eos must be true, false or null, got {_show(ignore)}")
+    ids = set() if ignore else set(tokenizer.eos_token_ids)
+    extra = spec.get("stop_token_ids")
+    if extra is not None:
+        if not isinstance(extra, (list, tuple)) or len(extra) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                             f"{_show(extra)}")
+        for i in extra:
+            if not _is_int(i) or not 0 <= i < tokenizer.vocab_size:
+                raise ValueError(f"stop_token_ids: {_show(i)} is not a token id in [0, {tokenizer.vocab_size})")
+        ids |= {int(i) for i in extra}
+    return tuple(sorted(ids))
+
+
+def _response_format(spec: dict[str, Any]) -> Any:
+    """The request's ``response_format``, or the one its ``tool_choice`` forces."""
+    choice, parallel = spec.get("tool_choice"), spec.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ValueError(f"parallel_tool_calls must be true, false or null, got {_show(parallel)}")
+    if choice in (None, "auto", "none"):
+        return spec.get("response_format")
+    tools = spec.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"tool_choice {_show(choice)} needs 'tools' (a non-empty list of tool dicts)")
+    if spec.get("response_format") is not None:
+        raise ValueError("tool_choice 'required' or a named function forces the output's format: it cannot be "
+                         "combined with response_format")
+    forced = tool_call_format(tools, choice, parallel is not False)
+    try:
+        compile_response_format(forced)
+    except ValueError as exc:
+        raise ValueError(f"tools: a function's parameters schema cannot be compiled for tool_choice: {exc}") from None
+    return forced
 
 
 def completions(spec: dict[str, Any]) -> int:

@@ -30,9 +30,11 @@ class RowText:
     detok: StreamingDetokenizer
     stops: tuple[str, ...]
     pieces: bool = False
+    keep_stop: bool = False
     held: str = ""
     tokens: int = 0
     first_ms: float | None = None
+    cached: int | None = None  # prompt tokens the engine found in the prefix cache
     last_ms: float = 0.0
     finish_reason: FinishReason | None = None
 
@@ -44,22 +46,26 @@ class RowText:
 
     def push(self, text: str) -> str:
         """Add new text; return what is safe to emit. Sets ``finish_reason`` to STOP when a stop
-        string appears (the text from it on is dropped)."""
+        string appears (the text after it is dropped; the stop string too unless ``keep_stop``)."""
         if not self.stops:  # nothing to hold back (held stays ""): the common per-token path
             return text
         buf = self.held + text
-        cut = _first_stop(buf, self.stops)
-        if cut is not None:
+        hit = _first_stop(buf, self.stops)
+        if hit is not None:
             self.held, self.finish_reason = "", FinishReason.STOP
-            return buf[:cut]
+            return buf[: hit[0] + hit[1]] if self.keep_stop else buf[: hit[0]]
         keep = partial_suffix(buf, *self.stops)
         self.held = buf[len(buf) - keep:] if keep else ""
         return buf[: len(buf) - keep]
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, int] | None:
+    """``(index, length)`` of the earliest stop string in ``text`` (the longest at that index)."""
+    hits = [(i, -len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    i, neg = min(hits)
+    return i, -neg
 
 
 class GenerationTransducer:
@@ -81,8 +87,8 @@ class GenerationTransducer:
     def __init__(self, tokenizer: Tokenizer, info: RequestInfo, profile_timing: bool = True):
         self._info, self._profile = info, profile_timing
         self._outputs = [info.output(r) for r in range(len(info.stops))]
-        self._rows = [RowText(StreamingDetokenizer(tokenizer), stops, pieces=not (stops or output.deltas))
-                      for stops, output in zip(info.stops, self._outputs)]
+        self._rows = [RowText(StreamingDetokenizer(tokenizer), stops, pieces=not (stops or output.deltas),
+                              keep_stop=output.keep_stop) for stops, output in zip(info.stops, self._outputs)]
         self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools) for o in self._outputs]
         self._texts = TokenTexts(tokenizer) if any(o.logprobs for o in self._outputs) else None
         self._stop: list[int] = []
@@ -95,7 +101,7 @@ class GenerationTransducer:
             return []
         row.tokens += 1  # count the event and note its time
         if row.first_ms is None:
-            row.first_ms = event.elapsed_ms
+            row.first_ms, row.cached = event.elapsed_ms, event.cached_tokens
         row.last_ms = event.elapsed_ms
         text = row.detok.add(event.token_id)
         if row.pieces and event.finish_reason is None:  # the common per-token path: the piece as is
@@ -162,6 +168,8 @@ class GenerationTransducer:
             "num_tokens": row.tokens,
             "token_summary": {"input": self._info.input_tokens[row_index], "output": row.tokens},
         }
+        if row.cached is not None:
+            done["token_summary"]["cached"] = row.cached
         if self._profile:
             done["timing"] = row.timing()
         return done

@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._parsers import CALL_END, CALL_START
+
 if TYPE_CHECKING:
     import llguidance
 
     from ...tokenization import Tokenizer
 
-__all__ = ["GrammarConstraint", "GrammarFactory", "compile_response_format", "constraint_factory"]
+__all__ = ["GrammarConstraint", "GrammarFactory", "compile_response_format", "constraint_factory", "tool_call_format"]
 
 logger = logging.getLogger("mlx_serving")
 
@@ -117,6 +119,56 @@ def _compile(canonical: str) -> str | None:
         raise ValueError(f"response_format.{kind} must be a non-empty string, got {type(source).__name__}")
     grammar = matcher.grammar_from_regex(source) if kind == "regex" else matcher.grammar_from_lark(source)
     return _validated(grammar, kind)
+
+
+def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool) -> dict[str, Any] | None:
+    """The ``response_format`` that forces a tool call: None for ``tool_choice`` None, "auto" or
+    "none"; for "required" one or more calls (one when not ``parallel``) of any of ``tools``; for
+    ``{"type": "function", "function": {"name": N}}`` one call of ``N``. A call is the output
+    parser's hermes block, ``<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>``
+    (``_parsers``), its arguments held to the tool's ``parameters`` schema (any object without one),
+    as vLLM forces it (``vllm/entrypoints/openai/protocol.py``, ``_get_json_schema_from_tool``).
+
+    Raises ValueError naming ``tool_choice`` (an unknown choice, a name not among ``tools``) or
+    ``tools`` (an entry without a function name, parameters that are not an object)."""
+    if choice in (None, "auto", "none"):
+        return None
+    specs = [_tool_spec(t, i) for i, t in enumerate(tools)]
+    if choice == "required":
+        chosen = specs
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str)):
+        name = choice["function"]["name"]
+        chosen = [spec for spec in specs if spec[0] == name]
+        if not chosen:
+            raise ValueError(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
+                             f"({sorted(n for n, _ in specs)})")
+        parallel = False
+    else:
+        raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                         f"{{'name': str}}}}, got {choice!r:.80}")
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, params in chosen]
+    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    body = json.dumps(schema, ensure_ascii=False, allow_nan=False)
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return {"type": "grammar", "grammar": f'{start}\ncall: "{CALL_START}\\n" args "\\n{CALL_END}"\nargs: %json {body}\n'}
+
+
+def _tool_spec(tool: object, i: int) -> tuple[str, dict[str, Any]]:
+    """``(name, parameters schema)`` of ``tools[i]`` (OpenAI's ``{"type": "function", "function":
+    {...}}`` or the bare function object)."""
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tools[{i}] needs a function name (a non-empty string) to be forced by tool_choice")
+    params = fn.get("parameters")
+    if params is None:
+        return name, {"type": "object"}
+    if not isinstance(params, dict):
+        raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object, got {type(params).__name__}")
+    return name, params
 
 
 def _check_keys(value: Mapping[str, Any], allowed: set[str], where: str) -> None:
