@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
 from ..serving import AsyncStream, Client, ServingError, ServingStats
@@ -288,15 +289,22 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
 
 async def _body(request: Request) -> dict[str, Any]:
     """The JSON object a POST carries; APIError 415 for another media type (a cross-origin HTML form
-    may post ``text/plain`` without a CORS preflight), 400 for invalid JSON or a non-object."""
+    may post ``text/plain`` without a CORS preflight), 400 for invalid JSON or a non-object, 499
+    (not logged) when the client leaves before the body ends."""
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media != "application/json":
         raise APIError(415, f"the request body must be JSON (content-type: application/json), got {media!r:.80}",
                        code="unsupported_media_type")
     try:
-        body = json.loads(await request.body())
+        raw = await request.body()
+    except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log
+        raise APIError(499, "the client disconnected before sending its whole request", code="client_closed") from None
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # Python's parser gives up past ~1,000 levels: no request needs that many
+        raise APIError(400, "the request body is nested too deeply to parse") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -339,6 +347,9 @@ class _Recorder:
         self._metrics, self._model, self._call, self._arrival = metrics, model, call, arrival
         self._prompts_seen: set[int] = set()
         self._finished = 0
+        first = call.input[0] if isinstance(call.input, list) else call.input
+        max_tokens = first.get("max_new_tokens")
+        metrics.arrived(model, call.n, max_tokens if isinstance(max_tokens, int) else None)
 
     def final(self, choice: int, final: Mapping[str, Any]) -> None:
         prompt = choice // self._call.n

@@ -9,9 +9,17 @@ Per request (observed when a completion's final item arrives; label ``model_name
 - ``e2e_request_latency_seconds``: arrival -> the final item;
 - ``request_queue_time_seconds``: e2e less the row's ``timing.total_ms`` (admission -> last token):
   waiting in the queue, preprocessing and transport;
-- ``prompt_tokens_total`` / ``generation_tokens_total`` (``token_summary.input`` once per prompt,
-  ``num_tokens`` per completion) and ``request_success_total{finished_reason}`` (``stop``,
-  ``length``, ``tool_calls``; ``abort`` for a request its client left).
+- ``request_prefill_time_seconds`` / ``request_decode_time_seconds`` /
+  ``request_inference_time_seconds``: the row's ``timing.prefill_ms`` / ``decode_ms`` /
+  ``total_ms`` (admission -> first token, first -> last token, admission -> last token);
+- ``request_prompt_tokens`` / ``request_generation_tokens`` (histograms: ``token_summary.input``,
+  ``num_tokens``), ``prompt_tokens_total`` / ``generation_tokens_total`` (``token_summary.input`` once
+  per prompt, ``num_tokens`` per completion), ``prompt_tokens_cached_total`` (``token_summary.cached``)
+  and ``request_success_total{finished_reason}`` (``stop``, ``length``, ``tool_calls``; ``abort``
+  for a request its client left).
+
+Per request at arrival: ``request_params_n`` (completions asked for) and
+``request_params_max_tokens`` (when the request gives it).
 
 Read from ``Client.stats()`` at each scrape (no second bookkeeping): ``num_requests_running`` /
 ``num_requests_waiting`` (sequences: the engine's running ones, ``backend.seqs_running``; those
@@ -22,7 +30,8 @@ the prefix cache, as vLLM counts them), ``num_preemptions_total`` and
 ``serving_requests_total{outcome}`` (the serving's ``completed``, ``failed``, ``cancelled``,
 ``expired``, ``rejected``).
 
-Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``).
+Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``; token counts: its 1-2-5 series).
+Not exported: ``iteration_tokens_total`` (the serving counts steps, not tokens per step).
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 _OUTCOMES = ("completed", "failed", "cancelled", "expired", "rejected")
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))  # 1 .. 5,000,000 (1-2-5)
+_N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 StatsSource = Callable[[], Mapping[str, ServingStats]]
 
@@ -68,6 +79,18 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival -> last token (s).", _LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival -> admission into the engine (s).",
                                _LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Admission -> first token (s).", _LATENCY_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First -> last token (s).", _LATENCY_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "Admission -> last token (s).",
+                                   _LATENCY_BUCKETS)
+        self.prompt_hist = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.generation_hist = histogram("request_generation_tokens", "Generated tokens per completion.",
+                                         _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "Completions asked for per prompt (n).", _N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "max_tokens of requests that give it.",
+                                           _TOKEN_BUCKETS)
+        self.cached_tokens = Counter(PREFIX + "prompt_tokens_cached", "Prompt tokens found in the prefix cache.",
+                                     labels, registry=self.registry)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", labels,
                                      registry=self.registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
@@ -82,12 +105,19 @@ class Metrics:
         self.success.labels(model, final["finish_reason"]).inc()
         tokens = int(final.get("num_tokens", 0))
         self.generation_tokens.labels(model).inc(tokens)
+        self.generation_hist.labels(model).observe(tokens)
+        summary = final.get("token_summary", {})
         if first_of_prompt:
-            self.prompt_tokens.labels(model).inc(int(final.get("token_summary", {}).get("input", 0)))
+            self.prompt_tokens.labels(model).inc(int(summary.get("input", 0)))
+            self.prompt_hist.labels(model).observe(int(summary.get("input", 0)))
+            self.cached_tokens.labels(model).inc(int(summary.get("cached", 0)))
         self.e2e.labels(model).observe(e2e_s)
         timing = final.get("timing")
         if not timing:
             return
+        self.prefill.labels(model).observe(timing["prefill_ms"] / 1e3)
+        self.decode.labels(model).observe(timing["decode_ms"] / 1e3)
+        self.inference.labels(model).observe(timing["total_ms"] / 1e3)
         queue_s = max(e2e_s - timing["total_ms"] / 1e3, 0.0)
         self.queue.labels(model).observe(queue_s)
         self.ttft.labels(model).observe(queue_s + timing["prefill_ms"] / 1e3)
@@ -95,6 +125,12 @@ class Metrics:
             itl, gap = self.itl.labels(model), timing["decode_ms"] / 1e3 / (tokens - 1)
             for _ in range(tokens - 1):
                 itl.observe(gap)
+
+    def arrived(self, model: str, n: int, max_tokens: int | None) -> None:
+        """Observe a request's parameters at arrival (``max_tokens`` None: the server's default)."""
+        self.params_n.labels(model).observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.labels(model).observe(max_tokens)
 
     def aborted(self, model: str, completions: int) -> None:
         """Count completions whose client left before they finished."""

@@ -131,6 +131,8 @@ def _call(body: dict[str, Any], input: Any, prompts: int) -> Call:
                        param="stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     n = body.get("n")
+    if isinstance(n, bool):  # True == 1 in Python: not a count
+        raise APIError(400, f"'n' must be an integer, got {n!r}", param="n")
     if n is not None and n != 1:
         for item in input if isinstance(input, list) else [input]:
             item["n"] = n

@@ -10,6 +10,8 @@ from ._telemetry import ServingStats
 
 @dataclass
 class Counters:
+    """The scheduler's request and row counts (``snapshot`` is :class:`ServingStats`)."""
+
     queued: int = 0
     running: int = 0
     batches_run: int = 0
@@ -50,3 +52,12 @@ class Counters:
             expired=self.expired,
             rejected=self.rejected,
         )
+
+
+def too_big(rows: int, max_queue: int | None, counters: Counters) -> None:
+    """ValueError (counted as rejected) for a request of more ``rows`` than ``max_queue``: it could
+    never be queued, so it is bad input, not an overload to retry (``ServingOverloaded``)."""
+    if max_queue is not None and rows > max_queue:
+        counters.rejected += 1
+        raise ValueError(f"the request has {rows} rows, more than the serving queues at once (max_queue "
+                         f"{max_queue}): split it")

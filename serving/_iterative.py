@@ -23,7 +23,7 @@ from typing import Any
 from ._backend import IterativeBackend
 from ._batch import Batch
 from ._channel import Waker, wake
-from ._counters import Counters
+from ._counters import Counters, too_big
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
 from ._messages import RowEvent
@@ -81,6 +81,7 @@ class IterativeScheduler:
             if self._stopping:
                 raise ServingStopped("the serving is stopped")
             max_queue = self._opts.max_queue
+            too_big(len(payloads), max_queue, self._c)
             if max_queue is not None and self._c.queued + len(payloads) > max_queue:
                 self._c.rejected += 1
                 raise ServingOverloaded(f"{self._c.queued} rows queued; max_queue is {max_queue}")

@@ -17,7 +17,7 @@ from typing import Any
 
 from ._backend import Backend
 from ._batch import Batch
-from ._counters import Counters
+from ._counters import Counters, too_big
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
 from ._output import output_rows
@@ -63,6 +63,7 @@ class StaticScheduler:
             if self._stopping:
                 raise ServingStopped("the serving is stopped")
             max_queue = self._opts.max_queue
+            too_big(batch.size, max_queue, self._c)
             if max_queue is not None and self._c.queued + batch.size > max_queue:
                 self._c.rejected += 1
                 raise ServingOverloaded(f"{self._c.queued} rows queued; max_queue is {max_queue}")

@@ -6,7 +6,7 @@ optionally with per-request options (OpenAI / vLLM names): ``max_new_tokens``, `
 ``frequency_penalty``, ``logit_bias``, ``min_tokens``, ``seed``, ``logprobs``, ``top_logprobs``,
 ``n``, ``response_format``, ``priority``, ``stop``, ``enable_thinking``, ``tools``; or a list of
 these. Output for one input: ``{"results": [...]}`` with one entry per completion (``n``), each
-``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input", "output"},
+``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input", "output", "cached"},
 "timing"}`` plus ``logprobs`` (when asked for), ``reasoning_content`` (``enable_thinking`` true and
 the output thought) and ``tool_calls`` (``tools`` given and called); a list input returns a list
 of those, in order. ``finish_reason`` is "stop" (EOS, a stop string or a complete

@@ -267,7 +267,7 @@ def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     else:
         text = _text(spec["text"])
         if limit is not None and _longer_than(text, limit):
-            raise _too_long("prompt", len(text), limit, opts, params)
+            raise _too_long("'text' (the prompt)", len(text), limit, opts, params)
         ids = tokenizer.encode(text)
     if len(ids) + params.max_new_tokens > opts.max_len:
         raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
@@ -318,7 +318,7 @@ def _encode_chat(messages: Any, tools: Any, thinking: bool | None, tokenizer: To
         rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
                                                  tools=tools)
         if _longer_than(rendered, limit):
-            raise _too_long("chat prompt (rendered)", len(rendered), limit, opts, params)
+            raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, params)
     return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
 
 

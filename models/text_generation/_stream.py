@@ -74,7 +74,8 @@ class GenerationTransducer:
     Items of an input whose rows are plain (n 1, no logprobs, tools or thinking): ``str`` pieces
     then one final ``dict`` with ``finish_reason`` ("stop": EOS, a stop string or a complete
     grammar; "length": max_new_tokens), ``num_tokens``, ``token_summary`` (``{"input", "output"}``
-    tokens) and, when ``profile_timing``, ``timing`` (ms, see :meth:`RowText.timing`; the same for
+    tokens, and ``"cached"``: prompt tokens the engine found in its prefix cache, on the paged KV
+    cache) and, when ``profile_timing``, ``timing`` (ms, see :meth:`RowText.timing`; the same for
     every finish reason). Items of an input with ``n`` > 1, logprobs, tools or thinking (its
     :class:`RowOutput` has ``deltas``): delta dicts ``{"index", "content"[, "reasoning_content"]
     [, "tool_calls"][, "logprobs"]}`` (index: which of its n completions; logprobs: one entry per

@@ -55,7 +55,23 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 #: OpenAI's rule for ``json_schema.name``: a-z, A-Z, 0-9, underscores and dashes, at most 64.
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _COMPILED_CACHE = 512  # distinct response formats kept compiled
-_MATCHER_CACHE = 64  # distinct grammars kept as ready matchers per factory
+_MATCHER_CACHE = 16  # distinct grammars kept as ready matchers per factory (each up to ~40 MB: _LIMITS)
+#: Most characters of a response format's JSON text (a schema, a regex, a Lark grammar).
+MAX_FORMAT_CHARS = 64 << 10
+#: Most rules of a Lark grammar: llguidance compiles a chain of rules by recursion on the calling
+#: thread's stack; 3,000 chained rules overflow an 8 MiB stack (SIGSEGV, reproduced in
+#: tests/chaos/test_hostile_formats.py), 2,000 compile in 85 ms.
+MAX_GRAMMAR_RULES = 1000
+_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?\d+)?\s*:", re.MULTILINE)
+
+
+def _limits() -> Any:
+    """llguidance's resource limits for every grammar here (its defaults let the 13-character
+    regex ``a{1000}{1000}`` build its lexer for ~1 s and keep ~150 MB): ~20 ms and ~40 MB at most
+    to build a matcher, ~7 ms of lexer work per token; past them the grammar is refused (at
+    validation) or the sequence ends (``GrammarConstraint.accept``)."""
+    return _llguidance().LLParserLimits(initial_lexer_fuel=200_000, step_lexer_fuel=100_000, max_lexer_states=20_000,
+                                        max_grammar_size=200_000)
 
 
 def _llguidance() -> Any:
@@ -92,6 +108,8 @@ def compile_response_format(response_format: object) -> str | None:
         canonical = json.dumps(response_format, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"response_format must be JSON data (dicts, lists, str, finite numbers): {exc}") from None
+    if len(canonical) > MAX_FORMAT_CHARS:
+        raise ValueError(f"response_format is {len(canonical)} characters of JSON, more than {MAX_FORMAT_CHARS}")
     return _compile(canonical)
 
 
@@ -117,6 +135,8 @@ def _compile(canonical: str) -> str | None:
     source = response_format.get(kind)
     if not isinstance(source, str) or not source:
         raise ValueError(f"response_format.{kind} must be a non-empty string, got {type(source).__name__}")
+    if kind == "grammar" and len(_RULE.findall(source)) > MAX_GRAMMAR_RULES:
+        raise ValueError(f"response_format.grammar has more than {MAX_GRAMMAR_RULES} rules")
     grammar = matcher.grammar_from_regex(source) if kind == "regex" else matcher.grammar_from_lark(source)
     return _validated(grammar, kind)
 
@@ -198,7 +218,7 @@ def _schema_of(json_schema: object) -> dict[str, Any]:
 
 def _validated(grammar: str, field: str) -> str:
     """``grammar`` if llguidance compiles it, else ValueError naming ``response_format.<field>``."""
-    failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
+    failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, None, limits=_limits())
     if failed:
         raise ValueError(f"response_format.{field} cannot be compiled: {messages[0][:500]}")
     return grammar
@@ -294,7 +314,7 @@ class GrammarFactory:
             if grammar in self._matchers:
                 self._matchers.move_to_end(grammar)
                 return self._matchers[grammar]
-        matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = _llguidance().LLMatcher(self._tokenizer, grammar, log_level=0, limits=_limits())
         if matcher.is_error():
             raise ValueError(f"grammar cannot be compiled: {matcher.get_error()[:500]}")
         with self._lock:

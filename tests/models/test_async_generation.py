@@ -258,7 +258,9 @@ async def test_stream_join_equals_non_streamed_text_for_multibyte_output(gen: Se
         assert synced[p][:-1] == pieces
         assert {**synced[p][-1], "timing": None} == {**final, "timing": None}
         assert all(isinstance(piece, str) and piece for piece in pieces)
-        assert final["token_summary"] == {"input": len(tok.encode(p)), "output": final["num_tokens"]}
+        summary = dict(final["token_summary"])
+        assert 0 <= summary.pop("cached") < len(tok.encode(p))  # prefix-cache hits: the paged cache reports them
+        assert summary == {"input": len(tok.encode(p)), "output": final["num_tokens"]}
         assert final["finish_reason"] == plain[p]["finish_reason"]
         held_back += final["num_tokens"] - len(pieces)
     assert held_back > 0, "no token ended inside a character: pick prompts that exercise it"

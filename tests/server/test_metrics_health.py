@@ -1,9 +1,13 @@
-"""``/metrics`` (parsed with prometheus-client's parser: counts match the requests made) and
-``/health`` (503 while loading, 503 when a serving holds rows without progress, 200 otherwise)."""
+"""``/metrics`` (parsed with prometheus-client's parser: counts match the requests made; every
+series the Grafana dashboard in docs/grafana queries exists) and ``/health`` (503 while loading,
+503 when a serving holds rows without progress, 200 otherwise)."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -48,6 +52,33 @@ def test_metrics_count_the_requests_made(server: Server):
     assert after[("mlx_serving:prefix_cache_hits_total", LABELS)] == kv["prefix_hit_tokens"]
     completed = (("model_name", MODEL), ("outcome", "completed"))
     assert after[("mlx_serving:serving_requests_total", completed)] == server.handle.stats().completed
+    for histogram in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                      "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                      "request_params_max_tokens"):
+        assert _delta(after, before, f"mlx_serving:{histogram}_count") == 4, histogram
+    assert _delta(after, before, "mlx_serving:request_generation_tokens_sum") == generated
+    assert _delta(after, before, "mlx_serving:request_params_max_tokens_sum") == 3 + 4 + 5 + 5
+    cached = _delta(after, before, "mlx_serving:prompt_tokens_cached_total")
+    assert cached == sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "mlx-serving.json"
+
+
+def test_every_series_the_grafana_dashboard_queries_is_exported(server: Server):
+    """Each metric name in the dashboard's PromQL (and its model variable's query) is a sample of
+    ``/metrics`` after one request (histograms as their _bucket / _sum / _count)."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    client.completions.create(model=MODEL, prompt="dashboard", max_tokens=3)
+    exported = {name for name, _ in metric_samples(server.url)}
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"]]
+    names = {n for q in queries for n in re.findall(r"mlx_serving:[A-Za-z0-9_:]+", q)}
+    assert len(queries) >= 20 and len(names) >= 20
+    missing = sorted(names - exported)
+    assert not missing, missing
+    assert all('model_name="$model_name"' in q for q in queries if "label_values" not in q)
 
 
 def test_health_ok(server: Server):

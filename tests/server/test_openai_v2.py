@@ -238,3 +238,40 @@ def test_x_request_id_is_echoed_or_made(v2: Server) -> None:
     assert echoed.headers["x-request-id"] == "abc-123"
     made = httpx.get(f"{v2.url}/v1/models").headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", made)
+
+
+def test_hostile_formats_are_400s_and_the_server_keeps_serving(v2: Server) -> None:
+    """The reproductions of tests/chaos/test_hostile_formats.py over HTTP: 400 naming the field, and
+    the next request is served."""
+    chain = "start: r0\n" + "".join(f"r{i}: r{i + 1} | \"x{i}\"\n" for i in range(3000)) + "r3000: \"end\"\n"
+    formats = [json.dumps({"type": "grammar", "grammar": chain})]
+    for depth in (300, 900):  # JSON text written by hand: json.dumps itself gives up past ~490 levels
+        schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+        formats.append('{"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + schema + "}}")
+    for fmt in formats:
+        body = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": ' + fmt + "}"
+        r = httpx.post(f"{v2.url}/v1/chat/completions", timeout=60, content=body,
+                       headers={"content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400, r.text[:300]
+        assert error["param"] == "response_format" or "nested too deeply" in error["message"], error  # 900: at parse
+    deep: object = "hi"
+    for _ in range(500):
+        deep = [deep]
+    r = httpx.post(f"{v2.url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": deep}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
+    ok = httpx.post(f"{v2.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_small_defects_each_answer_400_naming_the_field(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:  # True == 1 in Python, but not a count
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"n": True})
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:  # more rows than the queue ever holds: not a 503
+        client.completions.create(model=MODEL, prompt=["hi"] * 1025, max_tokens=1)
+    assert "max_queue" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # the prompt is at fault, not max_tokens
+        client.completions.create(model=MODEL, prompt="word " * 2_000_000, max_tokens=1)
+    assert info.value.body["param"] == "prompt"
