@@ -69,6 +69,7 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
 def run(args: argparse.Namespace) -> int:
     """Start the server and block until it stops (Ctrl-C or SIGTERM). Returns the exit status: 0,
     2 for a bad option, a missing extra or models that failed to load."""
+    _fewer_malloc_arenas()
     try:
         import uvicorn
 
@@ -100,6 +101,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlx-serving: error: loading the models failed: {failed[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def _fewer_malloc_arenas() -> None:
+    """Cap glibc's malloc at 2 arenas (``MALLOC_ARENA_MAX=2``, unless the environment sets it): the
+    server's ~20 threads (uvicorn, anyio's pool, the executor, MLX, OpenMP) otherwise each grow an
+    arena, and peak RSS of a 1-stream server on SmolLM2-135M was 244 MiB against 232 with 2 arenas
+    (/proc VmHWM after four 128-token completions, 2-core x86-64). No-op off glibc."""
+    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX (malloc.h)
+    except (OSError, AttributeError):  # musl or another libc: nothing to set
+        pass
 
 
 def _is_loopback(host: str) -> bool:
