@@ -58,9 +58,11 @@ def measure(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json")
+    ap = argparse.ArgumentParser(description="The native CPU quantized matmul beside MLX's mx.quantized_matmul "
+                                             "on SmolLM2-135M's layer shapes (ms, GFLOP/s, largest difference).")
+    ap.add_argument("--repeats", type=int, default=7, help="calls per kernel and shape (the median is kept)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json",
+                    help="the JSON report")
     args = ap.parse_args()
     if native.quantized_matmul_cpu() is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")

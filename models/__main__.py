@@ -93,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default=None,
                      help="the prompt; '-' reads it from stdin (trailing newlines dropped)")
     gen.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="PROMPT",
-                     help="the prompt, as mlx-lm's flag, instead of the positional argument (default: none)")
+                     help="the prompt, as mlx-lm's flag: applies the chat template as mlx-lm does (implies --chat), instead of "
+                          "the positional argument (default: none)")
     _common_options(gen)
     gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user message)")
     gen.add_argument("--system-prompt", default=None, metavar="PROMPT",
@@ -157,7 +158,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("give the prompt once: as the positional argument or with -p/--prompt")
     given = args.prompt if args.prompt is not None else args.prompt_option
     prompt = sys.stdin.read().rstrip("\n") if given == "-" else given
-    chat = args.chat or args.system_prompt is not None
+    chat = args.chat or args.system_prompt is not None or args.prompt_option is not None  # mlx-lm's -p: chat
     serving = _serving(args, chat=chat)
     try:
         text: dict[str, Any] = {"text": prompt} if args.system_prompt is None else {"messages": [

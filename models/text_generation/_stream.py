@@ -157,7 +157,7 @@ class GenerationTransducer:
         items: list[Any] = [delta] if delta["content"] or has_more else []
         if row.finish_reason is not None:
             final = self._final(row_index, row)
-            if parser.called:
+            if parser.called and row.finish_reason is not FinishReason.LENGTH:  # cut off: "length", as OpenAI
                 final["finish_reason"] = FinishReason.TOOL_CALLS.value
             items.append({"index": output.index, **final})
         return items

@@ -56,6 +56,9 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _COMPILED_CACHE = 512  # distinct response formats kept compiled
 _MATCHER_CACHE = 16  # distinct grammars kept as ready matchers per factory (each up to ~40 MB: _LIMITS)
+#: Most calls a forced ``tool_choice: "required"`` allows in one turn: then the grammar is complete
+#: and the turn ends (a small model otherwise repeats the same call until max_tokens).
+MAX_PARALLEL_CALLS = 4
 #: Most characters of a response format's JSON text (a schema, a regex, a Lark grammar).
 MAX_FORMAT_CHARS = 64 << 10
 #: Most rules of a Lark grammar: llguidance compiles a chain of rules by recursion on the calling
@@ -143,7 +146,7 @@ def _compile(canonical: str) -> str | None:
 
 def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool) -> dict[str, Any] | None:
     """The ``response_format`` that forces a tool call: None for ``tool_choice`` None, "auto" or
-    "none"; for "required" one or more calls (one when not ``parallel``) of any of ``tools``; for
+    "none"; for "required" 1 to :data:`MAX_PARALLEL_CALLS` calls (one when not ``parallel``) of any of ``tools``; for
     ``{"type": "function", "function": {"name": N}}`` one call of ``N``. A call is the output
     parser's hermes block, ``<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>``
     (``_parsers``), its arguments held to the tool's ``parameters`` schema (any object without one),
@@ -172,7 +175,7 @@ def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     body = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"
     return {"type": "grammar", "grammar": f'{start}\ncall: "{CALL_START}\\n" args "\\n{CALL_END}"\nargs: %json {body}\n'}
 
 

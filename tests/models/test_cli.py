@@ -170,8 +170,9 @@ def test_mlx_lm_flag_names_are_accepted(
     assert cli.main(["generate", "-p", "Hi", "--model", str(tiny_ckpt), "-m", "6", "--max-len", "64",
                      "--temp", "0.8", "--seed", "3"]) == 0
     sampled = capsys.readouterr().out
-    assert cli.main(["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--temperature", "0.8", "--seed", "3"]) == 0
-    assert capsys.readouterr().out == sampled
+    assert cli.main(["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--chat", "--temperature", "0.8",
+                     "--seed", "3"]) == 0
+    assert capsys.readouterr().out == sampled  # -p applies the chat template, as mlx-lm's does
     assert cli.main(["generate", "--prompt", "Hi", "--model", str(tiny_ckpt), *_SMALL,
                      "--system-prompt", "Be brief."]) == 0
     assert recorders[-1].requests == [{"messages": [{"role": "system", "content": "Be brief."},

@@ -275,3 +275,14 @@ def test_small_defects_each_answer_400_naming_the_field(client: openai.OpenAI) -
     with pytest.raises(openai.BadRequestError) as info:  # the prompt is at fault, not max_tokens
         client.completions.create(model=MODEL, prompt="word " * 2_000_000, max_tokens=1)
     assert info.value.body["param"] == "prompt"
+
+
+def test_required_tool_calls_are_bounded_and_a_cut_off_turn_is_length(client: openai.OpenAI) -> None:
+    from mlx_serving.models.text_generation._structured import MAX_PARALLEL_CALLS
+
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                          max_tokens=110).choices[0]
+    assert done.finish_reason == "tool_calls" and 1 <= len(done.message.tool_calls) <= MAX_PARALLEL_CALLS
+    cut = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         max_tokens=5).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.tool_calls
