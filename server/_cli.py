@@ -15,7 +15,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..serving import Client
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -199,7 +202,7 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     return served
 
 
-def _describe(client: Any, options: dict[str, Any], workers: int) -> str:
+def _describe(client: Client, options: dict[str, Any], workers: int) -> str:
     """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens (65536 tokens), in process``."""
     from ..models.generation.kv_cache import BLOCK_SIZE
 

@@ -161,10 +161,12 @@ def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, .
         del spec["top_k"]
 
 
+_KNOWN = {kind: frozenset((*_PASS, *_UNSUPPORTED, *_IGNORED, *_GUIDED, *read)) for kind, read in _READ.items()}
+
+
 def _check_fields(body: dict[str, Any], kind: str) -> None:
     """APIError 400 naming the first field no table above knows: no field is silently dropped."""
-    known = {*_PASS, *_UNSUPPORTED, *_IGNORED, *_GUIDED, *_READ[kind]}
-    unknown = [k for k in body if k not in known]
+    unknown = [k for k in body if k not in _KNOWN[kind]]
     if unknown:
         raise APIError(400, f"unknown field {unknown[0]!r:.80} in a {kind} request", param=str(unknown[0])[:80])
 

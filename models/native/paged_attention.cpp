@@ -206,14 +206,14 @@ struct Scratch {
 void unit(const float* q, const float* k, const float* v, const int32_t* table, int64_t b, int64_t g, int64_t j0,
           int64_t j1, int64_t start, const Geometry& ge, bool avx2, float* out, Scratch& w) {
   const int64_t group = ge.h / ge.hkv, d = ge.d, nq = group * (j1 - j0);
-  w.q.assign(nq * d, 0.f);
+  w.q.resize(nq * d);  // every buffer but the running o, m and l is written before it is read
   w.o.assign(nq * d, 0.f);
   w.m.assign(nq, -std::numeric_limits<float>::infinity());
   w.l.assign(nq, 0.f);
-  w.kt.assign(d * kSk, 0.f);
-  w.s.assign(2 * kSk, 0.f);
-  w.k.assign(kSk, nullptr);
-  w.v.assign(kSk, nullptr);
+  w.kt.resize(d * kSk);
+  w.s.resize(2 * kSk);
+  w.k.resize(kSk);
+  w.v.resize(kSk);
   // Query i = r * (j1 - j0) + (j - j0) is head g * group + r at token j; scaled first, as MLX does.
   for (int64_t r = 0; r < group; ++r)
     for (int64_t j = j0; j < j1; ++j) {

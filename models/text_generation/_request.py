@@ -59,7 +59,7 @@ def sampling_params(spec: dict[str, Any], tokenizer: Tokenizer, opts: Generation
     if spec.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(spec["logit_bias"], tokenizer.vocab_size)
     kwargs["logprobs"] = _logprobs(spec.get("logprobs"), spec.get("top_logprobs"))
-    kwargs["grammar"] = compile_response_format(_response_format(spec))
+    kwargs["grammar"] = _grammar(spec)
     return SamplingParams(eos_token_ids=_stop_ids(spec, tokenizer), **kwargs)
 
 
@@ -81,13 +81,13 @@ def _stop_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _response_format(spec: dict[str, Any]) -> Any:
-    """The request's ``response_format``, or the one its ``tool_choice`` forces."""
+def _grammar(spec: dict[str, Any]) -> str | None:
+    """The grammar of the request's ``response_format``, or of the one its ``tool_choice`` forces."""
     choice, parallel = spec.get("tool_choice"), spec.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ValueError(f"parallel_tool_calls must be true, false or null, got {_show(parallel)}")
     if choice in (None, "auto", "none"):
-        return spec.get("response_format")
+        return compile_response_format(spec.get("response_format"))
     tools = spec.get("tools")
     if not isinstance(tools, list) or not tools:
         raise ValueError(f"tool_choice {_show(choice)} needs 'tools' (a non-empty list of tool dicts)")
@@ -96,10 +96,9 @@ def _response_format(spec: dict[str, Any]) -> Any:
                          "combined with response_format")
     forced = tool_call_format(tools, choice, parallel is not False)
     try:
-        compile_response_format(forced)
+        return compile_response_format(forced)
     except ValueError as exc:
         raise ValueError(f"tools: a function's parameters schema cannot be compiled for tool_choice: {exc}") from None
-    return forced
 
 
 def completions(spec: dict[str, Any]) -> int:

@@ -68,6 +68,7 @@ MAX_GRAMMAR_RULES = 1000
 _RULE = re.compile(r"^\s*[?!]?[A-Za-z_][A-Za-z0-9_]*(\.-?\d+)?\s*:", re.MULTILINE)
 
 
+@functools.cache
 def _limits() -> Any:
     """llguidance's resource limits for every grammar here (its defaults let the 13-character
     regex ``a{1000}{1000}`` build its lexer for ~1 s and keep ~150 MB): ~20 ms and ~40 MB at most
