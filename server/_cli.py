@@ -64,7 +64,8 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="an origin (https://host:port, or *) whose web pages may call the API (CORS; repeatable; "
                         "default: none)")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's and the server's log level (default: info)")
     p.set_defaults(run=run)
     return p
 
