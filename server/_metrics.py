@@ -4,8 +4,8 @@ Per request (observed when a completion's final item arrives; label ``model_name
 
 - ``time_to_first_token_seconds``: arrival at the server -> first token, = queue time + the row's
   ``timing.prefill_ms`` (admission -> first token, measured by the runtime);
-- ``inter_token_latency_seconds``: the row's ``timing.decode_ms / (num_tokens - 1)``, observed once
-  per decode token (the runtime times a row's first and last tokens, not each gap);
+- ``inter_token_latency_seconds``: each gap between a row's consecutive tokens (``timing.itl_ms``,
+  measured by the runtime as each token event arrives), so one stall shows as one slow gap;
 - ``e2e_request_latency_seconds``: arrival -> the final item;
 - ``request_queue_time_seconds``: e2e less the row's ``timing.total_ms`` (admission -> last token):
   waiting in the queue, preprocessing and transport;
@@ -26,12 +26,12 @@ Read from ``Client.stats()`` at each scrape (no second bookkeeping): ``num_reque
 queued in the serving, ``queued``, plus those waiting in the engine, ``backend.seqs_waiting``),
 ``kv_cache_usage_perc`` (KV blocks used / total, a fraction in [0, 1] as in vLLM),
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens looked up / found in
-the prefix cache, as vLLM counts them), ``num_preemptions_total`` and
+the prefix cache, as vLLM counts them), ``num_preemptions_total``,
 ``serving_requests_total{outcome}`` (the serving's ``completed``, ``failed``, ``cancelled``,
-``expired``, ``rejected``).
+``expired``, ``rejected``) and ``iteration_tokens_total`` (a histogram of the tokens each engine
+step computed, prefill and decode, from the backend's ``iteration_tokens_le_<bound>`` buckets).
 
 Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``; token counts: its 1-2-5 series).
-Not exported: ``iteration_tokens_total`` (the serving counts steps, not tokens per step).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..serving import ServingStats
@@ -121,10 +121,9 @@ class Metrics:
         queue_s = max(e2e_s - timing["total_ms"] / 1e3, 0.0)
         self.queue.labels(model).observe(queue_s)
         self.ttft.labels(model).observe(queue_s + timing["prefill_ms"] / 1e3)
-        if tokens > 1:
-            itl, gap = self.itl.labels(model), timing["decode_ms"] / 1e3 / (tokens - 1)
-            for _ in range(tokens - 1):
-                itl.observe(gap)
+        itl = self.itl.labels(model)
+        for gap_ms in timing.get("itl_ms", ()):
+            itl.observe(gap_ms / 1e3)
 
     def arrived(self, model: str, n: int, max_tokens: int | None) -> None:
         """Observe a request's parameters at arrival (``max_tokens`` None: the server's default)."""
@@ -163,6 +162,8 @@ class _StatsCollector(Collector):
         preemptions = _per_model(CounterMetricFamily, "num_preemptions", "Sequences preempted for KV blocks.")
         outcomes = CounterMetricFamily(PREFIX + "serving_requests", "Requests ended, by outcome (ServingStats).",
                                        labels=["model_name", "outcome"])
+        iteration = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
+                                          labels=["model_name"])
         for model, s in self._stats().items():
             kv = s.backend
             # rows admitted into the engine may still wait in its own queue (seqs_waiting)
@@ -175,4 +176,15 @@ class _StatsCollector(Collector):
             preemptions.add_metric([model], kv.get("preemptions", 0))
             for outcome in _OUTCOMES:
                 outcomes.add_metric([model, outcome], getattr(s, outcome))
-        yield from (running, waiting, usage, queries, hits, preemptions, outcomes)
+            buckets = _iteration_buckets(kv)
+            if buckets:
+                iteration.add_metric([model], buckets, kv.get("iteration_tokens_sum", 0))
+        yield from (running, waiting, usage, queries, hits, preemptions, outcomes, iteration)
+
+
+def _iteration_buckets(backend: Mapping[str, float]) -> list[tuple[str, float]]:
+    """``[(bound, cumulative count), ...]`` from the backend's ``iteration_tokens_le_<bound>`` keys,
+    by bound (``+Inf`` last); empty when it reports none."""
+    prefix = "iteration_tokens_le_"
+    found = [(key[len(prefix):], value) for key, value in backend.items() if key.startswith(prefix)]
+    return sorted(found, key=lambda bv: float(bv[0]))

@@ -50,6 +50,7 @@ from .. import layers  # the shared decoder (models.layers imports this package:
 from .attention import Rows, compiled_decode, packing
 from .events import FinishReason, SeqEvent
 from .fused_decode import decode_path
+from .iteration_stats import IterationTokens
 from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ConstraintFactory, TokenConstraint
 from .sampling import SamplingParams, greedy
@@ -197,6 +198,7 @@ class Engine:
             self._rows_table = np.zeros((rows, -(-self.max_len // block_size)), dtype=np.int32)
             self._rows_table_n = [0] * rows
         self._waiting: Policy = make_policy(policy)
+        self.iteration_tokens = IterationTokens()  # tokens per step (the serving's stats)
         self._arrivals = 0
         self._by_id: dict[int, _Seq] = {}
         self._tokens = mx.zeros((len(self._slots),), dtype=mx.int32)
@@ -538,6 +540,8 @@ class Engine:
             events += self._reserve()
         decoders = [s for s in self._slots if s is not None and s.decoding]
         prefillers = [s for s in self._slots if s is not None and s.prefilling and s.chunk > 0]
+        if decoders or prefillers:
+            self.iteration_tokens.observe(len(decoders) + sum(s.chunk for s in prefillers))
         flight = _Flight(self._tokens)
         if prefillers:
             self._prefill(prefillers, flight)

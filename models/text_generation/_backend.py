@@ -66,9 +66,11 @@ class GenerationBackend:
 
     def stats(self, engine: Engine) -> dict[str, float]:
         """``ServingStats.backend`` of a text-generation serving: sequences running and waiting in
-        the engine (``seqs_running``, ``seqs_waiting``) and the KV block and prefix-cache counters of
-        :meth:`kv_stats` (none on the slot design). Plain counters: safe from any thread."""
-        seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting}
+        the engine (``seqs_running``, ``seqs_waiting``), tokens per step (``iteration_tokens_*``,
+        :class:`~..generation.iteration_stats.IterationTokens`) and the KV block and prefix-cache
+        counters of :meth:`kv_stats` (none on the slot design). Plain counters: safe from any thread."""
+        seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting,
+                **engine.iteration_tokens.stats()}
         kv = engine.kv_stats()
         if kv is None:
             return seqs

@@ -7,7 +7,7 @@ caller's thread or event loop, never on the executor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...tokenization import StreamingDetokenizer, Tokenizer
@@ -24,7 +24,7 @@ __all__ = ["GenerationTransducer", "RowText", "collect"]
 @dataclass(slots=True)
 class RowText:
     """Text state of one row: its detokenizer, stop strings, held-back tail, token count, the
-    ``elapsed_ms`` of its first and latest events, finish; ``pieces``: the row's items are its
+    ``elapsed_ms`` of its first and latest events and the gaps between its events, finish; ``pieces``: the row's items are its
     str pieces as they come (no stop strings, no deltas), the transducer's per-token fast path."""
 
     detok: StreamingDetokenizer
@@ -36,13 +36,17 @@ class RowText:
     first_ms: float | None = None
     cached: int | None = None  # prompt tokens the engine found in the prefix cache
     last_ms: float = 0.0
+    gaps_ms: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
-    def timing(self) -> dict[str, float]:
+    def timing(self) -> dict[str, Any]:
         """``{"prefill_ms": admission -> first token, "decode_ms": first -> last token,
-        "total_ms": admission -> last token}`` in milliseconds."""
+        "total_ms": admission -> last token, "itl_ms": [gap, ...]}`` in milliseconds; ``itl_ms``
+        holds the ``tokens - 1`` inter-token latencies (first -> second token, ...), summing to
+        ``decode_ms``."""
         first = self.last_ms if self.first_ms is None else self.first_ms
-        return {"prefill_ms": first, "decode_ms": self.last_ms - first, "total_ms": self.last_ms}
+        return {"prefill_ms": first, "decode_ms": self.last_ms - first, "total_ms": self.last_ms,
+                "itl_ms": list(self.gaps_ms)}
 
     def push(self, text: str) -> str:
         """Add new text; return what is safe to emit. Sets ``finish_reason`` to STOP when a stop
@@ -103,6 +107,8 @@ class GenerationTransducer:
         row.tokens += 1  # count the event and note its time
         if row.first_ms is None:
             row.first_ms, row.cached = event.elapsed_ms, event.cached_tokens
+        else:
+            row.gaps_ms.append(event.elapsed_ms - row.last_ms)
         row.last_ms = event.elapsed_ms
         text = row.detok.add(event.token_id)
         if row.pieces and event.finish_reason is None:  # the common per-token path: the piece as is

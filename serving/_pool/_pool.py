@@ -26,7 +26,7 @@ from .._telemetry import ServingStats
 from ._base import PoolClient, refuse
 from ._remote import rebuild_error
 from ._spawn import WorkerProcess
-from ._stats import PoolStats, WorkerHealth, WorkerStats, sum_stats
+from ._stats import NO_STATS, PoolStats, WorkerHealth, WorkerStats, retire, sum_stats
 from ._stderr import StderrRelay, exit_report, start_with_stderr_relay
 from ._wire import (
     Call,
@@ -97,6 +97,8 @@ class _Worker:
         self.last_heartbeat = time.time()  # Unix time of its last message of any kind
         self.heard_at = time.monotonic()  # the same, for the liveness check
         self.reader: threading.Thread | None = None
+        self.last_stats: ServingStats | None = None  # its latest answer to a stats query
+        self.queries: set[int] = set()  # ids in ``pending`` that are stats queries, not calls
         self._lock = lock  # the pool's condition: guards ``pending`` and ``state``
         self._send_lock = threading.Lock()
         self._released = False
@@ -244,6 +246,7 @@ class ServingPool(PoolClient):
         self._orphans: deque[Request] = deque()
         self._turn = 0
         self._closing = False
+        self._retired = NO_STATS  # counts of lost workers (see retire)
         self._closed = threading.Event()
         self._restarters: list[threading.Thread] = []
         self._monitor_stop = threading.Event()
@@ -402,6 +405,7 @@ class ServingPool(PoolClient):
         code = worker.process.exitcode
         stopped = closing and code == 0
         tail = "" if stopped or code is None or not pending else worker.stderr_tail(_TAIL_WAIT)
+        self._retire(worker, 0 if stopped else _calls(worker, pending))
         for request in pending.values():
             if stopped:
                 error: ServingError = ServingStopped(f"{worker.name()} stopped before request {request.id} finished")
@@ -429,6 +433,12 @@ class ServingPool(PoolClient):
                     self._replace(slot)
             self._cond.notify_all()
         return closing, pending
+
+    def _retire(self, worker: _Worker, crashed: int) -> None:
+        """Keep a lost worker's counts in the pool's totals (``retire``), ``crashed`` calls failed."""
+        with self._cond:
+            self._retired = retire(self._retired, worker.last_stats, crashed)
+            worker.last_stats = None  # folded once: its reader and the monitor may both report it
 
     def _replace(self, slot: _Slot) -> None:
         """Start the thread that replaces the slot's worker (pool lock held)."""
@@ -484,6 +494,7 @@ class ServingPool(PoolClient):
         with contextlib.suppress(OSError):  # wakes its reader even if another process holds the peer
             worker.sock.shutdown(socket.SHUT_RDWR)
         tail = worker.stderr_tail()
+        self._retire(worker, _calls(worker, pending))
         for request in pending.values():
             summary = (
                 f"{worker.name()} sent nothing, not even a heartbeat, for {silent:.1f} s (liveness_timeout "
@@ -621,6 +632,7 @@ class ServingPool(PoolClient):
                 if worker is not None and worker.state == "ready":
                     query = Request(1, None)
                     worker.pending[query.id] = query
+                    worker.queries.add(query.id)
                 queries.append((slot, worker, query))
         for _, worker, query in queries:
             if query is not None:
@@ -628,19 +640,29 @@ class ServingPool(PoolClient):
                     worker.send(StatsQuery(query.id))
         deadline = time.monotonic() + _STATS_TIMEOUT
         per_worker = [self._collect(*q, deadline) for q in queries]
-        return PoolStats(sum_stats([w.serving for w in per_worker if w.serving is not None]), tuple(per_worker))
+        with self._cond:
+            retired = self._retired
+        live = [w.serving for w in per_worker if w.serving is not None]
+        return PoolStats(sum_stats([retired, *live]), tuple(per_worker))
 
     def _collect(self, slot: _Slot, worker: _Worker | None, query: Request | None, deadline: float) -> WorkerStats:
         serving = None
         if worker is not None and query is not None:
             try:
                 serving = ServingStats(**query.channel.get(max(deadline - time.monotonic(), 0.0)))
+                worker.last_stats = serving
             except (TimeoutError, ServingError):
                 with self._cond:
                     worker.pending.pop(query.id, None)
+            worker.queries.discard(query.id)
         pid = worker.pid if worker is not None else None
         in_flight = len(worker.pending) if worker is not None else 0
         return WorkerStats(slot.index, pid, in_flight, slot.restarts, serving)
+
+
+def _calls(worker: _Worker, pending: dict[int, Request]) -> int:
+    """How many of a worker's pending requests are calls (not stats queries)."""
+    return sum(1 for request_id in pending if request_id not in worker.queries)
 
 
 def _register(worker: _Worker, request: Request) -> None:

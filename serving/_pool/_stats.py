@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from .._telemetry import ServingStats
 
-__all__ = ["PoolStats", "WorkerHealth", "WorkerStats", "sum_stats"]
+__all__ = ["NO_STATS", "PoolStats", "WorkerHealth", "WorkerStats", "retire", "sum_stats"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,18 @@ def sum_stats(stats: list[ServingStats]) -> ServingStats:
         sum(s.mean_batch_fill * w for s, w in zip(stats, work)) / sum(work) if sum(work) else 0.0
     )
     return ServingStats(**totals)
+
+
+#: Zero counts: the pool's retired totals before any worker was lost.
+NO_STATS = ServingStats(queued=0, running=0, rows_in_flight=0, batches_run=0, steps_run=0, mean_batch_fill=0.0,
+                        completed=0, failed=0, cancelled=0, expired=0, rejected=0)
+
+
+def retire(retired: ServingStats, last: ServingStats | None, crashed: int) -> ServingStats:
+    """``retired`` plus a lost worker's counts, so that the pool's totals never go down when a
+    worker dies: its last reported stats (``last``; None if it never answered a stats query) and
+    ``crashed`` requests it took with it, counted ``failed``. Levels (``queued``, ``running``,
+    ``rows_in_flight``) are 0, and the backend's own numbers (a mix of levels and counters) are the
+    live workers' only. What the worker finished after its last stats query is not counted."""
+    total = sum_stats([retired, last]) if last is not None else retired
+    return replace(total, queued=0, running=0, rows_in_flight=0, failed=total.failed + crashed, backend={})

@@ -43,7 +43,10 @@ def test_string_input_matches_generate_and_decode(gen: Serving, tok: Tokenizer, 
     summary = dict(r["token_summary"])
     assert 0 <= summary.pop("cached", 0) < len(ids)  # prompt tokens found in the prefix cache
     assert summary == {"input": len(ids), "output": len(expected)}
-    assert set(r["timing"]) == {"prefill_ms", "decode_ms", "total_ms"}
+    assert set(r["timing"]) == {"prefill_ms", "decode_ms", "total_ms", "itl_ms"}
+    gaps = r["timing"]["itl_ms"]  # one inter-token latency per decode token, summing to decode_ms
+    assert len(gaps) == r["num_tokens"] - 1 and all(g >= 0 for g in gaps)
+    assert sum(gaps) == pytest.approx(r["timing"]["decode_ms"])
 
 
 def test_dict_and_list_inputs_keep_order(gen: Serving) -> None:
@@ -105,7 +108,7 @@ def test_stop_string_result_and_final_stream_item_have_timing(gen: Serving) -> N
         final = list(Serving.stream(h, req, deadline=60))[-1]
     for done in (r, final):
         assert done["finish_reason"] == "stop"
-        assert set(done["timing"]) == {"prefill_ms", "decode_ms", "total_ms"}
+        assert set(done["timing"]) == {"prefill_ms", "decode_ms", "total_ms", "itl_ms"}
         t = done["timing"]
         assert t["prefill_ms"] > 0 and t["total_ms"] == pytest.approx(t["prefill_ms"] + t["decode_ms"])
 

@@ -60,7 +60,8 @@ def test_timing_from_elapsed_times_when_the_length_ends_the_row(tok: Tokenizer) 
     items, stopped = _feed(GenerationTransducer(tok, _info()), _events(ids, FinishReason.LENGTH))
     assert stopped == [] and "".join(items[:-1]) == tok.decode(ids)
     assert items[-1] == {"finish_reason": "length", "num_tokens": 4, "token_summary": {"input": 3, "output": 4},
-                         "timing": {"prefill_ms": 4.0, "decode_ms": 9.0, "total_ms": 13.0}}
+                         "timing": {"prefill_ms": 4.0, "decode_ms": 9.0, "total_ms": 13.0,
+                                    "itl_ms": [2.5, 2.5, 4.0]}}
 
 
 def test_stop_string_row_has_timing_up_to_the_token_that_stopped_it(tok: Tokenizer) -> None:
@@ -73,7 +74,8 @@ def test_stop_string_row_has_timing_up_to_the_token_that_stopped_it(tok: Tokeniz
     assert stopped == [0] and "".join(items[:-1]) == " alpha beta "
     assert final["finish_reason"] == "stop" and type(final["finish_reason"]) is str
     assert final["num_tokens"] == hit + 1
-    assert final["timing"] == {"prefill_ms": TIMES[0], "decode_ms": TIMES[hit] - TIMES[0], "total_ms": TIMES[hit]}
+    assert final["timing"] == {"prefill_ms": TIMES[0], "decode_ms": TIMES[hit] - TIMES[0], "total_ms": TIMES[hit],
+                               "itl_ms": [b - a for a, b in zip(TIMES[:hit], TIMES[1:hit + 1])]}
     result = collect(items, _info(("gamma",)))
     assert result["results"][0]["timing"] == final["timing"]
     assert json.loads(json.dumps(result)) == result

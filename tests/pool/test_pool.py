@@ -163,6 +163,26 @@ def test_killed_worker_fails_its_requests_then_is_replaced(sleeper_pool):
     assert replaced.pid in {r["pid"] for r in results}
 
 
+def test_counts_never_go_down_when_a_worker_dies():
+    """A lost worker's finished requests stay counted and the call it took with it counts failed."""
+    with ServingPool("pool_servings:sleeper", workers=2, batch_size=4, batch_timeout=0.01) as pool:
+        with ThreadPoolExecutor(4) as executor:
+            list(executor.map(pool.run, [(0.0, i, None) for i in range(8)]))
+        before = pool.pool_stats()
+        assert before.total.completed == 8 and all(w.serving.completed for w in before.workers)
+        doomed = threading.Thread(target=lambda: pytest.raises(WorkerCrashed, pool.run, (30.0, "doomed", None)))
+        doomed.start()
+        wait_until(lambda: any(h.in_flight for h in pool.health()), 5)
+        victim = next(h for h in pool.health() if h.in_flight)
+        os.kill(victim.pid, signal.SIGKILL)
+        doomed.join(5)
+        wait_until(lambda: all(h.alive for h in pool.health()), 30)
+        after = pool.stats()
+        assert after.completed == 8 and after.failed == 1
+        pool.run((0.0, "more", None))
+        assert pool.stats().completed == 9
+
+
 def test_deadline_is_enforced(sleeper_pool):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded):
