@@ -2,9 +2,11 @@
 ``pip install 'mlx-serving[server]'``. The core never imports this package; importing it does not
 import FastAPI (``create_app`` imports it on first use).
 
-``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0, allowed_origins=())``
-builds the ASGI app over ``{name: Client or ServedModel}`` (docs/server.md); ``ServedModel`` (a
-client with its context length and tokenizer) is importable without FastAPI.
+``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0, allowed_origins=(),
+shutdown_grace=10.0, client_timeout=30.0)`` builds the ASGI app over ``{name: Client or ServedModel}``
+(docs/server.md); ``client_timeout_protocol(seconds)`` is uvicorn's HTTP protocol with a deadline on
+each request head (uvicorn imported on first use); ``ServedModel`` (a client with its context
+length and tokenizer) is importable without FastAPI.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from ._models import ServedModel
 
-__all__ = ["ServedModel", "create_app"]
+__all__ = ["ServedModel", "client_timeout_protocol", "create_app"]
 
 
 def create_app(*args: Any, **kwargs: Any) -> Any:
@@ -21,3 +23,11 @@ def create_app(*args: Any, **kwargs: Any) -> Any:
     from ._app import create_app as create
 
     return create(*args, **kwargs)
+
+
+def client_timeout_protocol(seconds: float) -> Any:
+    """uvicorn's HTTP protocol closing connections whose request head takes over ``seconds``: see
+    ``mlx_serving.server._timeouts.client_timeout_protocol``."""
+    from ._timeouts import client_timeout_protocol as protocol
+
+    return protocol(seconds)

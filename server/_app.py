@@ -3,17 +3,19 @@
 Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...), or a
 :class:`~._models.ServedModel` holding one with its context length and tokenizer; the app uses only
 the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it never branches
-on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET
-/v1/models``, ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
-``GET /health``, ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and
-methods included, has OpenAI's shape; every response carries ``x-request-id`` (the request's own,
-or a new one); CORS answers only for ``allowed_origins``.
+on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
+/v1/responses`` (:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``,
+``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and methods included, has
+OpenAI's shape; every response carries ``x-request-id`` (the request's own, or a new one); CORS
+answers only for ``allowed_origins``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -27,6 +29,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
@@ -38,6 +41,8 @@ from ._metrics import Metrics
 from ._models import ServedModel, detokenize, model_object, tokenize
 from ._requests import Call, chat_call, completion_call, messages_of
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
+from ._responses_api import ResponsesAPI
+from ._shutdown import Drain
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -70,6 +75,14 @@ class _Served:
         self.progress = {name: Progress(self._stuck_after) for name in models}
         self.status = "ready"
 
+    def not_ready(self) -> dict[str, str]:
+        """``/health``'s body before ``ready``: the status and why (``detail``; ``error`` when failed)."""
+        if self.status == "failed":
+            return {"status": "failed", "detail": "loading the models failed; the server serves nothing",
+                    "error": self.error}
+        waited = time.time() - self.created
+        return {"status": "loading", "detail": f"the models are loading ({waited:.0f} s so far); retry later"}
+
     def pick(self, model: Any) -> tuple[str, ServedModel]:
         """The model a request names (None: the first one); APIError 404 for an unknown one, 503
         while loading."""
@@ -91,7 +104,8 @@ class _Served:
 def create_app(models: Models | Loader, *, api_key: str | None = None, request_timeout: float | None = None,
                stuck_after: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
                on_load_error: Callable[[BaseException], None] | None = None,
-               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+               allowed_origins: tuple[str, ...] = (), shutdown_grace: float = 10.0,
+               client_timeout: float | None = 30.0) -> FastAPI:
     """The server's ASGI app.
 
     ``models``: ``{name: client or ServedModel}``, served as given (the caller closes them), or a function returning
@@ -103,10 +117,15 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
     ``max_body_bytes``: larger request bodies are refused with 413 before they are read whole.
     ``allowed_origins``: origins (``https://host:port``, or ``*``) a browser may call the API from
-    (CORS; none by default: cross-origin pages get no CORS headers). Raises ValueError for an empty
-    mapping.
+    (CORS; none by default: cross-origin pages get no CORS headers). ``shutdown_grace``: seconds
+    open streams may go on after the server begins to shut down (SIGTERM); then each ends with an
+    error event and ``[DONE]`` (run uvicorn with a ``timeout_graceful_shutdown`` above it).
+    ``client_timeout``: seconds a client may take to send its request body (408 past it; None: no
+    limit; idle connections and slow headers are :func:`~._timeouts.client_timeout_protocol`'s).
+    Raises ValueError for an empty mapping or a negative ``shutdown_grace``.
     """
     served = _Served(stuck_after)
+    drain = Drain(shutdown_grace)
     if not callable(models):
         served.ready(models, owned=False)
     metrics = Metrics(served.stats)
@@ -137,7 +156,8 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
                   max_body_size=max_body_bytes)
     app.state.served, app.state.metrics = served, metrics
     _error_handlers(app)
-    app.include_router(_v1_router(served, metrics, api_key, request_timeout))
+    app.state.client_timeout = client_timeout
+    app.include_router(_v1_router(served, metrics, api_key, request_timeout, drain))
     app.include_router(_token_router(served, api_key))
     _add_service_routes(app, served, metrics)
     _add_middleware(app, allowed_origins)
@@ -155,9 +175,23 @@ def _add_middleware(app: FastAPI, allowed_origins: tuple[str, ...]) -> None:
         return response
 
     if allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(_CORS, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type", "x-request-id"],
                            expose_headers=["x-request-id", "retry-after"])
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflights (an unlisted origin, method or header)
+    answer in OpenAI's error shape instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        reason = bytes(response.body).decode("utf-8", "replace")
+        error = APIError(400, f"CORS preflight refused: {reason}", code="cors_refused")
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return JSONResponse(error.body(), 400, headers)
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -191,7 +225,8 @@ def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
     return check
 
 
-def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None) -> APIRouter:
+def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None,
+               drain: Drain) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
 
     async def complete(request: Request, kind: Kind) -> Response:
@@ -205,7 +240,8 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         if call.stream:
             stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
-            return EventSourceResponse(_sse(stream, state, call, record), sep="\n")
+            return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n", shutdown_event=drain,
+                                       shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
         result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
         if result is _GONE:
             record.aborted()
@@ -222,6 +258,35 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         return await complete(request, "completion")
+
+    responses = ResponsesAPI()  # this app's stored responses (previous_response_id, GET /v1/responses/{id})
+
+    @router.post("/responses")
+    async def create_response(request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _body(request)
+        name, model = served.pick(body.get("model"))
+        turn = responses.turn(body)
+        deadline = turn.call.deadline if turn.call.deadline is not None else request_timeout
+        record = _Recorder(metrics, name, turn.call, arrival)
+        if turn.call.stream:
+            stream = await responses.stream(model.client, turn, deadline)
+            return EventSourceResponse(responses.events(stream, turn, name, record, drain), sep="\n",
+                                       shutdown_event=drain, shutdown_grace_period=drain.grace + 1)
+        result = await _unless_disconnected(request, lambda: responses.run(model.client, turn, deadline))
+        if result is _GONE:
+            record.aborted()
+            return Response(status_code=499)
+        record.result(result)
+        return JSONResponse(responses.response(turn, name, result))
+
+    @router.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return JSONResponse(responses.store.response(response_id))
+
+    @router.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return JSONResponse(responses.store.delete(response_id))
 
     @router.get("/models")
     async def list_models() -> Response:
@@ -261,8 +326,7 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
     @app.get("/health")
     async def health() -> Response:
         if served.status != "ready":
-            body = {"status": served.status, **({"error": served.error} if served.error else {})}
-            return JSONResponse(body, 503, {"Retry-After": str(RETRY_AFTER_S)})
+            return JSONResponse(served.not_ready(), 503, {"Retry-After": str(RETRY_AFTER_S)})
         stats = await anyio.to_thread.run_sync(served.stats)
         for name, s in stats.items():
             idle = served.progress[name].stuck_for(s)
@@ -286,17 +350,35 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
     async def chat_page() -> Response:
         return HTMLResponse(resources.files(__package__).joinpath("static/index.html").read_text("utf-8"))
 
+    # The chat page's vendored libraries (static/vendor/README.md): only these names, served as is.
+    vendored = {"marked.umd.js": "text/javascript; charset=utf-8", "purify.min.js": "text/javascript; charset=utf-8",
+                "highlight.min.js": "text/javascript; charset=utf-8",
+                "highlight-github.min.css": "text/css; charset=utf-8",
+                "highlight-github-dark.min.css": "text/css; charset=utf-8"}
+
+    @app.get("/static/{name}")
+    async def chat_page_asset(name: str) -> Response:
+        if name not in vendored:
+            raise APIError(404, f"no static file {name!r:.80}", code="not_found")
+        data = resources.files(__package__).joinpath("static", "vendor", name).read_bytes()
+        return Response(data, media_type=vendored[name], headers={"Cache-Control": "public, max-age=3600"})
+
 
 async def _body(request: Request) -> dict[str, Any]:
     """The JSON object a POST carries; APIError 415 for another media type (a cross-origin HTML form
     may post ``text/plain`` without a CORS preflight), 400 for invalid JSON or a non-object, 499
-    (not logged) when the client leaves before the body ends."""
+    (not logged) when the client leaves before the body ends, 408 when it takes longer than the app's
+    ``client_timeout`` to send it."""
     media = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if media != "application/json":
         raise APIError(415, f"the request body must be JSON (content-type: application/json), got {media!r:.80}",
                        code="unsupported_media_type")
+    timeout = request.app.state.client_timeout
     try:
-        raw = await request.body()
+        with anyio.fail_after(timeout if timeout is not None else math.inf):
+            raw = await request.body()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
     except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log
         raise APIError(499, "the client disconnected before sending its whole request", code="client_closed") from None
     try:
@@ -379,15 +461,29 @@ def _joined(items: list[Any]) -> list[Any]:
     return out
 
 
-async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder) -> AsyncIterator[str]:
+_END = object()
+
+
+async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder,
+               drain: Drain) -> AsyncIterator[str]:
     """The SSE data of a streamed response. Leaving early (the client disconnected: sse-starlette
-    cancels this generator) closes the stream, which withdraws the request."""
+    cancels this generator) closes the stream, which withdraws the request; so does the end of the
+    shutdown grace period, after an error event."""
     try:
         async with stream:
             for chunk in state.first_chunks():
                 yield chunk
+            items = aiter(stream)
             try:
-                async for item in stream:
+                while True:
+                    item: Any = _END
+                    with drain.scope() as waiting:
+                        item = await anext(items, _END)
+                    if waiting.cancelled_caught:
+                        yield json.dumps(_shutting_down(drain.grace).body(), ensure_ascii=False)
+                        break
+                    if item is _END:
+                        break
                     for one in _joined([item, *stream.take_ready()]):  # what waits goes out together
                         ev = event(one, state.is_list, state.n)
                         for chunk in state.chunks(ev):
@@ -401,3 +497,8 @@ async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Rec
             yield "[DONE]"
     finally:
         record.aborted()
+
+
+def _shutting_down(grace: float) -> APIError:
+    return APIError(503, f"the server is shutting down: the stream was ended {grace:g} s after shutdown began",
+                    "server_error", code="shutting_down")

@@ -11,10 +11,12 @@ import argparse
 import functools
 import ipaddress
 import logging
+import math
 import os
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,6 +66,12 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
     p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
                    help="an origin (https://host:port, or *) whose web pages may call the API (CORS; repeatable; "
                         "default: none)")
+    p.add_argument("--shutdown-grace", type=_seconds(0), default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, seconds open streams may go on before each is ended with an error "
+                        "event and [DONE] (default: 10)")
+    p.add_argument("--client-timeout", type=_seconds(0, open_low=True), default=30.0, metavar="SECONDS",
+                   help="seconds a client may take to send a request's headers or body; a connection that sends "
+                        "no request for that long is closed (default: 30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's and the server's log level (default: info)")
     p.set_defaults(run=run)
@@ -78,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ._app import create_app
+        from ._timeouts import client_timeout_protocol
     except ImportError as exc:
         print(f"mlx-serving: error: 'serve' needs the server extra: pip install -e '.[server]' from the "
               f"repository clone, or pip install 'mlx-serving[server]' ({exc})",
@@ -98,13 +107,27 @@ def run(args: argparse.Namespace) -> int:
 
     app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue), api_key=api_key,
                      request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed,
-                     allowed_origins=tuple(args.allowed_origins or ()))
-    server.append(uvicorn.Server(uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level)))
+                     allowed_origins=tuple(args.allowed_origins or ()), shutdown_grace=args.shutdown_grace,
+                     client_timeout=args.client_timeout)
+    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
+                            http=client_timeout_protocol(args.client_timeout),
+                            timeout_graceful_shutdown=math.ceil(args.shutdown_grace) + 5)
+    server.append(uvicorn.Server(config))
     server[0].run()
     if failed:
         print(f"mlx-serving: error: loading the models failed: {failed[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def _seconds(low: float, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds >= ``low`` (> ``low`` when ``open_low``)."""
+    def seconds(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {'>' if open_low else '>='} {low:g}")
+        return value
+    return seconds
 
 
 def _fewer_malloc_arenas() -> None:
@@ -183,7 +206,8 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     try:
         for name, spec in models:
             model = resolve(spec)
-            print(f"mlx-serving: model {name!r}: {model.origin} ({model.path})", file=sys.stderr, flush=True)
+            print(f"mlx-serving: model {name!r}: {model.origin} ({model.path}), {_architecture(model.path, options)}",
+                  file=sys.stderr, flush=True)
             tokenizer = Tokenizer.from_dir(model.path)  # for /tokenize; the serving's own when in process
             client: Client
             if workers > 1:
@@ -201,6 +225,26 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
         raise
     print(f"mlx-serving: ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return served
+
+
+def _architecture(path: Path, options: dict[str, Any]) -> str:
+    """``family qwen3, 4-bit weights (groups of 64), bfloat16 checkpoint, compute dtype float32, on cpu``
+    from the checkpoint's config.json (checked as the loader checks it) and the options."""
+    import mlx.core as mx
+
+    from ..models._checkpoint import COMPUTE_DTYPES, compute_dtype, read_config_files
+    from ..models.families import read_config
+
+    config = read_config(path)
+    quant = config.quantization
+    weights = f"{quant.default.bits}-bit weights (groups of {quant.default.group_size})" if quant else "dense weights"
+    stored = read_config_files(path)[0].get("torch_dtype")
+    stored = stored if isinstance(stored, str) and stored in COMPUTE_DTYPES else None
+    compute = str(compute_dtype(None, COMPUTE_DTYPES[stored or "float32"])).removeprefix("mlx.core.")
+    if stored is None and mx.default_device() != mx.cpu:
+        compute = "the checkpoint's"
+    checkpoint = f", {stored} checkpoint" if stored else ""
+    return f"family {config.model_type}, {weights}{checkpoint}, compute dtype {compute}, on {mx.default_device().type.name}"
 
 
 def _describe(client: Client, options: dict[str, Any], workers: int) -> str:

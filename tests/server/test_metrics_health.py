@@ -60,6 +60,26 @@ def test_metrics_count_the_requests_made(server: Server):
     assert _delta(after, before, "mlx_serving:request_params_max_tokens_sum") == 3 + 4 + 5 + 5
     cached = _delta(after, before, "mlx_serving:prompt_tokens_cached_total")
     assert cached == sum(u.prompt_tokens_details.cached_tokens for u in usages if u.prompt_tokens_details)
+    # tokens per engine step: each prompt's uncached tokens once, then one per decode step of each row
+    computed = _delta(after, before, "mlx_serving:iteration_tokens_total_sum")
+    assert computed == prompt - cached + generated - 4
+    steps = _delta(after, before, "mlx_serving:iteration_tokens_total_count")
+    assert 3 + 4 + 5 + 5 - 4 <= steps <= computed
+    le_inf = (("le", "+Inf"), ("model_name", MODEL))
+    assert _delta(after, before, "mlx_serving:iteration_tokens_total_bucket", le_inf) == steps
+
+
+def test_itl_is_observed_per_gap():
+    """One 0.9 s stall among 1 ms gaps lands in the 0.75-1 s bucket, not in a mean of ~0.2 s."""
+    from mlx_serving.server._metrics import Metrics
+
+    metrics = Metrics(dict)
+    final = {"finish_reason": "length", "num_tokens": 5, "token_summary": {"input": 2, "output": 5},
+             "timing": {"prefill_ms": 5.0, "decode_ms": 903.0, "total_ms": 908.0, "itl_ms": [1.0, 900.0, 1.0, 1.0]}}
+    metrics.finished("m", final, 1.0, True)
+    itl = {s.labels["le"]: s.value for m in metrics.registry.collect() if m.name == "mlx_serving:inter_token_latency_seconds"
+           for s in m.samples if s.name.endswith("_bucket")}
+    assert itl["0.01"] == 3 and itl["0.75"] == 3 and itl["1.0"] == 4
 
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "mlx-serving.json"
@@ -96,6 +116,7 @@ def test_health_is_503_while_loading(tiny_serving: Serving):
     with serve(create_app(load)) as url:
         loading = httpx.get(f"{url}/health")
         assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        assert "the models are loading" in loading.json()["detail"]
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         release.set()
@@ -112,7 +133,7 @@ def test_health_is_503_when_loading_failed():
     with serve(create_app(load, on_load_error=errors.append)) as url:
         wait_for(lambda: httpx.get(f"{url}/health").json()["status"] == "failed", what="the failure")
         body = httpx.get(f"{url}/health").json()
-        assert "no checkpoint at /nowhere" in body["error"]
+        assert "no checkpoint at /nowhere" in body["error"] and "loading the models failed" in body["detail"]
     assert isinstance(errors[0], FileNotFoundError)
 
 

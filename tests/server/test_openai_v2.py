@@ -229,6 +229,7 @@ def test_cors_answers_only_the_allowed_origin(v2: Server, server: Server) -> Non
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
     other = httpx.options(f"{v2.url}/v1/chat/completions", headers={"origin": "http://evil.example", **preflight})
     assert "access-control-allow-origin" not in other.headers
+    assert other.status_code == 400 and "Disallowed CORS origin" in other.json()["error"]["message"]
     off = httpx.options(f"{server.url}/v1/chat/completions", headers={"origin": ORIGIN, **preflight})
     assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
 
