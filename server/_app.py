@@ -43,6 +43,7 @@ from ._requests import Call, chat_call, completion_call, messages_of
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
 from ._responses_api import ResponsesAPI
 from ._shutdown import Drain
+from ._sse import ShuttingDown, next_items
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -378,7 +379,8 @@ async def _body(request: Request) -> dict[str, Any]:
         with anyio.fail_after(timeout if timeout is not None else math.inf):
             raw = await request.body()
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout") from None
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None  # the rest of the body would be read as a request
     except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log
         raise APIError(499, "the client disconnected before sending its whole request", code="client_closed") from None
     try:
@@ -449,21 +451,6 @@ class _Recorder:
         self._metrics.aborted(self._model, self._call.prompts * self._call.n - self._finished)
 
 
-def _joined(items: list[Any]) -> list[Any]:
-    """``items`` with each run of consecutive text pieces joined into one: a stream that fell behind
-    the engine (several tokens waiting) is sent as one content chunk instead of one per token."""
-    out: list[Any] = []
-    for item in items:
-        if isinstance(item, str) and out and isinstance(out[-1], str):
-            out[-1] += item
-        else:
-            out.append(item)
-    return out
-
-
-_END = object()
-
-
 async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder,
                drain: Drain) -> AsyncIterator[str]:
     """The SSE data of a streamed response. Leaving early (the client disconnected: sse-starlette
@@ -473,23 +460,16 @@ async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Rec
         async with stream:
             for chunk in state.first_chunks():
                 yield chunk
-            items = aiter(stream)
             try:
-                while True:
-                    item: Any = _END
-                    with drain.scope() as waiting:
-                        item = await anext(items, _END)
-                    if waiting.cancelled_caught:
-                        yield json.dumps(_shutting_down(drain.grace).body(), ensure_ascii=False)
-                        break
-                    if item is _END:
-                        break
-                    for one in _joined([item, *stream.take_ready()]):  # what waits goes out together
+                while batch := await next_items(stream, drain):
+                    for one in batch:
                         ev = event(one, state.is_list, state.n)
                         for chunk in state.chunks(ev):
                             yield chunk
                         if ev.final is not None:
                             record.final(ev.choice, ev.final)
+            except ShuttingDown as exc:
+                yield json.dumps(exc.error().body(), ensure_ascii=False)
             except (ServingError, ValueError) as exc:  # headers are sent: the error goes in the stream
                 yield json.dumps(from_exception(exc).body(), ensure_ascii=False)
             if call.include_usage and state.done:
@@ -497,8 +477,3 @@ async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Rec
             yield "[DONE]"
     finally:
         record.aborted()
-
-
-def _shutting_down(grace: float) -> APIError:
-    return APIError(503, f"the server is shutting down: the stream was ended {grace:g} s after shutdown began",
-                    "server_error", code="shutting_down")

@@ -32,8 +32,9 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
     """Register ``serve`` on the ``mlx-serving`` command's subparsers."""
     p = subparsers.add_parser(
         "serve", formatter_class=formatter_class, help="OpenAI-compatible HTTP server (needs mlx-serving[server])",
-        description="Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models), with "
-                    "/health, Prometheus /metrics and a chat page at /. Needs the 'server' extra.")
+        description="Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses, "
+                    "/v1/models) and vLLM's /tokenize and /detokenize, with /health, Prometheus /metrics and a chat "
+                    "page at /. Needs the 'server' extra.")
     p.add_argument("--model", action="append", default=None, metavar="MODEL",
                    help="a checkpoint directory, a .gguf file, a Hugging Face repo id org/name[@revision], a packaged "
                         "model's name or seeded:<family>-<preset> (repeatable: one served model each; default: "
@@ -68,12 +69,12 @@ def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -
                         "default: none)")
     p.add_argument("--shutdown-grace", type=_seconds(0), default=10.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, seconds open streams may go on before each is ended with an error "
-                        "event and [DONE] (default: 10)")
+                        "event and [DONE]")
     p.add_argument("--client-timeout", type=_seconds(0, open_low=True), default=30.0, metavar="SECONDS",
                    help="seconds a client may take to send a request's headers or body; a connection that sends "
-                        "no request for that long is closed (default: 30)")
+                        "no request for that long is closed")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                   help="uvicorn's and the server's log level (default: info)")
+                   help="uvicorn's and the server's log level")
     p.set_defaults(run=run)
     return p
 

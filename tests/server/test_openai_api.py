@@ -76,11 +76,11 @@ def test_streaming_completion(client: openai.OpenAI, tiny_serving: Serving):
 def test_text_pieces_waiting_together_go_out_as_one_chunk():
     """A stream that fell behind sends its waiting text pieces joined (one SSE chunk), other items
     (delta dicts, finals) as they are, in order."""
-    from mlx_serving.server._app import _joined
+    from mlx_serving.server._sse import joined
 
     final = {"finish_reason": "length", "num_tokens": 3}
-    assert _joined(["a", "b", {"content": "c"}, "d", "e", final]) == ["ab", {"content": "c"}, "de", final]
-    assert _joined(["only"]) == ["only"]
+    assert joined(["a", "b", {"content": "c"}, "d", "e", final]) == ["ab", {"content": "c"}, "de", final]
+    assert joined(["only"]) == ["only"]
 
 
 def test_stop_string(client: openai.OpenAI, tiny_serving: Serving):
