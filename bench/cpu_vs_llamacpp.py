@@ -344,7 +344,7 @@ def server_commands(side: str, bin_dir: Path, gguf: Path, n: int, port: int, thr
     if side == "theirs":
         return [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "--parallel", str(n),
                 "-c", str(n * _MAX_LEN), "--port", str(port), "--host", "127.0.0.1"]
-    return [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(gguf), "--max-batch", str(n),
+    return [sys.executable, "-m", "mlx_serving", "serve", "--model", str(gguf), "--max-batch", str(n),
             "--max-len", str(_MAX_LEN), "--port", str(port), "--log-level", "warning"]
 
 

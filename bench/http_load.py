@@ -274,7 +274,7 @@ def run(model: Path, args: argparse.Namespace) -> None:
     rounds: dict[str, list[tuple[list[Sample], float]]] = {m: [] for m in modes}
     retries: dict[str, list[int]] = {}
     port_serve, port_mlx = _free_port(), _free_port()
-    serve_cmd = [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(model), "--port", str(port_serve),
+    serve_cmd = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(model), "--port", str(port_serve),
                  "--max-batch", str(args.clients), "--max-len", str(args.max_len),
                  "--max-new-tokens", str(args.max_tokens), "--log-level", "warning"]
     mlx_cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port_mlx),

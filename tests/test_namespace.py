@@ -47,3 +47,48 @@ def test_an_application_with_its_own_models_and_serving_modules(tmp_path: Path, 
     done = subprocess.run([sys.executable, "-c", script], cwd=app, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+_SRC = Path(mlx_serving.__file__).parent
+#: Each layer and the layers it may import (docs/architecture.md): imports run down this list only.
+_MAY_IMPORT = {
+    "tokenization": set(),
+    "serving": set(),
+    "models": {"serving", "tokenization"},
+    "server": {"serving", "models", "tokenization"},
+}
+
+
+def _imported_layers(path: Path) -> set[str]:
+    """The package's top-level layers (``serving``, ``models``, ...) a module imports, relative or
+    absolute, lazily inside functions included."""
+    import ast
+
+    parts = path.relative_to(_SRC).with_suffix("").parts
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package[: len(package) - node.level + 1])
+                target = [*base, *(node.module or "").split(".")] if node.module else base
+                names = [target + [alias.name] for alias in node.names] if not target else [target]
+            else:
+                names = [node.module.split(".")[1:]] if (node.module or "").startswith("mlx_serving.") else []
+            found.update(n[0] for n in names if n and n[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("mlx_serving."))
+    return found
+
+
+def test_imports_run_down_the_layers_only():
+    """serving/ and tokenization/ import no other layer, models/ neither server/ nor the CLI, and
+    nothing imports the CLI: the folder layout is the import graph."""
+    wrong = []
+    for path in sorted(_SRC.rglob("*.py")):
+        layer = path.relative_to(_SRC).parts[0]
+        if layer not in _MAY_IMPORT:
+            continue  # the package's face (__init__.py, __main__.py) and the CLI sit on top
+        for other in _imported_layers(path) - _MAY_IMPORT[layer] - {layer, "_version"}:
+            wrong.append(f"{path.relative_to(_SRC)} imports {other}")
+    assert not wrong, wrong

@@ -21,7 +21,7 @@ import pytest
 
 import mlx_serving
 from mlx_serving import text_generation
-from mlx_serving.models import __main__ as cli
+from mlx_serving import cli
 
 _TIMING = re.compile(r"\[prompt (\d+) tokens?, ([0-9.]+) tok/s \| (\d+) new tokens?, decode ([0-9.]+) tok/s"
                      r" \| peak memory ([0-9.]+) GB \| finish_reason (\w+)\]")

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from mlx_serving import Serving, text_generation
-from mlx_serving.models import __main__ as cli
+from mlx_serving import cli
 from mlx_serving.models import _fetch, sources
 from mlx_serving.models.sources import FetchError, ModelSourceError, resolve
 

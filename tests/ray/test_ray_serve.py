@@ -115,7 +115,7 @@ def test_overload_maps_to_max_ongoing_requests():
 
 
 def test_openai_app_options_are_checked_before_any_replica_starts():
-    from mlx_serving.serving.ray import openai_app
+    from mlx_serving.server.ray import openai_app
 
     with pytest.raises(ValueError, match="model"):
         openai_app("pool_servings:double", model="")
@@ -143,7 +143,7 @@ def test_openai_server_as_the_serve_ingress(serve_instance, tiny_ckpt, tiny_serv
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi", reason="the server extra (mlx-serving[server]) is not installed")
     from mlx_serving import Serving, text_generation
-    from mlx_serving.serving.ray import openai_app
+    from mlx_serving.server.ray import openai_app
 
     factory = functools.partial(text_generation.from_mlx4bit, str(tiny_ckpt), **OPTIONS)
     app = openai_app(factory, model=MODEL, process_options={"max_queue": 256}, num_replicas=2,

@@ -45,7 +45,7 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
 @pytest.fixture(scope="module")
 def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     port = _free_port()
-    command = [sys.executable, "-m", "mlx_serving.models", "serve", "--model", str(tiny_ckpt), "--port", str(port),
+    command = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(tiny_ckpt), "--port", str(port),
                "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4",
                "--log-level", "warning"]
     process = subprocess.Popen(command, env={**os.environ, API_KEY_ENV: KEY}, stderr=subprocess.PIPE, text=True)
@@ -96,7 +96,7 @@ def test_ctrl_c_stops_the_server(cli_server: tuple[str, subprocess.Popen]):
 
 
 def test_served_model_names(tmp_path: Path):
-    from mlx_serving.models.__main__ import _parser
+    from mlx_serving.cli import _parser
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b.gguf").touch()
@@ -113,7 +113,7 @@ def test_served_model_names(tmp_path: Path):
 
 
 def test_policy_option_reaches_the_serving_options():
-    from mlx_serving.models.__main__ import _parser
+    from mlx_serving.cli import _parser
 
     assert _generation_options(_parser().parse_args(["serve", "--policy", "priority"]))["policy"] == "priority"
     assert _generation_options(_parser().parse_args(["serve"]))["policy"] == "fcfs"

@@ -10,16 +10,10 @@ are re-exported here::
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
+from ._version import __version__
 from .models import text_generation
 from .models.sources import default_checkpoint
 from .serving import *  # noqa: F403  (the runtime's public names, listed in serving.__all__)
 from .serving import __all__ as _serving_all
-
-try:
-    __version__ = version("mlx-serving")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
 
 __all__ = [*_serving_all, "__version__", "default_checkpoint", "text_generation"]

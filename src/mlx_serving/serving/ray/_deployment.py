@@ -32,16 +32,16 @@ from .._errors import DeadlineExceeded, ServingOverloaded
 from .._pool._worker import Factory, resolve_factory
 from .._progress import Progress  # the stuck rule the HTTP server's /health uses too
 
-__all__ = ["ServingDeployment", "serving_app"]
+__all__ = ["DEFAULT_MAX_ONGOING", "Replica", "ServingDeployment", "queue_in_serve", "serving_app"]
 
 _GAUGES = ("queued", "running", "rows_in_flight", "batches_run", "steps_run", "mean_batch_fill", "completed",
            "failed", "cancelled", "expired", "rejected")
-_DEFAULT_MAX_ONGOING = 64  # Serve's own default (5) would cap each replica's batches at 5 rows
+DEFAULT_MAX_ONGOING = 64  # Serve's own default (5) would cap each replica's batches at 5 rows
 
 
-class _Replica:
+class Replica:
     """A started Serving in a Serve replica: the handle verbs, ``check_health`` and the gauges
-    (shared by ``ServingDeployment`` and the OpenAI ingress, ``_ingress.OpenAIDeployment``).
+    (shared by ``ServingDeployment`` and the OpenAI ingress, ``mlx_serving.server.ray.OpenAIDeployment``).
     Defines no ``__call__``: ``serve.ingress`` refuses a class that has one."""
 
     def __init__(self, factory: Factory, process_options: dict[str, Any] | None = None, *,
@@ -94,7 +94,7 @@ class _Replica:
             handle.close()
 
 
-class _ServingReplica(_Replica):
+class _ServingReplica(Replica):
     """One replica: a started Serving (see the module docstring)."""
 
     async def __call__(self, request: Any) -> Any:
@@ -112,7 +112,7 @@ class _ServingReplica(_Replica):
         return JSONResponse(result)
 
 
-ServingDeployment = serve.deployment(name="ServingDeployment", max_ongoing_requests=_DEFAULT_MAX_ONGOING)(
+ServingDeployment = serve.deployment(name="ServingDeployment", max_ongoing_requests=DEFAULT_MAX_ONGOING)(
     _ServingReplica
 )
 
@@ -123,11 +123,11 @@ def serving_app(factory: Factory, *, process_options: dict[str, Any] | None = No
     serving's ``max_queue`` (when given) so that Serve, not the serving, queues the excess;
     ``deployment_options`` go to ``.options()`` (``num_replicas``, ``ray_actor_options``,
     ``max_queued_requests``, ``health_check_period_s``, ...)."""
-    options = _queue_in_serve(process_options, deployment_options)
+    options = queue_in_serve(process_options, deployment_options)
     return ServingDeployment.options(**options).bind(factory, process_options, stuck_after=stuck_after)
 
 
-def _queue_in_serve(process_options: dict[str, Any] | None, deployment_options: dict[str, Any]) -> dict[str, Any]:
+def queue_in_serve(process_options: dict[str, Any] | None, deployment_options: dict[str, Any]) -> dict[str, Any]:
     """``deployment_options`` with ``max_ongoing_requests`` defaulting to the serving's ``max_queue``."""
     max_queue = (process_options or {}).get("max_queue")
     if max_queue is None:

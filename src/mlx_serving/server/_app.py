@@ -339,7 +339,7 @@ def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None
 
     @app.get("/version")
     async def version() -> Response:
-        from .. import __version__
+        from .._version import __version__
 
         return JSONResponse({"version": __version__})
 

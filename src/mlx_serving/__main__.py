@@ -2,6 +2,6 @@
 
 import sys
 
-from .models.__main__ import main
+from .cli import main
 
 sys.exit(main())

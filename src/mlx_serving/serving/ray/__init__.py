@@ -4,8 +4,9 @@
   contract over Ray actors, one started Serving per actor.
 - ``ServingDeployment`` / ``serving_app``: a Ray Serve deployment, one started Serving per
   replica (imported on first use: ``ray.serve`` is heavier than ``ray``).
-- ``OpenAIDeployment`` / ``openai_app``: the same with the OpenAI-compatible server
-  (``mlx_serving.server``, the ``server`` extra) as its HTTP ingress, one app per replica.
+
+The same with the OpenAI-compatible server as its HTTP ingress is ``mlx_serving.server.ray``
+(``OpenAIDeployment`` / ``openai_app``: the ``server`` and ``ray`` extras).
 
 Nothing in ``mlx_serving.serving`` imports this package (nor ray) unless ``backend="ray"`` is
 asked for.
@@ -15,10 +16,9 @@ from typing import Any
 
 from ._pool import RayServingPool
 
-__all__ = ["OpenAIDeployment", "RayServingPool", "ServingDeployment", "openai_app", "serving_app"]
+__all__ = ["RayServingPool", "ServingDeployment", "serving_app"]
 
-_LAZY = {"ServingDeployment": "_deployment", "serving_app": "_deployment", "OpenAIDeployment": "_ingress",
-         "openai_app": "_ingress"}
+_LAZY = {"ServingDeployment": "_deployment", "serving_app": "_deployment"}
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ errors and statuses are the server's (docs/server.md): ``POST /v1/chat/completio
 Per replica: ``/health`` and ``/metrics`` answer for the replica the proxy routed that request to
 (use the ``mlx_serving_*`` Serve gauges or Ray's Prometheus export for the whole deployment). The
 handle verbs of ``ServingDeployment`` (``run``, ``stream``, ``stats``), ``check_health`` and the
-gauges are the same (``_deployment._Replica``). A client that disconnects makes Serve cancel the
+gauges are the same (``serving.ray._deployment.Replica``). A client that disconnects makes Serve cancel the
 replica's request, and the server withdraws its rows from the serving.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import ray
 from ray import serve
 
-from .._pool._worker import Factory
-from ._deployment import _DEFAULT_MAX_ONGOING, _queue_in_serve, _Replica
+from ..serving._pool._worker import Factory
+from ..serving.ray._deployment import DEFAULT_MAX_ONGOING, Replica, queue_in_serve
 
 __all__ = ["OpenAIDeployment", "openai_app"]
 
@@ -35,7 +35,7 @@ if inspect.signature(serve.ingress).parameters["app"].default is not None:  # an
                       f"(tested with 2.60)")
 
 
-class _OpenAIReplica(_Replica):
+class _OpenAIReplica(Replica):
     """One replica: a started Serving and the server's app over it (see the module docstring)."""
 
     def __init__(self, factory: Factory, process_options: dict[str, Any] | None = None, *, model: str,
@@ -49,12 +49,12 @@ class _OpenAIReplica(_Replica):
     def __serve_build_asgi_app__(self) -> Any:
         """The server's FastAPI app over this replica's started handle (called by Serve once,
         after ``__init__``)."""
-        from ...server import create_app
+        from ._app import create_app
 
         return create_app({self._model: self._handle}, **self._app_options)
 
 
-OpenAIDeployment = serve.deployment(name="OpenAIDeployment", max_ongoing_requests=_DEFAULT_MAX_ONGOING)(
+OpenAIDeployment = serve.deployment(name="OpenAIDeployment", max_ongoing_requests=DEFAULT_MAX_ONGOING)(
     serve.ingress()(_OpenAIReplica)
 )
 
@@ -77,7 +77,7 @@ def openai_app(factory: Factory, *, model: str, process_options: dict[str, Any] 
     an empty ``model`` (here, before any replica starts).
     """
     _check_model(model)
-    options = _queue_in_serve(process_options, deployment_options)
+    options = queue_in_serve(process_options, deployment_options)
     return OpenAIDeployment.options(**options).bind(factory, process_options, model=model, api_key=api_key,
                                                     request_timeout=request_timeout, stuck_after=stuck_after)
 

@@ -23,11 +23,11 @@ from typing import IO, Any
 
 import mlx.core as mx
 
-from .. import __version__
-from ..serving import Serving
+from ._version import __version__
+from .serving import Serving
 
-from . import text_generation
-from .sources import DEFAULT_MODEL, resolve
+from .models import text_generation
+from .models.sources import DEFAULT_MODEL, resolve
 
 __all__ = ["main"]
 
@@ -110,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-thinking", action="store_true",
                       help="render the chat template with enable_thinking=False (Qwen3: no <think> block)")
     chat.set_defaults(run=_chat)
-    from ..server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
+    from .server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
 
     add_serve_parser(sub, _HelpFormatter)
     return ap
