@@ -39,7 +39,7 @@ from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import compiled_decode  # noqa: E402
 from mlx_serving.models.generation import cuda_kernels as kernels  # noqa: E402
-from mlx_serving.models.generation.fused_decode import decode_path  # noqa: E402
+from mlx_serving.models.generation.decode_backends import decode_backend  # noqa: E402
 
 
 def run(state: Any, prompts: list[list[int]], new: int, layout: str) -> dict[str, Any]:
@@ -171,7 +171,7 @@ def main() -> None:
         write_checkpoint(args.ckpt, args.preset, seed=0)
     state = load(args.ckpt, dequantize=True)
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
-                           "decode_path": decode_path(state), "prompt_len": args.prompt_len, "new": args.new,
+                           "decode_path": decode_backend(state).name, "prompt_len": args.prompt_len, "new": args.new,
                            "results": []}
     if args.context:
         batches, positions = ([int(x) for x in part.split(",")] for part in args.context.split(":"))

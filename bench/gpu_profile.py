@@ -14,7 +14,7 @@ One process, one seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_through
 - ``prefill``: first and second call of a B-row, 128-token prefill;
 - ``engine``: whole Engine runs (N sequences, 128-token prompts): wall, tok/s, step median.
 
-Its forward-step variants are the generic decode path (``DECODE_PATH`` "matmul" / "sdpa"); the
+Its forward-step variants are the generic decode path (``GenericDecode``: "matmul" / "sdpa"); the
 fused CUDA path is studied by bench/gpu_step.py.
 
 Run (MLX CUDA build): ``python bench/gpu_profile.py``; JSON to bench/results/gpu_profile.json.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.generation import fused_decode  # noqa: E402
+from mlx_serving.models.generation.decode_backends import GenericDecode  # noqa: E402
 from mlx_serving.models.generation.slot_cache import init_kv_cache  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import Rows
@@ -61,9 +61,10 @@ def ours_step(state: Any, cache: Any, b: int, kv: int, variant: str) -> Callable
     rows = Rows(tokens, None, mx.full((b,), kv - 1, dtype=mx.int32), mx.ones((b,), dtype=mx.int32), kv,
                 mx.zeros((b,), dtype=mx.int32), dense=b == 1 or variant == "nomask")
 
+    decode = GenericDecode(sdpa=variant == "sdpa")  # the generic path's variants
+
     def run() -> list[mx.array]:
-        fused_decode.DECODE_PATH = "sdpa" if variant == "sdpa" else "matmul"  # the generic path's variants
-        return [forward(state, cache, rows), *cache.keys, *cache.values]
+        return [forward(state, cache, rows, decode), *cache.keys, *cache.values]
     return run
 
 

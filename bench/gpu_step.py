@@ -6,7 +6,7 @@ cache, every row at position ``--pos`` (attention span ``--pos + 1``). For B row
 of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_eval`` it,
 then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
 median host time to build one step's graph (``build_ms``) and the wall time per step
-(``step_ms``). Variants: ``DECODE_PATH`` "matmul" / "sdpa" / "fused", eager or
+(``step_ms``). Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
 through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix), with the 4-bit
 weights or dequantized to dense matrices ("-dequant" suffix), and, at B = 1, the dense path
 (no mask, sliced cache) of the generic path. Also checks the fused path against the
@@ -54,7 +54,7 @@ from gpu_summary import step_floor_ms  # noqa: E402
 from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.generation import fused_decode  # noqa: E402
+from mlx_serving.models.generation.decode_backends import DecodeBackend, decode_backend  # noqa: E402
 from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E402
 from mlx_serving.models.generation.slot_cache import KVCache, init_kv_cache  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -66,25 +66,25 @@ __all__ = ["step_weight_bytes"]
 StepFn = Callable[[mx.array], mx.array]
 
 
-def eager_step(state: Any, cache: KVCache, b: int, pos: int, dense: bool) -> StepFn:
+def eager_step(state: Any, cache: KVCache, b: int, pos: int, dense: bool, decode: DecodeBackend) -> StepFn:
     start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
     span = pos + 1
 
     def step(tokens: mx.array) -> mx.array:
         rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32), dense=dense)
-        return mx.argmax(forward(state, cache, rows), axis=-1).astype(mx.int32)
+        return mx.argmax(forward(state, cache, rows, decode), axis=-1).astype(mx.int32)
 
     return step
 
 
-def compiled_step(state: Any, cache: KVCache, b: int, pos: int) -> StepFn:
+def compiled_step(state: Any, cache: KVCache, b: int, pos: int, decode: DecodeBackend) -> StepFn:
     start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
     span = pos + 1
 
     def inner(tokens: mx.array, keys: list[mx.array], values: list[mx.array]) -> tuple:
         c = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), cache.max_len)
         rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32))
-        return mx.argmax(forward(state, c, rows), axis=-1).astype(mx.int32), c.keys, c.values
+        return mx.argmax(forward(state, c, rows, decode), axis=-1).astype(mx.int32), c.keys, c.values
 
     fn = mx.compile(inner)
 
@@ -140,8 +140,8 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
                     int(np.array(start).max()) + 1, mx.zeros((b,), dtype=mx.int32))
         logits = {}
         for mode in ("matmul", "fused"):
-            fused_decode.DECODE_PATH = mode
-            logits[mode] = forward(state, cache, rows).astype(mx.float32)[mx.array(np.flatnonzero(real))]
+            logits[mode] = forward(state, cache, rows, decode_backend(state, mode)).astype(mx.float32)[
+                mx.array(np.flatnonzero(real))]
             mx.eval(logits[mode])
         diff = mx.abs(logits["fused"] - logits["matmul"]).max().item()
         same = (mx.argmax(logits["fused"], -1) == mx.argmax(logits["matmul"], -1)).astype(mx.float32).mean().item()
@@ -151,8 +151,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     tokens = {}
     for name, mode, compiled in (("matmul", "matmul", False), ("fused", "fused", False),
                                  ("fused+compile", "fused", True)):
-        fused_decode.DECODE_PATH = mode
-        eng = Engine(state, max_batch=8, max_len=256, compile_decode=compiled)
+        eng = Engine(state, max_batch=8, max_len=256, compile_decode=compiled, decode_path=mode)
         for i, p in enumerate(prompts):
             eng.add(i, p, SamplingParams(max_new_tokens=32, eos_token_ids=()))
         got: dict[int, list[int]] = {i: [] for i in range(8)}
@@ -165,7 +164,6 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     out["engine_compiled_equals_eager"] = tokens["fused+compile"] == tokens["fused"]
     out["engine_first_divergence"] = [next((k for k, (a, b) in enumerate(zip(tokens["fused"][i], tokens["matmul"][i]))
                                             if a != b), None) for i in range(8)]
-    fused_decode.DECODE_PATH = None
     return out
 
 
@@ -243,18 +241,16 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
             try:
                 compiled = variant.startswith("compiled-")
                 path = variant.removeprefix("compiled-").removesuffix("-dequant")
-                fused_decode.DECODE_PATH = "matmul" if variant == "dense" else path
                 st = dense_state if dequant else state
-                fn = (compiled_step(st, cache, b, args.pos) if compiled
-                      else eager_step(st, cache, b, args.pos, dense=variant == "dense"))
+                decode = decode_backend(st, "matmul" if variant == "dense" else path)
+                fn = (compiled_step(st, cache, b, args.pos, decode) if compiled
+                      else eager_step(st, cache, b, args.pos, variant == "dense", decode))
                 r = run(fn, b, args.steps)
                 fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
                                    floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
                 r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
             except Exception as e:  # noqa: BLE001 - a study: record and go on
                 r = {"error": repr(e)[:300]}
-            finally:
-                fused_decode.DECODE_PATH = None
             results[f"{variant} B={b}"] = r
             print(f"{variant:>16} B={b:<4} {r}", flush=True)
     return results

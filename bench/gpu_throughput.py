@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.generation.fused_decode import decode_path  # noqa: E402
+from mlx_serving.models.generation.decode_backends import decode_backend  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
@@ -269,7 +269,7 @@ def main() -> None:
     assert all(tok.encode(t) == p for t, p in zip(texts[:8], prompts[:8])), "prompts must round-trip"
     default_dequantize = inspect.signature(load).parameters["dequantize"].default
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
-                           "ours_weights": args.weights, "decode_path": decode_path(state),
+                           "ours_weights": args.weights, "decode_path": decode_backend(state).name,
                            "library_default_weights": "dequantized" if default_dequantize else "4bit",
                            "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node()}
     max_len = args.prompt_len + args.new + 8

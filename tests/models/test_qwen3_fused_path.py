@@ -1,9 +1,13 @@
-"""The fused decode path's wiring (models/generation/fused_decode.py::fused_decode) on any device: the three
+"""The fused decode path's wiring (models/generation/decode_backends.py::FusedDecode) on any device: the three
 CUDA kernels are replaced by pure-MLX implementations of their documented contracts
-(kernel_refs.py), and whole continuous-batching generations must equal the generic path's. The
+(kernel_refs.py, passed as the backend's kernels), and whole continuous-batching generations must
+equal the generic path's. The
 kernels themselves are checked against the same references on a GPU (test_qwen3_kernels_cuda.py)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,24 +15,20 @@ from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.generation import Engine, SamplingParams
 from mlx_serving.models.generation.slot_cache import init_kv_cache
-from mlx_serving.models.generation import fused_decode
+from mlx_serving.models.generation.decode_backends import FusedDecode, GenericDecode, decode_backend
+
+#: The fused backend over the kernels' reference implementations.
+REFERENCE = FusedDecode(attention=ref_decode_attention, add_rms_norm=ref_add_rms_norm, swiglu=ref_swiglu)
 
 
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    monkeypatch.setattr(fused_decode, "decode_attention", ref_decode_attention)
-    monkeypatch.setattr(fused_decode, "add_rms_norm", ref_add_rms_norm)
-    monkeypatch.setattr(fused_decode, "swiglu", ref_swiglu)
-    monkeypatch.setattr(fused_decode, "DECODE_PATH", "fused")
-
-
-def _generate(state, compiled: bool, slots: bool = False) -> dict[int, list[int]]:
+def _generate(state, compiled: bool, slots: bool = False, decode=REFERENCE) -> dict[int, list[int]]:
     """Greedy ids of a staggered continuous batch on the paged KV cache (``slots``: the slot design)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (4, 19, 1, 11, 7)]
     kv = {"kv_cache": init_kv_cache(state, 48, 3)} if slots else {"block_size": 4}  # small blocks: rows span several
     engine = Engine(state, max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled, bucket_shapes=True,
-                    **kv)
+                    decode_path=decode, **kv)
+    assert engine.decode_backend is decode
     assert engine.paged is not slots
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4]}  # staggered, more requests than slots
@@ -44,19 +44,30 @@ def _generate(state, compiled: bool, slots: bool = False) -> dict[int, list[int]
 
 @pytest.mark.parametrize("slots", [False, True], ids=["paged", "slots"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_wiring_equals_generic_path(tiny32, reference_kernels, monkeypatch, compiled, slots):
+def test_fused_wiring_equals_generic_path(tiny32, compiled, slots):
     """The fused decode reads the paged cache through the block table (or the slot cache) and
     generates what the generic path does."""
     fused = _generate(tiny32, compiled, slots)
-    monkeypatch.setattr(fused_decode, "DECODE_PATH", "matmul")
-    generic = _generate(tiny32, False)
+    generic = _generate(tiny32, False, decode=GenericDecode())
     assert fused == generic
     assert all(len(ids) == 9 for ids in fused.values())
 
 
-def test_fused_path_is_taken(tiny32, reference_kernels, monkeypatch):
+def test_fused_path_is_taken(tiny32):
     """Guard against the test above passing vacuously: a broken kernel changes the output."""
-    monkeypatch.setattr(fused_decode, "swiglu", lambda gu: ref_swiglu(gu) * 0.5)
-    broken = _generate(tiny32, False)
-    monkeypatch.setattr(fused_decode, "DECODE_PATH", "matmul")
-    assert broken != _generate(tiny32, False)
+    broken = FusedDecode(attention=ref_decode_attention, add_rms_norm=ref_add_rms_norm,
+                         swiglu=lambda gu: ref_swiglu(gu) * 0.5)
+    assert _generate(tiny32, False, decode=broken) != _generate(tiny32, False, decode=GenericDecode())
+
+
+def test_decode_backend_is_chosen_once_by_name_or_default(tiny32):
+    """Off MLX's CUDA build the default is the matmul path; names pick a backend; "fused" falls
+    back to the generic path for a config the kernels do not implement; a bad name is refused."""
+    assert decode_backend(tiny32).name == "matmul"
+    assert decode_backend(tiny32, "sdpa") == GenericDecode(sdpa=True)
+    assert isinstance(decode_backend(tiny32, "fused"), FusedDecode)  # Qwen3: q/k norm, plain RoPE
+    assert decode_backend(tiny32, REFERENCE) is REFERENCE
+    llama_like = SimpleNamespace(config=replace(tiny32.config, qk_norm=False))
+    assert decode_backend(llama_like, "fused") == GenericDecode()
+    with pytest.raises(ValueError, match="decode_path must be one of"):
+        decode_backend(tiny32, "flash")

@@ -10,7 +10,6 @@ import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.generation import fused_decode
 from mlx_serving.models.generation.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
@@ -105,17 +104,15 @@ def test_fused_generation_equals_generic_path(tiny32, compiled):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (3, 17, 9, 30)]
     outs = []
-    try:
-        for path in ("matmul", "fused"):
-            fused_decode.DECODE_PATH = path
-            engine = Engine(tiny32, max_batch=4, max_len=64, compile_decode=compiled and path == "fused")
-            for i, p in enumerate(prompts):
-                engine.add(i, p, SamplingParams(max_new_tokens=12, eos_token_ids=()))
-            got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-            while engine.num_active:
-                for ev in engine.step():
-                    got[ev.seq_id].append(ev.token_id)
-            outs.append(got)
-    finally:
-        fused_decode.DECODE_PATH = None
+    for path in ("matmul", "fused"):
+        engine = Engine(tiny32, max_batch=4, max_len=64, compile_decode=compiled and path == "fused",
+                        decode_path=path)
+        assert engine.decode_backend.name == path
+        for i, p in enumerate(prompts):
+            engine.add(i, p, SamplingParams(max_new_tokens=12, eos_token_ids=()))
+        got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while engine.num_active:
+            for ev in engine.step():
+                got[ev.seq_id].append(ev.token_id)
+        outs.append(got)
     assert outs[0] == outs[1]

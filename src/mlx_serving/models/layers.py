@@ -12,8 +12,9 @@ the (tied or separate) head, for one position per row only. The hooks are fields
 ``qwen2.py`` (the parity tests).
 
 Every projection sees 2-D activations ``(rows, features)``: on MLX's CUDA build a ``(B, 1, K)``
-input into ``quantized_matmul`` costs time linear in B. One-token decode forwards take the fused
-CUDA path where it runs (:mod:`models.generation.fused_decode`).
+input into ``quantized_matmul`` costs time linear in B. One-token decode forwards go through the
+caller's decode backend (:mod:`models.generation.decode_backends`: the fused CUDA kernels, or this
+module's generic path).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import mlx.core as mx
 from ._weights import Fused, Linear, swiglu
 from .config import DecoderConfig
 from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
-from .generation.fused_decode import decode_path, fused_decode
+from .generation.decode_backends import DecodeBackend, GenericDecode
 from .native import PagedAttention
 
 __all__ = ["Layer", "State", "forward", "rope_frequencies"]
@@ -120,19 +121,24 @@ def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step,
     return layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
 
 
-def forward(state: State, cache: Cache, rows: Rows) -> mx.array:
+_GENERIC = GenericDecode()
+
+
+def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GENERIC) -> mx.array:
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at token
     index ``rows.last``. Does not update the cache's lengths (the caller does). Any cache
-    :func:`models.generation.attention.make_step` / ``attend`` accept works here.
+    :func:`models.generation.attention.make_step` / ``attend`` accept works here. ``decode``: the
+    backend one-token rows (``rows.slots`` None) go through (default: the generic matmul path).
     """
     c = state.config
     h = state.embed_tokens.rows(token_ids(rows))
-    path = decode_path(state)
-    if rows.tokens.shape[1] == 1 and rows.slots is None and path == "fused":
-        return fused_decode(state, cache, rows, h)
-    step = make_step(rows, cache, sdpa_decode=path == "sdpa", kernel=state.attention)
+    if rows.tokens.shape[1] == 1 and rows.slots is None:
+        logits = decode.decode(state, cache, rows, h)
+        if logits is not None:
+            return logits
+    step = make_step(rows, cache, sdpa_decode=decode.sdpa, kernel=state.attention)
     rope = _rope(state, rows)
     eps = c.rms_norm_eps
     for i, layer in enumerate(state.layers):

@@ -12,7 +12,8 @@ and runs masked GQA attention over each row's valid prefix. :func:`compiled_deco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,9 @@ from ..native import PagedAttention
 from .kv_cache import PagedKVCache
 from .protocol import ModelState
 from .slot_cache import KVCache
+
+if TYPE_CHECKING:
+    from .decode_backends import DecodeBackend  # which imports this module
 
 __all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "last_hidden", "make_step", "packing", "token_ids"]
 
@@ -256,9 +260,11 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
-def compiled_decode(state: ModelState, max_len: int, kv_len: int, block_size: int = 0) -> Callable[..., tuple]:
-    """An ``mx.compile``d one-token decode over slots ``0..B``, attention span ``kv_len``
-    (unused by the "fused" path, which reads each row's own length).
+def compiled_decode(state: ModelState, max_len: int, kv_len: int, block_size: int = 0,
+                    decode: DecodeBackend | None = None) -> Callable[..., tuple]:
+    """An ``mx.compile``d one-token decode over slots ``0..B`` through the ``decode`` backend
+    (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a
+    backend whose rows read their own length, the fused one).
 
     Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
     with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the
@@ -267,7 +273,9 @@ def compiled_decode(state: ModelState, max_len: int, kv_len: int, block_size: in
     Weights are captured as constants. MLX retraces once per new input shape. The forward traced
     is the shared decoder's (:func:`models.layers.forward`), whatever ``state``'s family.
     """
-    from ..layers import forward as fwd  # models.layers imports this module
+    from ..layers import forward  # models.layers imports this module
+
+    fwd = forward if decode is None else partial(forward, decode=decode)
 
     def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
              values: list[mx.array]) -> tuple:

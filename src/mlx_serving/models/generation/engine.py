@@ -49,7 +49,7 @@ import numpy as np
 from .. import layers  # the shared decoder (models.layers imports this package: its names are read at call time)
 from .attention import Rows, compiled_decode, packing
 from .events import FinishReason, SeqEvent
-from .fused_decode import decode_path
+from .decode_backends import DecodeBackend, decode_backend
 from .iteration_stats import IterationTokens
 from .logits import Chain, Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ConstraintFactory, TokenConstraint
@@ -146,11 +146,14 @@ class Engine:
     The slot design instead (one preallocated ``max_len`` slot per row, no preemption, no prefix
     caching) when ``kv_cache`` passes a :class:`KVCache` from ``init_kv_cache`` (its ``max_len``
     wins); ``kv_cache_bytes`` then caps the slot count. The fused CUDA decode path
-    (``decode_path(state) == "fused"``) reads either: its kernel follows the block table.
+    (``decode_path="fused"``) reads either: its kernel follows the block table.
 
-    ``compile_decode`` runs decode steps through ``mx.compile``d graphs, one per padded row count
-    (and, off the fused path, per attention span rounded up to a multiple of ``_KV_BUCKET``); None
-    (default) means on with the fused path and off elsewhere. ``bucket_shapes`` pads batches to
+    ``decode_path``: how one-token rows attend (:func:`~.decode_backends.decode_backend`: "fused",
+    "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they run and fit,
+    else "matmul"); chosen once, as :attr:`decode_backend`. ``compile_decode`` runs decode steps
+    through ``mx.compile``d graphs, one per padded row count (and, off the fused path, per attention
+    span rounded up to a multiple of ``_KV_BUCKET``); None (default) means on with the fused path
+    and off elsewhere. ``bucket_shapes`` pads batches to
     the shape buckets described in the module docstring; None (default) means on for a GPU, off on
     the CPU. :meth:`warm_up` runs every bucket once. Raises ValueError when the budget holds no
     sequence of ``max_len``. Not thread-safe: drive it from one thread.
@@ -167,14 +170,15 @@ class Engine:
                  compile_decode: bool | None = None, bucket_shapes: bool | None = None,
                  kv_cache_fraction: float | None = None, prefix_caching: bool = True,
                  block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
-                 max_step_tokens: int | None = None, constraint_factory: ConstraintFactory | None = None):
+                 max_step_tokens: int | None = None, constraint_factory: ConstraintFactory | None = None,
+                 decode_path: str | DecodeBackend | None = None):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be None or >= 1, got {max_step_tokens}")
         self.max_step_tokens = max_step_tokens
-        self._fused = decode_path(state) == "fused"
+        self.decode_backend: DecodeBackend = decode_backend(state, decode_path)
         self.state, self.prefill_chunk = state, prefill_chunk
         self._kv: KVManager | None = None
         if kv_cache is not None:  # slot design
@@ -205,7 +209,7 @@ class Engine:
         self._flight: _Flight | None = None
         self._started = 0
         if compile_decode is None:
-            compile_decode = self._fused
+            compile_decode = self.decode_backend.reads_own_length
         self._compiled: dict[tuple[int, int], Callable[..., tuple]] | None = {} if compile_decode else None
         self._bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
         self._constraint_factory = constraint_factory
@@ -478,7 +482,7 @@ class Engine:
             else:
                 rows = Rows(self._tokens[:hi, None], None, mx.array(zeros), mx.array(zeros), span,
                             mx.array(zeros), dense=hi == 1, block_table=self._table_arg(table))
-                logits = layers.forward(self.state, self.cache, rows)
+                logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
             mx.eval(greedy(logits))
         self._warm_prefill()
 
@@ -660,7 +664,7 @@ class Engine:
             table = self._table_arg(self._decode_table(seqs, hi, kv_len)) if self._kv is not None else None
             rows = Rows(self._tokens[:hi, None], None, mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), dense=hi == 1, block_table=table)
-            logits = layers.forward(self.state, self.cache, rows)
+            logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
         else:
             table = self._decode_table(seqs, hi, self._table_span(self._span(kv_len)))
             logits = self._decode_compiled(hi, start, n_valid, kv_len, table)
@@ -675,7 +679,7 @@ class Engine:
     def _table_span(self, span: int) -> int:
         """Positions the block table of a compiled decode covers: ``span``, or on the fused path
         (whose kernel reads each row's own length; one compiled graph per row count) ``max_len``."""
-        return self.max_len if self._fused else span
+        return self.max_len if self.decode_backend.reads_own_length else span
 
     def _span(self, kv_len: int) -> int:
         """Attention span rounded up to a multiple of ``_KV_BUCKET`` (at most ``max_len``)."""
@@ -683,12 +687,12 @@ class Engine:
 
     def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int,
                          table: np.ndarray) -> mx.array:
-        span = 0 if self._fused else self._span(kv_len)
+        span = 0 if self.decode_backend.reads_own_length else self._span(kv_len)
         fn = self._compiled.get((hi, span))
         block_size = self._kv.block_size if self._kv is not None else 0
         if fn is None:
-            fn = self._compiled[(hi, span)] = compiled_decode(self.state, self.max_len, span,
-                                                                          block_size)
+            fn = self._compiled[(hi, span)] = compiled_decode(self.state, self.max_len, span, block_size,
+                                                              self.decode_backend)
         args = [self._tokens[:hi, None], mx.array(start), mx.array(n_valid)]
         if self._kv is not None:
             args.append(mx.array(table))

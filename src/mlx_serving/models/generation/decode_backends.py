@@ -1,0 +1,118 @@
+"""How a one-token decode forward attends: a backend object, chosen once when an engine is built.
+
+- :class:`GenericDecode` (``"matmul"``, ``"sdpa"``): the shared decoder of :func:`models.layers.forward`,
+  masked attention through batched matmuls or ``mx.fast.scaled_dot_product_attention``;
+- :class:`FusedDecode` (``"fused"``): the custom CUDA kernels of :mod:`.cuda_kernels`, 8 launches per
+  layer, no mask; each row's kernel reads its own length, so a compiled decode needs one graph per
+  row count, not per attention span. The kernels implement one architecture: q/k RMSNorm folded
+  into the attention kernel and plain split-half RoPE (``config.qk_norm``, no ``rope_scaling``,
+  not ``rope_traditional``: Qwen3).
+
+:func:`decode_backend` picks one for a model: the fused kernels where they run (MLX's CUDA build,
+a supported shape) and the config fits them, the matmul path elsewhere. bench/gpu_step.py times
+the three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import mlx.core as mx
+
+from .._weights import swiglu as split_swiglu
+from . import cuda_kernels
+from .attention import Cache, Rows
+
+if TYPE_CHECKING:
+    from ..layers import State
+
+__all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "decode_backend", "fits_fused"]
+
+#: The decode paths a caller may ask for by name.
+DECODE_PATHS = ("fused", "matmul", "sdpa")
+
+
+class DecodeBackend(Protocol):
+    """What the engine and the decoder ask of a decode backend."""
+
+    #: "fused", "matmul" or "sdpa"
+    name: str
+    #: one-token masked rows through ``mx.fast.scaled_dot_product_attention`` (the generic path)
+    sdpa: bool
+    #: each row reads its own length: a compiled decode spans ``max_len``, one graph per row count
+    reads_own_length: bool
+
+    def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
+        """Logits ``(B, vocab)`` of one-token rows from their embeddings ``h`` ``(B, hidden)``, the
+        K/V written in place; None: run the shared decoder's generic path."""
+
+
+@dataclass(frozen=True)
+class GenericDecode:
+    """The shared decoder's own attention: ``sdpa`` False ("matmul") or True ("sdpa")."""
+
+    sdpa: bool = False
+    reads_own_length: bool = False
+
+    @property
+    def name(self) -> str:
+        return "sdpa" if self.sdpa else "matmul"
+
+    def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
+        return None
+
+
+@dataclass(frozen=True)
+class FusedDecode:
+    """The fused CUDA decode forward. The three kernels are fields (defaults: :mod:`.cuda_kernels`)
+    so that their documented contracts can stand in for them on any device (tests/models/kernel_refs.py)."""
+
+    attention: Callable[..., mx.array] = cuda_kernels.decode_attention
+    add_rms_norm: Callable[..., tuple[mx.array, mx.array]] = cuda_kernels.add_rms_norm
+    swiglu: Callable[[mx.array], mx.array] = cuda_kernels.swiglu
+    name: str = "fused"
+    sdpa: bool = False
+    reads_own_length: bool = True
+
+    def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
+        """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` (rows ``0..B-1`` =
+        cache slots, or on a paged cache the blocks of ``rows.block_table``); the K/V cache is
+        written in place. Returns logits ``(B, vocab_size)``, as :func:`models.layers.forward`."""
+        c = state.config
+        eps = c.rms_norm_eps
+        paged = {} if rows.block_table is None else {"block_table": rows.block_table, "block_size": cache.block_size}
+        x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
+        for i, layer in enumerate(state.layers):
+            qkv = layer.qkv.merged(x) if layer.qkv.merged is not None else mx.concatenate(layer.qkv(x), axis=-1)
+            attn = self.attention(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
+                                  cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta,
+                                  **paged)
+            h, x = self.add_rms_norm(h, layer.o_proj(attn), layer.post_attention_layernorm, eps)
+            gate_up = layer.gate_up.merged
+            act = self.swiglu(gate_up(x)) if gate_up is not None else split_swiglu(*layer.gate_up(x))
+            after = state.layers[i + 1].input_layernorm if i + 1 < len(state.layers) else state.norm
+            h, x = self.add_rms_norm(h, layer.down_proj(act), after, eps)
+        return state.lm_head(x)
+
+
+def fits_fused(state: State) -> bool:
+    """The config is the fused kernels' architecture (q/k norm, plain split-half RoPE)."""
+    c = state.config
+    return c.qk_norm and c.rope_scaling is None and not c.rope_traditional
+
+
+def decode_backend(state: State, path: str | DecodeBackend | None = None) -> DecodeBackend:
+    """The decode backend for ``state``: ``path`` as given when it is a backend; by name "fused"
+    (the CUDA kernels where the config fits them, else "matmul"), "matmul" or "sdpa"; None: "fused"
+    where the kernels run and fit, else "matmul". Raises ValueError for another name."""
+    if path is not None and not isinstance(path, str):
+        return path
+    if path is not None and path not in DECODE_PATHS:
+        raise ValueError(f"decode_path must be one of {list(DECODE_PATHS)} or None, got {path!r}")
+    c = state.config
+    runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
+    if path == "fused" or (path is None and runs):
+        return FusedDecode() if fits_fused(state) else GenericDecode()
+    return GenericDecode(sdpa=path == "sdpa")
