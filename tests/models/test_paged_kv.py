@@ -316,3 +316,28 @@ def test_default_budget_runs_every_row_at_full_length(tiny32):
     while engine.num_active:
         engine.step()
     assert engine.kv_stats().preemptions == 0
+
+
+def test_prefix_caching_off_is_a_prefix_cache_that_does_nothing():
+    """prefix_caching=False gives the no-op prefix cache: nothing found, nothing registered, no
+    token stream read (the engine calls it as it calls the real one)."""
+    from mlx_serving.models.generation.block_pool import BlockPool
+    from mlx_serving.models.generation.prefix_cache import HashPrefixCache, NoPrefixCache, SeqBlocks, prefix_cache
+
+    pool = BlockPool(8)
+    tokens = np.arange(40, dtype=np.int32)
+    cache = prefix_cache(pool, 16, True)
+    sb = SeqBlocks(blocks=pool.allocate(3))
+    assert isinstance(cache, HashPrefixCache)
+    cache.commit(sb, 2, lambda: tokens)
+    assert len(cache.lookup(SeqBlocks(), tokens)) == 2  # a later sequence finds both full blocks
+    off = prefix_cache(BlockPool(8), 16, False)
+    assert isinstance(off, NoPrefixCache)
+
+    def unread() -> np.ndarray:
+        raise AssertionError("the no-op cache read the token stream")
+
+    other = SeqBlocks(blocks=[1, 2, 3])
+    off.commit(other, 2, unread)
+    assert other.committed == 2 and off.lookup(other, tokens) == []
+    assert not off.prefilling_elsewhere(SeqBlocks(), tokens, [other])

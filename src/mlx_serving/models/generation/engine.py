@@ -353,18 +353,10 @@ class Engine:
 
     def _prefilling_elsewhere(self, seq: _Seq) -> bool:
         """True when a running sequence is prefilling the first block of ``seq``'s prompt that
-        the prefix cache lacks (same block-hash chain): ``seq`` then waits until that block is
-        committed and starts with a prefix hit, so n completions of one prompt added together
-        prefill it once (vLLM v1 shares it the same way, through prefix caching)."""
-        if not self._kv.prefix_caching:
-            return False
-        full = (len(seq.target) - 1) // self._kv.block_size
-        hit = len(self._kv.cached_prefix(seq.kv, seq.target))
-        if hit >= full:
-            return False
-        h = seq.kv.hashes[hit]
-        return any(r is not None and r.prefilling and len(r.kv.hashes) > hit and r.kv.hashes[hit] == h
-                   for r in self._slots)
+        the prefix cache lacks: ``seq`` then waits until that block is committed and starts with a
+        prefix hit, so n completions of one prompt added together prefill it once."""
+        prefilling = (r.kv for r in self._slots if r is not None and r.prefilling)
+        return self._kv.prefix.prefilling_elsewhere(seq.kv, seq.target, prefilling)
 
     def _penalty_state(self) -> TokenHistory:
         if self._history is None:
@@ -558,7 +550,7 @@ class Engine:
         if self._flight is not None:
             events += self._land(self._flight)
         self._flight = flight if flight.produced else None
-        if self._kv is not None and self._kv.prefix_caching:
+        if self._kv is not None:
             bs = self._kv.block_size
             for s in self._slots:
                 if s is not None and s.length // bs > s.kv.committed:  # a block may have filled
@@ -566,10 +558,11 @@ class Engine:
         return events
 
     def _commit(self, s: _Seq) -> None:
+        """Offer ``s``'s full blocks whose tokens are known (landed) and whose K/V is written."""
         known = len(s.prompt) + len(s.generated)
         n = min(known, s.length) // self._kv.block_size
         if n > s.kv.committed:
-            self._kv.commit(s.kv, s.stream(), s.length)
+            self._kv.prefix.commit(s.kv, n, s.stream)
 
     def _width(self, kv_len: int) -> int:
         """Block-table columns for an attention span of ``kv_len`` (1 on the slot design)."""

@@ -1,34 +1,18 @@
-"""Per-sequence block tables over a :class:`~.block_pool.BlockPool`, with automatic prefix caching
-(vLLM v1's ``kv_cache_manager.py`` shape).
-
-A sequence's token stream (prompt, then generated tokens) is cut into blocks of ``block_size``;
-its block table lists the blocks holding them. On admission the full blocks of its stream are
-hashed in a chain (:func:`~.block_pool.block_hash`) and every block of the longest cached prefix
-is reused (shared, reference counted); the rest is allocated fresh and prefilled. At least one
-token is always recomputed, so the last prompt position has logits: the hit stops at
-``(len - 1) // block_size`` blocks. As blocks fill up with computed K/V whose tokens are known,
-:meth:`KVManager.commit` registers their hashes, so a later sequence (or this one, recomputed
-after a preemption) can reuse them.
+"""Per-sequence block tables over a :class:`~.block_pool.BlockPool` and a prefix cache
+(:mod:`.prefix_cache`; vLLM v1's ``kv_cache_manager.py`` shape): admission with the longest
+cached prefix reused and fresh blocks for the first chunk, growth on demand, frees, counters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .block_pool import BlockPool, block_hash
+from .block_pool import BlockPool
+from .prefix_cache import PrefixCache, SeqBlocks, prefix_cache
 
 __all__ = ["KVManager", "KVStats", "SeqBlocks"]
-
-
-@dataclass
-class SeqBlocks:
-    """One sequence's block table and the prefix hashes of its full blocks."""
-
-    blocks: list[int] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)  # chained hash of stream block j (kept across frees)
-    committed: int = 0  # leading blocks already offered to the prefix cache
 
 
 @dataclass(frozen=True)
@@ -57,41 +41,23 @@ class KVStats:
 
 
 class KVManager:
-    """Block tables for the engine's sequences; ``prefix_caching`` False disables reuse."""
+    """Block tables for the engine's sequences; ``prefix_caching`` False: a prefix cache that does
+    nothing (:class:`~.prefix_cache.NoPrefixCache`). ``prefix``: the prefix cache."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        self.prefix_caching = prefix_caching
+        self.prefix: PrefixCache = prefix_cache(self.pool, block_size, prefix_caching)
         self.queries = self.hits = self.query_tokens = self.hit_tokens = self.preemptions = 0
 
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def _extend_hashes(self, sb: SeqBlocks, tokens: np.ndarray, n_blocks: int) -> None:
-        bs = self.block_size
-        for j in range(len(sb.hashes), n_blocks):
-            sb.hashes.append(block_hash(sb.hashes[j - 1] if j else None, tokens[j * bs : (j + 1) * bs]))
-
-    def cached_prefix(self, sb: SeqBlocks, tokens: np.ndarray) -> list[int]:
-        """Blocks of the longest cached prefix of ``tokens`` (leaving at least one token)."""
-        if not self.prefix_caching:
-            return []
-        n = (len(tokens) - 1) // self.block_size
-        self._extend_hashes(sb, tokens, n)
-        hit = []
-        for h in sb.hashes[:n]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hit.append(b)
-        return hit
-
     def admit(self, sb: SeqBlocks, tokens: np.ndarray, first_chunk: int) -> int | None:
         """Give a starting sequence its cached prefix plus fresh blocks for its next
         ``first_chunk`` tokens (at most the rest of ``tokens``). Returns the number of tokens
         reused from the cache, or None (nothing taken) when the blocks are not available."""
-        hit = self.cached_prefix(sb, tokens)
+        hit = self.prefix.lookup(sb, tokens)
         for b in hit:
             self.pool.touch(b)
         reused = len(hit) * self.block_size
@@ -119,19 +85,6 @@ class KVManager:
             return False
         sb.blocks += new
         return True
-
-    def commit(self, sb: SeqBlocks, tokens: np.ndarray, n_written: int) -> None:
-        """Offer the full blocks among the first ``min(len(tokens), n_written)`` positions (known
-        tokens whose K/V has been written) to the prefix cache."""
-        if not self.prefix_caching:
-            return
-        n = min(len(tokens), n_written, len(sb.blocks) * self.block_size) // self.block_size
-        if n <= sb.committed:
-            return
-        self._extend_hashes(sb, tokens, n)
-        for j in range(sb.committed, n):
-            self.pool.register(sb.blocks[j], sb.hashes[j])
-        sb.committed = n
 
     def free(self, sb: SeqBlocks) -> None:
         """Return a sequence's blocks (last block first, so a prefix's tail is evicted before
