@@ -98,12 +98,12 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     groups: list[tuple[tuple[int, int, int], ...] | None] = []
     forward = layers.forward
 
-    def spy(state, cache, rows: Rows) -> mx.array:
+    def spy(state, cache, rows: Rows, *decode) -> mx.array:
         if rows.packed is not None:
             seen.append((*rows.tokens.shape, rows.packed.shape[0]))
         if rows.tokens.shape[1] > 1:
             groups.append(rows.causal_groups)
-        return forward(state, cache, rows)
+        return forward(state, cache, rows, *decode)
 
     prompts = _prompts()
     solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
@@ -130,10 +130,10 @@ def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest
     calls: list[tuple[int, int, tuple[tuple[int, int, int], ...] | None]] = []  # (rows, real rows, groups)
     forward = layers.forward
 
-    def spy(state, cache, rows: Rows) -> mx.array:
+    def spy(state, cache, rows: Rows, *decode) -> mx.array:
         if rows.tokens.shape[1] > 1:
             calls.append((rows.tokens.shape[0], int((np.array(rows.n_valid) > 0).sum()), rows.causal_groups))
-        return forward(state, cache, rows)
+        return forward(state, cache, rows, *decode)
 
     monkeypatch.setattr(layers, "forward", spy)
     engine = Engine(tiny32, 6, 64, prefill_chunk=4, bucket_shapes=bucket)
