@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -42,13 +43,13 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     wait_for(healthy, timeout=timeout, what="the server to be healthy")
 
 
-@pytest.fixture(scope="module")
-def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+@contextmanager
+def serve_process(ckpt: Path, *options: str, env: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``mlx-serving serve --model ckpt *options`` in a subprocess on a free port, until healthy:
+    ``(base URL, process)``; killed on exit if still running."""
     port = _free_port()
-    command = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(tiny_ckpt), "--port", str(port),
-               "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4",
-               "--log-level", "warning"]
-    process = subprocess.Popen(command, env={**os.environ, API_KEY_ENV: KEY}, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(ckpt), "--port", str(port), *options]
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, timeout=90)
@@ -56,7 +57,14 @@ def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
     finally:
         if process.poll() is None:
             process.kill()
-            process.wait(10)
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    with serve_process(tiny_ckpt, "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4",
+                       "--log-level", "warning", env={API_KEY_ENV: KEY}) as served:
+        yield served
 
 
 def _cancelled(url: str) -> float:

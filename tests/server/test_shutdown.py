@@ -6,34 +6,19 @@ headers too slowly, is closed after ``--client-timeout``; a body that does not a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 
-from test_serve_cli import _free_port, _wait_healthy
+from test_serve_cli import serve_process
 
 
-@contextmanager
-def _serve(ckpt: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    port = _free_port()
-    command = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(ckpt), "--port", str(port),
-               "--max-len", "2048", "--log-level", "warning", *options]
-    process = subprocess.Popen(command, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, timeout=90)
-        yield url, process
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait(10)
+def _serve(ckpt: Path, *options: str) -> AbstractContextManager[tuple[str, subprocess.Popen]]:
+    return serve_process(ckpt, "--max-len", "2048", "--log-level", "warning", *options)
 
 
 def _stream_through_sigterm(url: str, process: subprocess.Popen, max_tokens: int) -> list[str]:
