@@ -53,7 +53,7 @@ def test_disconnect_while_waiting_for_a_whole_response(server: Server):
                      b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
         # leave once the row is generating (polled every 1 ms: 300 tokens take far longer than that)
         end = time.monotonic() + 20
-        while server.handle.stats().running == 0:
+        while server.handle.stats().running == before.running:
             assert time.monotonic() < end, "the request never started"
             time.sleep(0.001)
     wait_for(lambda: server.handle.stats().cancelled == before.cancelled + 1, what="the request to be cancelled")
