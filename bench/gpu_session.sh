@@ -4,7 +4,7 @@
 # to $HOME/gpu). The package is not pip-installed there: links in the machine's copy of
 # mlx_serving/ put the repository's folders under the distribution namespace, as setuptools'
 # package-dir mapping does.
-# Writes into $OUT: the test log and bench JSON. Arguments: which bench (paged, default; context;
+# Writes into $OUT: the test log and bench JSON. Arguments: which bench (mixed, default;
 # mixed: gpu_mixed + gpu_arrivals; arrivals [RATES [DURATION]]; rest: gpu_step + prefix caching;
 # throughput; all: every issue-17 bench and bench/gpu_summary.py's $OUT/gpu_all.json), then
 # notests to skip the tests.
@@ -56,9 +56,7 @@ part() {  # part NAME CAP_S COMMAND...: COMMAND under a timeout (see "all" above
 }
 
 ckpt=/tmp/qwen3-0.6b-bench  # the seeded 0.6B-shaped checkpoint every bench shares (written by the first)
-case "${1:-paged}" in
-  paged) python3 bench/gpu_paged.py --out "$OUT/gpu_paged.json" 2>&1 | tail -10 ;;
-  context) python3 bench/gpu_paged.py --context 1,32,128,256:200,800,1500 --out "$OUT/gpu_context.json" 2>&1 | tail -14 ;;
+case "${1:-mixed}" in
   mixed) python3 bench/gpu_mixed.py --out "$OUT/gpu_mixed.json" 2>&1 | tail -20
          python3 bench/gpu_arrivals.py --rates 8,16 --duration 15 --search-steps 1 --out "$OUT/gpu_arrivals.json" 2>&1 | tail -20 ;;
   arrivals) python3 bench/gpu_arrivals.py --rates "${3:-8,16}" --duration "${4:-10}" --search-steps 0 \
@@ -81,5 +79,5 @@ case "${1:-paged}" in
        want arrivals && part arrivals 100 python3 bench/gpu_arrivals.py --rates 8,16 --duration 8 --search-steps 1 \
          --out "$OUT/gpu_arrivals.json"
        python3 bench/gpu_summary.py "$OUT" ;;
-  *) echo "unknown case ${1}: paged, context, mixed, arrivals, rest, throughput or all"; exit 2 ;;
+  *) echo "unknown case ${1}: mixed, arrivals, rest, throughput or all"; exit 2 ;;
 esac

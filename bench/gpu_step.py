@@ -1,8 +1,8 @@
 """GPU decode-step study: where the time of one decode step goes, per attention path and
 with or without ``mx.compile``.
 
-One seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_throughput.py), a 128-slot
-cache, every row at position ``--pos`` (attention span ``--pos + 1``). For B rows, a loop
+One seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_throughput.py), a paged cache of 128
+rows (a fixed block table per row), every row at position ``--pos`` (attention span ``--pos + 1``). For B rows, a loop
 of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_eval`` it,
 then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
 median host time to build one step's graph (``build_ms``) and the wall time per step
@@ -55,8 +55,8 @@ from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.generation.decode_backends import DecodeBackend, decode_backend  # noqa: E402
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token  # noqa: E402
-from mlx_serving.models.generation.slot_cache import KVCache, init_kv_cache  # noqa: E402
+from mlx_serving.models.generation.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
+                                                    row_blocks)
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.models.generation.attention import Rows  # noqa: E402
 from mlx_serving.models.layers import forward  # noqa: E402
@@ -66,24 +66,32 @@ __all__ = ["step_weight_bytes"]
 StepFn = Callable[[mx.array], mx.array]
 
 
-def eager_step(state: Any, cache: KVCache, b: int, pos: int, dense: bool, decode: DecodeBackend) -> StepFn:
-    start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
+def paged_cache(state: Any, max_len: int, rows: int) -> tuple[PagedKVCache, np.ndarray]:
+    """A paged cache of ``rows`` rows x ``max_len`` positions and its fixed block table."""
+    table = row_blocks(rows, max_len)
+    return init_paged_kv_cache(state, table.size), table
+
+
+def eager_step(state: Any, cache: PagedKVCache, table: np.ndarray, b: int, pos: int, dense: bool,
+               decode: DecodeBackend) -> StepFn:
+    start, n_valid, blocks = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32), mx.array(table[:b])
     span = pos + 1
 
     def step(tokens: mx.array) -> mx.array:
-        rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32), dense=dense)
+        rows = Rows(tokens[:, None], start, n_valid, span, mx.zeros((b,), dtype=mx.int32), blocks, dense=dense)
         return mx.argmax(forward(state, cache, rows, decode), axis=-1).astype(mx.int32)
 
     return step
 
 
-def compiled_step(state: Any, cache: KVCache, b: int, pos: int, decode: DecodeBackend) -> StepFn:
-    start, n_valid = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32)
+def compiled_step(state: Any, cache: PagedKVCache, table: np.ndarray, b: int, pos: int,
+                  decode: DecodeBackend) -> StepFn:
+    start, n_valid, blocks = mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32), mx.array(table[:b])
     span = pos + 1
 
     def inner(tokens: mx.array, keys: list[mx.array], values: list[mx.array]) -> tuple:
-        c = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), cache.max_len)
-        rows = Rows(tokens[:, None], None, start, n_valid, span, mx.zeros((b,), dtype=mx.int32))
+        c = PagedKVCache(list(keys), list(values), cache.block_size)
+        rows = Rows(tokens[:, None], start, n_valid, span, mx.zeros((b,), dtype=mx.int32), blocks)
         return mx.argmax(forward(state, c, rows, decode), axis=-1).astype(mx.int32), c.keys, c.values
 
     fn = mx.compile(inner)
@@ -126,7 +134,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     from mlx_serving.models.generation import Engine, SamplingParams
     state = load(ckpt, dtype=dtype)
     out: dict[str, Any] = {"dtype": dtype}
-    cache = init_kv_cache(state, 512, 128)
+    cache, table = paged_cache(state, 512, 128)
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     for b in (1, 8, 128):
@@ -136,8 +144,8 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
         real = np.ones(b, dtype=np.int32)
         real[rng.permutation(b)[: b // 4]] = 0
         start = mx.array(rng.integers(0, 400, size=b).astype(np.int32))
-        rows = Rows(mx.array(rng.integers(0, 5000, size=(b, 1)).astype(np.int32)), None, start, mx.array(real),
-                    int(np.array(start).max()) + 1, mx.zeros((b,), dtype=mx.int32))
+        rows = Rows(mx.array(rng.integers(0, 5000, size=(b, 1)).astype(np.int32)), start, mx.array(real),
+                    int(np.array(start).max()) + 1, mx.zeros((b,), dtype=mx.int32), mx.array(table[:b]))
         logits = {}
         for mode in ("matmul", "fused"):
             logits[mode] = forward(state, cache, rows, decode_backend(state, mode)).astype(mx.float32)[
@@ -233,7 +241,7 @@ def floor_info(state: Any, dense_state: Any, copy_bytes: int) -> dict[str, Any]:
 
 def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: dict[str, Any]) -> dict[str, Any]:
     """Every variant at every ``--batches`` value (and "dense" at one row), with its floor."""
-    cache = init_kv_cache(state, max(512, args.pos + 16), max(128, *args.batch_list))
+    cache, table = paged_cache(state, max(512, args.pos + 16), max(128, *args.batch_list))
     results: dict[str, Any] = {}
     for b in args.batch_list:
         for variant in args.variants.split(",") + (["dense"] if b == 1 else []):
@@ -243,8 +251,8 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 path = variant.removeprefix("compiled-").removesuffix("-dequant")
                 st = dense_state if dequant else state
                 decode = decode_backend(st, "matmul" if variant == "dense" else path)
-                fn = (compiled_step(st, cache, b, args.pos, decode) if compiled
-                      else eager_step(st, cache, b, args.pos, variant == "dense", decode))
+                fn = (compiled_step(st, cache, table, b, args.pos, decode) if compiled
+                      else eager_step(st, cache, table, b, args.pos, variant == "dense", decode))
                 r = run(fn, b, args.steps)
                 fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
                                    floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
@@ -263,7 +271,7 @@ def context_study(dense_state: Any, spec: str, floor: dict[str, Any]) -> list[di
     rows = []
     for b in batches:
         for pos in positions:
-            ms = device_step_ms(dense_state, b, pos, "paged")
+            ms = device_step_ms(dense_state, b, pos)
             fl = step_floor_ms(floor["weight_bytes"]["dequantized"], floor["kv_bytes_per_token"], b * (pos + 1),
                                floor["copy_gbs"])
             rows.append({"batch": b, "pos": pos, "step_ms": ms, "floor_ms": fl, "over_floor": ms / fl})

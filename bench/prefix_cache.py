@@ -1,4 +1,5 @@
-"""Prefix caching on the paged KV cache vs off, and the paged cache vs the old slot design (issue 13).
+"""Prefix caching on the paged KV cache vs off (issue 13; the slot-design regimes went with the slot
+cache in issue 26: their results stay in docs/benchmarks.md).
 
 Workload: ``--requests`` (32) greedy requests sharing a ``--system`` (1,024) token system prompt,
 each followed by its own ``--question`` (32) random tokens, ``--max-new`` (16) new tokens each (EOS
@@ -8,12 +9,7 @@ request per engine step, so later requests find the system prompt's blocks compu
 up to 16. Regimes, each in a fresh subprocess (peak RSS per regime):
 
 - ``on``: the paged engine (models/generation), prefix caching on, default KV budget;
-- ``off``: the same with ``prefix_caching=False``;
-- ``slots``: the old slot design at the same concurrency (``kv_cache=init_kv_cache(state, max_len,
-  requests)``: requests x (max_len + 1) positions preallocated);
-- ``slots-alloc``: the slot design's engine built for the same concurrency but fed only the first
-  request (its peak RSS is the slot reservation's cost; for the 0.6B shape, where running the
-  whole workload without prefix reuse takes too long on 2 CPU cores).
+- ``off``: the same with ``prefix_caching=False``.
 
 Metrics: TTFT p50/p99 (``Engine.add`` -> first token on the host, the events' ``elapsed_ms``);
 aggregate throughput = generated tokens / (last token - first add) and prompt + generated tokens /
@@ -28,7 +24,7 @@ With ``on`` and ``off`` both run, ``summary`` has issue 17's GPU target (128 req
 2,048-token system prompt: TTFT p50 with caching <= 0.25x without) as ``targets.ttft_p50_on_over_off``
 with value, target and met (the issue's workload: ``--requests 128 --system 2048``).
 
-Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b] [--regimes on,off,slots]`` (writes
+Run: ``.venv/bin/python bench/prefix_cache.py [--preset tiny|0.6b] [--regimes on,off]`` (writes
 bench/results/prefix_cache_<preset>.json, or ..._<preset>_<regimes joined by +>.json for other regimes,
 or ``--out``). ``--quick``: tiny preset, 8 requests, 256-token system prompt, 4 new tokens,
 regimes on and off: a CPU smoke run.
@@ -59,7 +55,7 @@ def worker(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
     from mlx_serving.models.generation import Engine
-    from mlx_serving.models.generation import SamplingParams, init_kv_cache
+    from mlx_serving.models.generation import SamplingParams
     from mlx_serving.models.loader import load
 
     t_load = time.perf_counter()
@@ -70,12 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
     prompts = [system + rng.integers(0, 150000, args.question).tolist() for _ in range(args.requests)]
     max_len = args.max_len or -(-(args.system + args.question + args.max_new) // 16) * 16
     kw = dict(max_batch=args.requests, max_len=max_len, prefill_chunk=512)
-    if args.worker == "slots-alloc":
-        prompts = prompts[:1]
-    if args.worker.startswith("slots"):
-        engine = Engine(state, kv_cache=init_kv_cache(state, max_len, args.requests), **kw)
-    else:
-        engine = Engine(state, prefix_caching=args.worker == "on", **kw)
+    engine = Engine(state, prefix_caching=args.worker == "on", **kw)
     kv_bytes = engine.cache.nbytes
     t_warm = time.perf_counter()
     engine.warm_up()
@@ -118,11 +109,11 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=16)
     ap.add_argument("--arrival-steps", type=int, default=1)
     ap.add_argument("--max-len", type=int, default=0, help="engine max_len (default: the workload's, rounded up to 16)")
-    ap.add_argument("--regimes", default="on,off,slots")
+    ap.add_argument("--regimes", default="on,off")
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: per --preset, see above)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/prefix_cache_<preset>...)")
     ap.add_argument("--quick", action="store_true", help="tiny, 8 requests, 256-token system prompt: a CPU smoke run")
-    ap.add_argument("--worker", choices=["on", "off", "slots", "slots-alloc"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
     ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -159,14 +150,11 @@ def main() -> None:
         ratio = by["on"]["ttft_ms_p50"] / by["off"]["ttft_ms_p50"]
         summary["targets"] = {"ttft_p50_on_over_off": {"value": round(ratio, 4), "target": PREFIX_RATIO,
                                                        "met": ratio <= PREFIX_RATIO}}
-    for slots in ("slots", "slots-alloc"):
-        if "on" in by and slots in by:
-            summary[f"peak_rss_{slots}_minus_on_mb"] = round(by[slots]["peak_rss_mb"] - by["on"]["peak_rss_mb"], 1)
     doc = {"command": " ".join(["python", "bench/prefix_cache.py"] + sys.argv[1:]),
            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version()},
            "results": results, "summary": summary}
-    suffix = "" if args.regimes == "on,off,slots" else "_" + args.regimes.replace(",", "+")
+    suffix = "" if args.regimes == "on,off" else "_" + args.regimes.replace(",", "+")
     path = args.out or ROOT / "bench" / "results" / f"prefix_cache_{args.preset}{suffix}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

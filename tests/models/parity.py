@@ -12,8 +12,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlx_serving.models.generation import init_kv_cache
-from mlx_serving.models.generation.attention import Rows
+from paged import fresh
 from mlx_serving.models.layers import State, forward
 
 #: a config field value that drops the field (:func:`copy_with_config`)
@@ -32,16 +31,16 @@ def assert_logits_match(state: State, model, prompt: list[int], steps: int = 3, 
     ``model`` (its own KV cache) within ``atol``."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache, ref_cache = init_kv_cache(state, 64), make_prompt_cache(model)
+    kv, ref_cache = fresh(state, 64), make_prompt_cache(model)
     t = len(prompt)
-    ours = forward(state, cache, Rows(mx.array([prompt]), None, mx.array([0]), mx.array([t]), t,
-                                      mx.array([t - 1]), dense=True))
+    ours = forward(state, kv.cache, kv.rows(mx.array([prompt]), mx.array([0]), mx.array([t]), t,
+                                            mx.array([t - 1]), dense=True))
     theirs = model(mx.array([prompt]), cache=ref_cache)[:, -1]
     np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=atol)
     nxt = int(mx.argmax(ours))
     for step in range(steps):
-        ours = forward(state, cache, Rows(mx.array([[nxt]]), None, mx.array([t + step]), mx.array([1]),
-                                          t + step + 1, mx.array([0]), dense=True))
+        ours = forward(state, kv.cache, kv.rows(mx.array([[nxt]]), mx.array([t + step]), mx.array([1]),
+                                                t + step + 1, mx.array([0]), dense=True))
         theirs = model(mx.array([[nxt]]), cache=ref_cache)[:, -1]
         np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=atol)
         nxt = int(mx.argmax(ours))

@@ -21,7 +21,7 @@ import pytest
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import generate
 from mlx_serving.models.layers import State
-from mlx_serving.models.generation.slot_cache import kv_bytes_per_token
+from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
 from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded, TelemetryEvent
 from mlx_serving.tokenization import Tokenizer
 

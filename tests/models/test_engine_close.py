@@ -43,7 +43,6 @@ def test_close_frees_the_kv_cache_memory_and_refuses_further_use(tiny32: State, 
 
 def test_close_returns_the_rows_and_blocks_of_running_and_waiting_sequences(tiny32: State):
     engine = Engine(tiny32, max_batch=1, max_len=64, prefill_chunk=8)
-    assert engine.paged
     engine.add(0, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8))
     engine.add(1, [6, 7, 8], SamplingParams(max_new_tokens=8))  # waits: one row
     engine.step()

@@ -13,8 +13,8 @@ import pytest
 from mlx_serving.models.generation import Engine
 from mlx_serving.models.generation.events import FinishReason, SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
-from mlx_serving.models.generation.slot_cache import init_kv_cache, kv_bytes_per_token
-from mlx_serving.models.generation.attention import Rows
+from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from paged import fresh
 from mlx_serving.models.layers import forward
 
 
@@ -84,9 +84,10 @@ def _last_logits(state, ids: list[int]) -> np.ndarray:
     """A plain dense forward over ``ids``: the last position's float32 logits (V,)."""
     n = len(ids)
     z = mx.zeros((1,), dtype=mx.int32)
-    rows = Rows(mx.array([ids], dtype=mx.int32), z, z, mx.array([n], dtype=mx.int32), n,
-                mx.array([n - 1], dtype=mx.int32), dense=True)
-    return np.array(forward(state, init_kv_cache(state, n + 1, 1), rows)[0]).astype(np.float64)
+    kv = fresh(state, n + 1)
+    rows = kv.rows(mx.array([ids], dtype=mx.int32), z, mx.array([n], dtype=mx.int32), n,
+                   mx.array([n - 1], dtype=mx.int32), dense=True)
+    return np.array(forward(state, kv.cache, rows)[0]).astype(np.float64)
 
 
 def test_logprobs_equal_log_softmax_of_a_plain_forward(tiny32) -> None:

@@ -148,14 +148,14 @@ def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path, quantized):
 def test_dequantized_load_is_close(ckpts):
     quant, dense = load(ckpts["q4_bias_untied"]), load(ckpts["q4_bias_untied"], dequantize=True)
     assert dense.layers[0].qkv.merged.scales is None and dense.layers[0].qkv.merged.bias is not None
-    from mlx_serving.models.generation.attention import Rows
     from mlx_serving.models.layers import forward
-    from mlx_serving.models.generation import init_kv_cache
+    from paged import fresh
 
     t = len(ELIXIR)
-    rows = Rows(mx.array([ELIXIR]), None, mx.array([0]), mx.array([t]), t, mx.array([t - 1]), dense=True)
-    a = forward(quant, init_kv_cache(quant, 16), rows)
-    b = forward(dense, init_kv_cache(dense, 16), rows)
+    ka, kb = fresh(quant, 16), fresh(dense, 16)
+    args = (mx.array([ELIXIR]), mx.array([0]), mx.array([t]), t, mx.array([t - 1]))
+    a = forward(quant, ka.cache, ka.rows(*args, dense=True))
+    b = forward(dense, kb.cache, kb.rows(*args, dense=True))
     np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-3)
 
 
@@ -175,19 +175,14 @@ def _run(engine: Engine, adds: dict[int, list[tuple[int, list[int], int]]]) -> d
     return out
 
 
-@pytest.mark.parametrize("slot_cache", [False, True], ids=["default_cache", "slot_cache"])
-def test_batched_equals_solo_through_the_engine(f32, slot_cache):
+def test_batched_equals_solo_through_the_engine(f32):
     """Staggered arrivals, chunked prefill, a queue longer than the batch: every sequence's
-    tokens equal its solo run (float32, exact), with the engine's default KV cache and with a
-    preallocated slot cache (``kv_cache=init_kv_cache(...)``)."""
-    from mlx_serving.models.generation import init_kv_cache
-
+    tokens equal its solo run (float32, exact)."""
     rng = np.random.default_rng(3)
     prompts = [[int(x) for x in rng.integers(0, 151000, n)] for n in (3, 17, 1, 30, 9)]
     news = [12, 5, 9, 7, 10]
     solo = [generate(p, f32, max_new_tokens=n, eos_token_ids=[])[0] for p, n in zip(prompts, news)]
-    engine = Engine(f32, max_batch=3, max_len=64, prefill_chunk=8,
-                    kv_cache=init_kv_cache(f32, 64, 3) if slot_cache else None)
+    engine = Engine(f32, max_batch=3, max_len=64, prefill_chunk=8)
     adds = {0: [(0, prompts[0], news[0]), (1, prompts[1], news[1])], 2: [(2, prompts[2], news[2])],
             3: [(3, prompts[3], news[3]), (4, prompts[4], news[4])]}
     out = _run(engine, adds)

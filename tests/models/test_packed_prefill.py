@@ -8,7 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_serving.models.generation.engine as engine_module
 from mlx_serving.models import layers
 from mlx_serving.models.generation import Engine, SamplingParams
 from mlx_serving.models.generation.attention import Rows, packing
@@ -39,12 +38,11 @@ def _rows(prompts: list[list[int]], packed_n: int | None, starts: list[int] | No
     n_valid = np.array([len(p) for p in prompts], dtype=np.int32)
     table = (1 + np.arange(b * 2, dtype=np.int32)).reshape(b, 2)  # two 16-token blocks per row
     start = np.array(starts or [0] * b, dtype=np.int32)
-    z = mx.zeros((b,), dtype=mx.int32)
     packed = unpacked = None
     if packed_n is not None:
         packed, unpacked = packing(n_valid, t, packed_n)
-    return Rows(mx.array(tokens), z, mx.array(start), mx.array(n_valid), int((start + n_valid).max()),
-                mx.array(n_valid - 1), block_table=mx.array(table), packed=packed, unpacked=unpacked,
+    return Rows(mx.array(tokens), mx.array(start), mx.array(n_valid), int((start + n_valid).max()),
+                mx.array(n_valid - 1), mx.array(table), packed=packed, unpacked=unpacked,
                 causal_groups=groups)
 
 
@@ -79,8 +77,8 @@ def test_causal_groups_equal_boolean_mask(tiny32) -> None:
             np.testing.assert_allclose(np.array(vq[at]), np.array(vp[at]), rtol=1e-5, atol=1e-5)
 
 
-def _greedy(state, prompts: list[list[int]], bucket: bool) -> list[list[int]]:
-    engine = Engine(state, len(prompts), 64, prefill_chunk=8, bucket_shapes=bucket)
+def _greedy(state, prompts: list[list[int]], bucket: bool, pack: bool | None = None) -> list[list[int]]:
+    engine = Engine(state, len(prompts), 64, prefill_chunk=8, bucket_shapes=bucket, pack_prefill=pack)
     for i, p in enumerate(prompts):
         engine.add(i, p, SamplingParams(max_new_tokens=4))
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -92,7 +90,7 @@ def _greedy(state, prompts: list[list[int]], bucket: bool) -> list[list[int]]:
 
 def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine hands the family packed rows (N = real tokens of the step, or its bucket) where
-    PACK_PREFILL says so, causal groups of rows by start, and the tokens equal each prompt
+    ``pack_prefill`` says so, causal groups of rows by start, and the tokens equal each prompt
     generated alone."""
     seen: list[tuple[int, int, int]] = []  # (rows, padded tokens per row, packed tokens)
     groups: list[tuple[tuple[int, int, int], ...] | None] = []
@@ -114,8 +112,7 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
     seen.clear()
     assert _greedy(tiny32, prompts, True) == solo  # bucketed (the GPU default): the padded grid
     assert not seen
-    monkeypatch.setattr(engine_module, "PACK_PREFILL", True)
-    assert _greedy(tiny32, prompts, True) == solo
+    assert _greedy(tiny32, prompts, True, pack=True) == solo
     assert seen[0] == (4, 8, 64)  # 22 real tokens in a bucket of 64
 
 

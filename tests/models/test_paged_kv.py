@@ -52,7 +52,7 @@ def _solo(state, prompt: list[int], p: SamplingParams) -> list[int]:
 
 def _all_free(engine: Engine) -> None:
     s = engine.kv_stats()
-    pool = engine._kv.pool
+    pool = engine.scheduler.kv.pool
     assert s.blocks_used == 0 and s.blocks_free == s.blocks_total
     assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks + 1))
 
@@ -79,7 +79,7 @@ def test_block_pool_lru_and_hash_chain():
 def test_budget_is_allocated_up_front_and_logged(tiny32, caplog):
     with caplog.at_level(logging.INFO, logger="mlx_serving"):
         engine = Engine(tiny32, max_batch=32, max_len=2048, kv_cache_bytes=_budget(tiny32, 200))
-    assert engine.paged and engine.kv_stats().blocks_total == 200
+    assert engine.kv_stats().blocks_total == 200
     assert engine.cache.nbytes == _budget(tiny32, 201)  # + the null block
     assert any("KV cache: 200 blocks of 16 tokens" in r.getMessage() for r in caplog.records)
     default = Engine(tiny32, max_batch=4, max_len=100)  # never more than every row at full length needs
@@ -249,6 +249,9 @@ def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
     prompts = [_prompt(80 + i, 30 + 7 * i) for i in range(3)]
     p = SamplingParams(max_new_tokens=5)
     engine = Engine(tiny32, max_batch=3, max_len=96, prefill_chunk=16, max_step_tokens=budget)
+    plans = []  # every plan the scheduler returns
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
     engine.add(0, prompts[0], p)
     out: dict[int, list[int]] = {}
     for t in range(400):
@@ -257,13 +260,13 @@ def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
                 engine.add(i, prompts[i], p)
         if t > 2 and not engine.num_active:
             break
-        before = {s.seq_id: s.prefilled for s in engine._slots if s is not None}
         for ev in engine.step():
             out.setdefault(ev.seq_id, []).append(ev.token_id)
-        decoding = sum(s.decoding for s in engine._slots if s is not None)
-        prefilled = sum(s.prefilled - before.get(s.seq_id, 0) for s in engine._slots if s is not None
-                        if s.seq_id in before)
-        assert prefilled <= max(budget - decoding, 0) + 3  # + decode rows that finished their prefill
+        plan = plans[-1] if plans else None
+        if plan is not None and not plan.empty:
+            assert plan.num_scheduled_tokens <= max(budget, len(plan.decodes))  # decode rows are always scheduled
+            assert sum(len(c.tokens) for c in plan.prefills) <= max(budget - len(plan.decodes), 0)
+            plans.clear()
     assert out == {i: _solo(tiny32, prompts[i], p) for i in range(3)}
     with pytest.raises(ValueError, match="max_step_tokens"):
         Engine(tiny32, max_batch=1, max_len=64, max_step_tokens=0)

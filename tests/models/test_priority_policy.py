@@ -72,3 +72,34 @@ def test_priority_must_be_an_int(tiny32: State) -> None:
 def test_policy_option_is_checked(tiny32: State) -> None:
     with pytest.raises(ValueError, match="policy"):
         text_generation.serving(Tokenizer.qwen3(), tiny32, policy="lifo")
+
+
+def test_priority_overtakes_every_queued_request(tiny32: State) -> None:
+    """One row, busy; four priority-5 requests queue, then a priority-0 one: the serving hands every
+    queued row to the engine (one queue), so the priority-0 request starts next and finishes before
+    all four. Under the two-queue design it waited behind the serving's FIFO and finished last."""
+    gen = text_generation.serving(Tokenizer.qwen3(), tiny32, max_len=160, max_batch=1, policy="priority")
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, tokens: int, priority: int) -> None:
+        h.run({"text": f"request {name}", "max_new_tokens": tokens, "priority": priority})
+        with lock:
+            order.append(name)
+
+    with Serving.start(gen) as h:
+        with h.stream({"text": "busy", "max_new_tokens": 60}) as busy:
+            next(iter(busy))  # the only row is decoding
+            lows = [threading.Thread(target=run, args=(f"low{i}", 4, 5)) for i in range(4)]
+            for t in lows:
+                t.start()
+            deadline = time.monotonic() + 60
+            while h.stats().backend.get("seqs_waiting", 0) < 4 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert h.stats().queued == 4 and h.stats().backend["seqs_waiting"] == 4  # all in the engine's queue
+            high = threading.Thread(target=run, args=("high", 4, 0))
+            high.start()
+            list(busy)
+        for t in (*lows, high):
+            t.join(timeout=120)
+    assert order[0] == "high" and sorted(order[1:]) == [f"low{i}" for i in range(4)]

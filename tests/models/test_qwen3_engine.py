@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, SeqEvent, generate
-from mlx_serving.models.generation.slot_cache import init_kv_cache, kv_bytes_per_token
+from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -172,20 +172,6 @@ def test_compiled_decode_matches_eager(tiny32, solo):
     reasons: dict[int, str] = {}
     _drain(engine, out, reasons)
     assert out[0] == solo[0] and out[3] == solo[3]
-
-
-@pytest.mark.parametrize("prefill_chunk", [512, 16])
-def test_warm_up_on_the_slot_design(tiny32, solo, prefill_chunk):
-    """warm_up() on the slot cache (no causal groups: one masked call over a bucketed span) runs
-    for chunks longer than max_len and changes no output."""
-    engine = Engine(tiny32, max_batch=5, max_len=60, prefill_chunk=prefill_chunk, bucket_shapes=True,
-                    kv_cache=init_kv_cache(tiny32, 60, 5))
-    engine.warm_up()
-    for i, request in enumerate(REQUESTS):
-        engine.add(i, *request)
-    out: dict[int, list[int]] = {}
-    _drain(engine, out, {})
-    assert [out[i] for i in range(len(REQUESTS))] == solo
 
 
 @pytest.mark.parametrize("prefill_chunk", [512, 16])  # 16: later-chunk prefill shapes are warmed too

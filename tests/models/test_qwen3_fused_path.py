@@ -14,22 +14,19 @@ import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.generation.slot_cache import init_kv_cache
 from mlx_serving.models.generation.decode_backends import FusedDecode, GenericDecode, decode_backend
 
 #: The fused backend over the kernels' reference implementations.
 REFERENCE = FusedDecode(attention=ref_decode_attention, add_rms_norm=ref_add_rms_norm, swiglu=ref_swiglu)
 
 
-def _generate(state, compiled: bool, slots: bool = False, decode=REFERENCE) -> dict[int, list[int]]:
-    """Greedy ids of a staggered continuous batch on the paged KV cache (``slots``: the slot design)."""
+def _generate(state, compiled: bool, decode=REFERENCE) -> dict[int, list[int]]:
+    """Greedy ids of a staggered continuous batch on the paged KV cache (4-token blocks: rows span several)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (4, 19, 1, 11, 7)]
-    kv = {"kv_cache": init_kv_cache(state, 48, 3)} if slots else {"block_size": 4}  # small blocks: rows span several
     engine = Engine(state, max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled, bucket_shapes=True,
-                    decode_path=decode, **kv)
+                    decode_path=decode, block_size=4)
     assert engine.decode_backend is decode
-    assert engine.paged is not slots
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4]}  # staggered, more requests than slots
     for step in range(300):
@@ -42,12 +39,11 @@ def _generate(state, compiled: bool, slots: bool = False, decode=REFERENCE) -> d
     raise AssertionError("engine did not finish")
 
 
-@pytest.mark.parametrize("slots", [False, True], ids=["paged", "slots"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_wiring_equals_generic_path(tiny32, compiled, slots):
-    """The fused decode reads the paged cache through the block table (or the slot cache) and
-    generates what the generic path does."""
-    fused = _generate(tiny32, compiled, slots)
+def test_fused_wiring_equals_generic_path(tiny32, compiled):
+    """The fused decode reads the paged cache through the block table and generates what the
+    generic path does."""
+    fused = _generate(tiny32, compiled)
     generic = _generate(tiny32, False, decode=GenericDecode())
     assert fused == generic
     assert all(len(ids) == 9 for ids in fused.values())

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_serving.models.generation import generate, init_kv_cache
+from mlx_serving.models.generation import generate
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
-from mlx_serving.models.generation.attention import Rows
+from paged import fresh
 from mlx_serving.models.layers import forward
 from mlx_serving.models.generation.sampling import SamplerKind, SamplingParams, sample_top_p
 
@@ -64,17 +64,17 @@ def test_prefill_and_decode_logits_match_mlx_lm(which, ckpt, request):
 
     state = request.getfixturevalue(which)
     model = _mlx_lm_model(request.getfixturevalue(ckpt), state.dtype)
-    cache, ref_cache = init_kv_cache(state, 64), make_prompt_cache(model)
+    kv, ref_cache = fresh(state, 64), make_prompt_cache(model)
     t = len(ELIXIR)
-    ours = forward(state, cache, Rows(mx.array([ELIXIR]), None, mx.array([0]), mx.array([t]), t,
-                                      mx.array([t - 1]), dense=True))
+    ours = forward(state, kv.cache, kv.rows(mx.array([ELIXIR]), mx.array([0]), mx.array([t]), t,
+                                            mx.array([t - 1]), dense=True))
     theirs = model(mx.array([ELIXIR]), cache=ref_cache)[:, -1]
     tol = 1e-4 if state.dtype == mx.float32 else 1e-3
     np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)), atol=tol)
     nxt = int(mx.argmax(ours))
     for step in range(3):  # a few decode steps, offset advancing
-        ours = forward(state, cache, Rows(mx.array([[nxt]]), None, mx.array([t + step]), mx.array([1]),
-                                          t + step + 1, mx.array([0]), dense=True))
+        ours = forward(state, kv.cache, kv.rows(mx.array([[nxt]]), mx.array([t + step]), mx.array([1]),
+                                                t + step + 1, mx.array([0]), dense=True))
         theirs = model(mx.array([[nxt]]), cache=ref_cache)[:, -1]
         np.testing.assert_allclose(np.array(ours.astype(mx.float32)), np.array(theirs.astype(mx.float32)),
                                    atol=tol)
@@ -126,12 +126,12 @@ def test_batched_first_step_logits_4bit(tiny_bf16):
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
     n = mx.array([len(p) for p in prompts])
-    batched = forward(tiny, init_kv_cache(tiny, 64, batch=3),
-                      Rows(mx.array(toks), None, mx.zeros((3,), dtype=mx.int32), n, t, n - 1))
+    kv = fresh(tiny, 64, 3)
+    batched = forward(tiny, kv.cache, kv.rows(mx.array(toks), mx.zeros((3,), dtype=mx.int32), n, t, n - 1))
     for i, p in enumerate(prompts):
-        solo = forward(tiny, init_kv_cache(tiny, 64), Rows(mx.array([p]), None, mx.array([0]),
-                                                           mx.array([len(p)]), len(p), mx.array([len(p) - 1]),
-                                                           dense=True))
+        one = fresh(tiny, 64)
+        solo = forward(tiny, one.cache, one.rows(mx.array([p]), mx.array([0]), mx.array([len(p)]), len(p),
+                                                 mx.array([len(p) - 1]), dense=True))
         np.testing.assert_allclose(np.array(batched[i].astype(mx.float32)),
                                    np.array(solo[0].astype(mx.float32)), atol=1e-3)
 
@@ -148,11 +148,9 @@ def test_rows_stop_on_their_own_eos(tiny32):
         assert row == expect and reason == ("stop" if eos in ref else "length")
 
 
-def test_generate_timing_and_cache_reuse(tiny32):
-    cache = init_kv_cache(tiny32, 64)
-    a, info = generate(ELIXIR, tiny32, max_new_tokens=6, kv_cache=cache, eos_token_ids=[])
-    b, _ = generate(ELIXIR, tiny32, max_new_tokens=6, kv_cache=cache, eos_token_ids=[],
-                    profile_timing=False)
+def test_generate_timing_and_repeat(tiny32):
+    a, info = generate(ELIXIR, tiny32, max_new_tokens=6, max_len=64, eos_token_ids=[])
+    b, _ = generate(ELIXIR, tiny32, max_new_tokens=6, max_len=64, eos_token_ids=[], profile_timing=False)
     assert a == b
     t = info["timing"]
     assert t["prefill_ms"] > 0 and len(t["per_token_ms"]) == 5 and t["total_ms"] >= t["prefill_ms"]

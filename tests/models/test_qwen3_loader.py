@@ -12,13 +12,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serving.models.generation import generate, init_kv_cache
+from mlx_serving.models.generation import generate
+from paged import fresh
 from mlx_serving.models.loader import load
 from mlx_serving.tokenization import data_path
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.families import read_config
 from mlx_serving.models.families.qwen3 import config_from_dict
-from mlx_serving.models.generation.attention import Rows
 from mlx_serving.models.layers import forward
 
 PROMPT = [7985, 825, 11652, 911, 468, 97772, 13]
@@ -31,10 +31,10 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _prefill_logits(state, prompt=PROMPT) -> np.ndarray:
-    cache = init_kv_cache(state, 64)
+    kv = fresh(state, 64)
     t = len(prompt)
-    rows = Rows(mx.array([prompt]), None, mx.array([0]), mx.array([t]), t, mx.array([t - 1]), dense=True)
-    return np.array(forward(state, cache, rows).astype(mx.float32))
+    rows = kv.rows(mx.array([prompt]), mx.array([0]), mx.array([t]), t, mx.array([t - 1]), dense=True)
+    return np.array(forward(state, kv.cache, rows).astype(mx.float32))
 
 
 def _ref_logits(path: Path, prompt=PROMPT, dtype=mx.float32) -> np.ndarray:
@@ -223,11 +223,11 @@ def test_dequantize_keeps_the_model(tiny_ckpt):
     prompt = [int(x) for x in np.random.default_rng(7).integers(0, 151000, 12)]
     ids = {}
     for name, state in (("q4", q4), ("dense", dense)):
-        cache = init_kv_cache(state, 64)
-        rows = Rows(mx.array([prompt], dtype=mx.int32), None, mx.zeros((1,), dtype=mx.int32),
-                    mx.array([len(prompt)], dtype=mx.int32), len(prompt),
-                    mx.array([len(prompt) - 1], dtype=mx.int32), dense=True)
-        ids[name] = forward(state, cache, rows)
+        kv = fresh(state, 64)
+        rows = kv.rows(mx.array([prompt], dtype=mx.int32), mx.zeros((1,), dtype=mx.int32),
+                       mx.array([len(prompt)], dtype=mx.int32), len(prompt),
+                       mx.array([len(prompt) - 1], dtype=mx.int32), dense=True)
+        ids[name] = forward(state, kv.cache, rows)
         ids[name + "_gen"], _ = generate(prompt, state, max_new_tokens=12, max_len=64)
     assert mx.allclose(ids["q4"], ids["dense"], atol=1e-3, rtol=1e-3).item()
     assert ids["q4_gen"] == ids["dense_gen"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mlx_serving.serving import Batch, Serving
+from mlx_serving.serving import Batch, InvalidInput, Serving
 
 SPAWNED_MARK = "set only in the test process"  # the tests overwrite it; a spawned worker sees this
 
@@ -87,6 +87,8 @@ def _raise(value: tuple[str | None, int]) -> tuple[Batch, None]:
     kind, n = value
     if kind == "value":
         raise ValueError(f"bad value {n}")
+    if kind == "invalid":
+        raise InvalidInput(f"max_new_tokens must be an integer >= 1, got {n}", "max_new_tokens")
     if kind == "two_args":
         raise NeedsTwoArgs("first", "second")
     if kind == "lock":
@@ -95,7 +97,7 @@ def _raise(value: tuple[str | None, int]) -> tuple[Batch, None]:
 
 
 def raiser() -> Serving:
-    """(kind, n) with kind "value" | "two_args" | "lock" | None: raises in client preprocessing
+    """(kind, n) with kind "value" | "invalid" | "two_args" | "lock" | None: raises in client preprocessing
     (in the worker), or returns the input."""
     return Serving.new(lambda batch: batch.rows()).client_preprocessing(_raise).client_postprocessing(_first)
 

@@ -18,7 +18,7 @@ import numpy as np
 import pool_servings
 import pytest
 
-from mlx_serving.serving import DeadlineExceeded, RemoteError, ServingStopped, WorkerCrashed
+from mlx_serving.serving import DeadlineExceeded, InvalidInput, RemoteError, ServingStopped, WorkerCrashed
 from mlx_serving.serving import ServingPool
 
 
@@ -196,6 +196,12 @@ def test_worker_exceptions_come_back():
             pool.run(("value", 7))
         assert isinstance(info.value.__cause__, RemoteError)
         assert "_raise" in info.value.__cause__.remote_traceback
+
+        with pytest.raises(InvalidInput, match="got 0") as info:  # a typed input error keeps its param
+            pool.run(("invalid", 0))
+        assert type(info.value) is InvalidInput and isinstance(info.value, ValueError)
+        assert info.value.param == "max_new_tokens"
+        assert isinstance(info.value.__cause__, RemoteError)
 
         with pytest.raises(RemoteError) as info:
             pool.run(("two_args", 0))  # pickles, cannot be rebuilt

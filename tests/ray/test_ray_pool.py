@@ -18,6 +18,7 @@ from mlx_serving.serving import (  # noqa: E402
     BackendError,
     Client,
     DeadlineExceeded,
+    InvalidInput,
     ServingPool,
     ServingStopped,
     WorkerCrashed,
@@ -133,6 +134,9 @@ def test_errors_come_back_as_their_types(ray_cluster):
     with ServingPool("pool_servings:raiser", backend="ray", ray_actor_options=LIGHT) as pool:
         with pytest.raises(ValueError, match="bad value 3"):
             pool.run(("value", 3))
+        with pytest.raises(InvalidInput) as invalid:  # a typed input error keeps its param
+            pool.run(("invalid", 0))
+        assert invalid.value.param == "max_new_tokens" and isinstance(invalid.value, ValueError)
         assert pool.run((None, 1)) == (None, 1)
     with ServingPool("pool_servings:failing", backend="ray", ray_actor_options=LIGHT) as pool:
         with pytest.raises(BackendError) as caught:

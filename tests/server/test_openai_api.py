@@ -155,6 +155,12 @@ def test_bad_input_is_400_naming_the_field(server: Server, request_: dict, param
 def test_openai_client_raises_typed_errors(client: openai.OpenAI, server: Server):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="max_new_tokens must be") as bad:  # the serving's InvalidInput
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="exceeds max_len") as bad:  # the prompt fits a smaller one
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
+    assert bad.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="nope", messages=MESSAGES)
     assert info.value.body["code"] == "model_not_found"

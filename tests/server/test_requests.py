@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mlx_serving.serving import DeadlineExceeded, ServingOverloaded
+from mlx_serving.serving import DeadlineExceeded, InvalidInput, ServingOverloaded
 from mlx_serving.server._errors import APIError, from_exception
 from mlx_serving.server._requests import chat_call, completion_call
 from mlx_serving.server._responses import MIN_LOGPROB, StreamState, chat_logprobs, event
@@ -69,9 +69,15 @@ def test_token_id_prompts_are_refused():
 
 
 def test_serving_errors_map_to_statuses():
-    bad = from_exception(ValueError("prompt of 9 tokens + max_new_tokens 400 = 409 exceeds max_len 320"))
-    assert (bad.status, bad.param) == (400, "max_tokens")
-    assert from_exception(ValueError("input 1: 'text' must be a string")).param == "prompt"
+    bad = from_exception(InvalidInput("prompt of 9 tokens + max_new_tokens 400 = 409 exceeds max_len 320",
+                                      "max_new_tokens"))
+    assert (bad.status, bad.param, bad.message) == (400, "max_tokens", str(bad))
+    assert from_exception(InvalidInput("input 1: 'text' must be a string", "text")).param == "prompt"
+    assert from_exception(InvalidInput("bad", "enable_thinking")).param == "chat_template_kwargs"
+    assert from_exception(InvalidInput("bad", "logit_bias")).param == "logit_bias"  # same name in OpenAI's API
+    assert from_exception(InvalidInput("empty input list", None)).param is None
+    plain = from_exception(ValueError("max_new_tokens must be an integer >= 1"))  # untyped: no param guessed
+    assert (plain.status, plain.param) == (400, None)
     full = from_exception(ServingOverloaded("queue full"))
     assert full.status == 503 and full.headers == {"Retry-After": "1"}
     assert from_exception(DeadlineExceeded("late")).status == 504

@@ -128,13 +128,12 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GEN
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at token
-    index ``rows.last``. Does not update the cache's lengths (the caller does). Any cache
-    :func:`models.generation.attention.make_step` / ``attend`` accept works here. ``decode``: the
-    backend one-token rows (``rows.slots`` None) go through (default: the generic matmul path).
+    index ``rows.last``. ``decode``: the backend one-token rows go through (default: the generic
+    matmul path).
     """
     c = state.config
     h = state.embed_tokens.rows(token_ids(rows))
-    if rows.tokens.shape[1] == 1 and rows.slots is None:
+    if rows.tokens.shape[1] == 1:
         logits = decode.decode(state, cache, rows, h)
         if logits is not None:
             return logits

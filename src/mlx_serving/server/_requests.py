@@ -5,7 +5,8 @@ serving); ``/v1/completions`` becomes ``{"text": prompt}`` (a list of prompts: a
 Sampling fields pass through under the serving's names (``max_tokens`` / ``max_completion_tokens``
 -> ``max_new_tokens``, ``chat_template_kwargs.enable_thinking`` -> ``enable_thinking``, ...); a field
 left out (or null) is left out of the input, so the serving's default applies. The serving validates
-the values and raises ValueError naming the field (answered 400). This module checks only the
+the values and raises ``InvalidInput`` naming the input key (answered 400, ``param`` the OpenAI
+field: :func:`._errors.from_exception`). This module checks only the
 shape of the OpenAI envelope (messages, prompt, stream, tool_choice, ...), with :class:`APIError`
 naming the field.
 """

@@ -7,6 +7,7 @@ from ._contract import Client
 from ._errors import (
     BackendError,
     DeadlineExceeded,
+    InvalidInput,
     RemoteError,
     RequestCancelled,
     ServingError,
@@ -28,6 +29,7 @@ __all__ = [
     "Batch",
     "Client",
     "DeadlineExceeded",
+    "InvalidInput",
     "IterativeBackend",
     "PoolStats",
     "ProcessOptions",

@@ -46,6 +46,11 @@ class IterativeBackend(Protocol):
     - ``cancel(state, row_ids)``: remove these rows now and free their memory; ids it does not
       hold are ignored (after an ``admit`` that raised, the scheduler cancels the whole group).
     - ``active(state)``: rows admitted and not finished.
+    - optional ``waiting(state) -> int``: the backend has its own scheduler: it accepts rows it
+      cannot start yet, orders them by its own policy and reports here how many it holds unstarted
+      (read from any thread: a plain counter). The serving then hands it every queued row instead
+      of ``free_slots`` at a time (one queue, the backend's), and counts these rows as queued
+      (``max_queue``, ``ServingStats.queued``).
     - optional ``stats(state) -> Mapping[str, float]``: the backend's own counters, reported in
       ``ServingStats.backend`` (summed over partitions). Called from any thread: read plain
       counters only (also after ``close``).

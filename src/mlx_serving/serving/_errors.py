@@ -12,6 +12,11 @@
     ├── WorkerCrashed       a worker process died (raised by the process pool)
     │   └── WorkerUnresponsive  a pool worker stopped answering (missed heartbeats); it was killed
     └── RemoteError         an error raised in a worker process, re-raised in the caller
+
+    ValueError
+    └── InvalidInput        a request's input is refused by the serving's client preprocessing;
+                            ``param`` names the input key at fault (not a ServingError: bad
+                            input is the caller's ValueError)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "DeadlineExceeded",
+    "InvalidInput",
     "RemoteError",
     "RequestCancelled",
     "ServingError",
@@ -81,3 +87,25 @@ class RemoteError(ServingError):
     type_name: str = ""
     message: str = ""
     remote_traceback: str = ""
+
+
+class InvalidInput(ValueError):
+    """A request's input is refused (raised by a serving's client preprocessing, in the caller).
+
+    ``param``: the key of the serving's input dict at fault, spelled as that dict spells it (for
+    the text-generation serving: ``"max_new_tokens"``, ``"text"``, ``"messages"``,
+    ``"logit_bias"``, ...), or None when no single key is at fault (an empty input list, an input
+    that is not a dict). A front end maps it to its own field name (the OpenAI server answers 400
+    with ``param`` ``max_tokens`` for ``max_new_tokens``).
+
+    A ``ValueError``, so callers that catch ``ValueError`` keep working. It pickles with its
+    ``param``, so it comes back as itself (param included) from a ``ServingPool`` worker process
+    or a Ray actor.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type[InvalidInput], tuple[str, str | None], dict[str, object]]:
+        return type(self), (str(self.args[0]) if self.args else "", self.param), self.__dict__

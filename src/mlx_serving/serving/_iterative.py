@@ -5,6 +5,16 @@ an admission window open for ``batch_timeout`` seconds (or until enough rows wai
 that arrivals in the window are admitted together. While rows are active the partition loops:
 cancel withdrawn rows, admit up to ``min(batch_size - active, free_slots)`` waiting rows, expire
 rows past their deadline, run one step, deliver each row's events to its caller.
+
+A backend with its own scheduler (an optional ``waiting(state)``: it queues the rows it cannot
+start yet and orders them by its own policy, as the text-generation engine does) is handed the
+queue instead: each iteration a partition takes every waiting row (with several partitions its
+share, ``ceil(queued / partitions)``, or what it can start now if more), so there is one queue,
+the backend's (``ServingStats.queued`` / ``running`` then split by its ``waiting`` count, which
+can lag a row's hand-off or cancellation by one step). That holds while the backend can start no more rows than ``batch_size`` leaves
+(the text-generation default, ``batch_size`` = ``max_batch``); a smaller ``batch_size`` falls back
+to admitting ``min(batch_size - active, free_slots)`` rows at a time. Its waiting rows still count as queued for ``max_queue`` and the stats, and the
+serving keeps deadlines and cancellation for them.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ class IterativeScheduler:
         self._stopping = False
         self._aborting = False
         self._c = Counters()
+        self._queues = callable(getattr(backend, "waiting", None))  # the backend orders its own queue
 
     def bind_state(self, index: int, state: Any) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
@@ -82,9 +93,10 @@ class IterativeScheduler:
                 raise ServingStopped("the serving is stopped")
             max_queue = self._opts.max_queue
             too_big(len(payloads), max_queue, self._c)
-            if max_queue is not None and self._c.queued + len(payloads) > max_queue:
+            queued = self._c.queued + self._backend_waiting()
+            if max_queue is not None and queued + len(payloads) > max_queue:
                 self._c.rejected += 1
-                raise ServingOverloaded(f"{self._c.queued} rows queued; max_queue is {max_queue}")
+                raise ServingOverloaded(f"{queued} rows queued; max_queue is {max_queue}")
             request.owner = self
             request.rows = [_Row(request, i, p, next(self._ids)) for i, p in enumerate(payloads)]
             self._waiting.extend(request.rows)
@@ -132,7 +144,16 @@ class IterativeScheduler:
     def stats(self) -> ServingStats:
         with self._cond:
             snapshot = self._c.snapshot()
-        return replace(snapshot, backend=add_backend_stats(self._backend, [p.state for p in self._parts]))
+            waiting = self._backend_waiting()
+        return replace(snapshot, queued=snapshot.queued + waiting, running=snapshot.running - waiting,
+                       backend=add_backend_stats(self._backend, [p.state for p in self._parts]))
+
+    def _backend_waiting(self) -> int:
+        """Rows a queueing backend holds and has not started, over every partition (0 for others).
+        Its ``waiting(state)`` reads a plain counter: safe from any thread."""
+        if not self._queues:
+            return 0
+        return sum(self._backend.waiting(p.state) for p in self._parts if p.state is not None)
 
     def add_counts_to(self, total: Counters) -> None:
         """Add this scheduler's counters into ``total`` (the inline runtime's sum)."""
@@ -178,8 +199,10 @@ class IterativeScheduler:
         reap(self.orphans)
         self._apply_cancels(part)
         active = backend.active(part.state)
-        room = min(self._batch_size - active, backend.free_slots(part.state))
-        rows = self._take(part, active, max(room, 1) if active == 0 else room, drain)
+        free = backend.free_slots(part.state)
+        room = min(self._batch_size - active, free)
+        hand_off = self._queues and free <= self._batch_size - self._running(part)  # within batch_size
+        rows = self._take(part, active, max(room, 1) if active == 0 else room, drain, free if hand_off else None)
         if rows is None:
             return False
         start = time.perf_counter()
@@ -189,7 +212,7 @@ class IterativeScheduler:
         self._apply_cancels(part)
         if backend.active(part.state) > 0:
             self._step(part)
-        emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, len(part.active), part.index))
+        emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, self._running(part), part.index))
         return True
 
     def _recover(self, part: _Partition, cause: BaseException) -> None:
@@ -211,12 +234,17 @@ class IterativeScheduler:
         if ids:
             self._backend.cancel(part.state, ids)
 
-    def _take(self, part: _Partition, active: int, room: int, drain: bool) -> list[_Row] | None:
-        """Waiting rows to admit now ([] to just step); None when the loop should end."""
+    def _take(self, part: _Partition, active: int, room: int, drain: bool, free: int | None) -> list[_Row] | None:
+        """Waiting rows to admit now ([] to just step); None when the loop should end. ``room``:
+        the window's target and the count taken, unless ``free`` is given (a queueing backend that
+        starts at most ``free`` rows now, within ``batch_size``): then its share of the queue, at
+        least ``free``."""
         with self._cond:
             if active == 0 and not part.to_cancel:
                 if not self._wait_window(part, room, drain):
                     return None
+            if free is not None:
+                room = max(free, -(-self._c.queued // len(self._parts)))
             rows: list[_Row] = []
             while self._waiting and len(rows) < room:
                 row = self._waiting.popleft()
@@ -303,7 +331,7 @@ class IterativeScheduler:
     def _deliver(self, part: _Partition, events: list[tuple[int, Any, bool]], wakers: list[Waker]) -> None:
         """Put each event on its row's channel; end done rows (lock held)."""
         self._c.steps_run += 1
-        self._c.fill_sum += len(part.active) / self._batch_size
+        self._c.fill_sum += self._running(part) / self._batch_size
         active = part.active
         for row_id, event, done in events:
             row = active.get(row_id)
@@ -318,6 +346,10 @@ class IterativeScheduler:
                 request.rows_left -= 1
                 if request.rows_left == 0 and request.channel.close(deferred=wakers):
                     self._c.completed += 1
+
+    def _running(self, part: _Partition) -> int:
+        """Rows of the partition the backend has started (a queueing backend's waiting ones left out)."""
+        return len(part.active) - (self._backend.waiting(part.state) if self._queues else 0)
 
     def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:
         """A backend call raised: fail the requests of these rows, cancel what it still holds."""

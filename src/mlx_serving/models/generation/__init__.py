@@ -13,13 +13,15 @@ from .engine import Engine
 from .events import FinishReason, SeqEvent
 from .generate import generate
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
-from .kv_manager import KVManager, KVStats, SeqBlocks
+from .kv_cache_manager import KVCacheManager, KVStats, SeqBlocks
+from .model_runner import ModelRunner
 from .policy import FCFSPolicy, Policy, PriorityPolicy, make_policy
 from .protocol import ConstraintFactory, TokenConstraint
+from .request import Request
 from .sampling import SamplerKind, SamplingParams
-from .slot_cache import KVCache, init_kv_cache
+from .scheduler import Scheduler, SchedulerOutput
 
-__all__ = ["BLOCK_SIZE", "BlockPool", "ConstraintFactory", "Engine", "FCFSPolicy", "FinishReason", "KVCache", "KVManager",
-           "KVStats", "PagedKVCache", "Policy", "PriorityPolicy", "SamplerKind", "SamplingParams", "SeqBlocks", "SeqEvent",
-           "TokenConstraint", "block_hash", "generate", "init_kv_cache", "init_paged_kv_cache", "make_policy",
-           "plan_blocks"]
+__all__ = ["BLOCK_SIZE", "BlockPool", "ConstraintFactory", "Engine", "FCFSPolicy", "FinishReason", "KVCacheManager",
+           "KVStats", "ModelRunner", "PagedKVCache", "Policy", "PriorityPolicy", "Request", "SamplerKind",
+           "SamplingParams", "Scheduler", "SchedulerOutput", "SeqBlocks", "SeqEvent", "TokenConstraint", "block_hash",
+           "generate", "init_paged_kv_cache", "make_policy", "plan_blocks"]

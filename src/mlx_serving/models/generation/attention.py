@@ -1,11 +1,11 @@
 """The seam between a model family's forward pass and the KV cache (model-agnostic).
 
-A family's ``forward(state, cache, rows)`` takes a :class:`Rows` (which cache slots or KV blocks
-the call covers and where each row's tokens go), builds the per-forward values once with
-:func:`make_step`, and calls :func:`attend` in every layer with its normed and rotated q/k and v:
-``attend`` writes the new K/V into the cache (slot cache or paged cache through the block table)
-and runs masked GQA attention over each row's valid prefix. :func:`compiled_decode` is the
-``mx.compile``d one-token decode. The engine (:mod:`.engine`) builds ``Rows``; the shared decoder
+A family's ``forward(state, cache, rows)`` takes a :class:`Rows` (which KV blocks the call covers
+and where each row's tokens go), builds the per-forward values once with :func:`make_step`, and
+calls :func:`attend` in every layer with its normed and rotated q/k and v: ``attend`` writes the new
+K/V into the paged cache through the block table and runs masked GQA attention over each row's valid
+prefix. :func:`compiled_decode` is the ``mx.compile``d one-token decode. The model runner
+(:mod:`.model_runner`) builds ``Rows``; the shared decoder
 (:mod:`models.layers`, which every family in ``models/families`` runs) only calls this seam.
 """
 
@@ -21,32 +21,30 @@ import numpy as np
 from ..native import PagedAttention
 from .kv_cache import PagedKVCache
 from .protocol import ModelState
-from .slot_cache import KVCache
 
 if TYPE_CHECKING:
     from .decode_backends import DecodeBackend  # which imports this module
 
 __all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "last_hidden", "make_step", "packing", "token_ids"]
 
-#: The KV caches :func:`attend` reads and writes: the paged cache, or the slot cache.
-Cache = PagedKVCache | KVCache
+#: The KV cache :func:`attend` reads and writes.
+Cache = PagedKVCache
 
 
 @dataclass
 class Rows:
-    """Which cache slots (or KV blocks) a forward call covers, and where each row's tokens go.
+    """Which KV blocks a forward call covers, and where each row's tokens go.
 
-    ``tokens`` (B, T) int32; ``slots`` (B,) int32 cache slot per row, or None for slots
-    ``0..B-1``; ``start`` (B,) int32 position of each row's first token (its cache
+    ``tokens`` (B, T) int32; ``start`` (B,) int32 position of each row's first token (its cache
     length before the call); ``n_valid`` (B,) int32 real tokens per row (the rest is
-    padding: written to the scratch column, never attended); ``kv_len`` the attention
+    padding: written to the null block, never attended); ``kv_len`` the attention
     span (at least the max over rows of start + n_valid; callers may round it up; unused with
     ``causal_groups``, where each group's span is its start + T); ``last`` (B,) int32 index in ``[0, T)`` of
     the token whose logits each row returns; ``dense`` True when B == 1 and the row has
     no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
-    ``block_table`` (B, W) int32, for a paged cache (:class:`~models.generation.kv_cache.PagedKVCache`):
-    the KV blocks of each row in order (W >= ceil(kv_len / block_size); unused entries and
-    padding rows 0, the null block); ``slots`` is ignored then.
+    ``block_table`` (B, W) int32 (:class:`~models.generation.kv_cache.PagedKVCache`): the KV blocks
+    of each row in order (W >= ceil(kv_len / block_size); unused entries and padding rows 0, the
+    null block).
 
     Packed (ragged) prefill: ``packed`` (N,) int32, the flat index in ``B * T`` of each real
     token in row-major order, then index 0 up to N (the bucket's padding); ``unpacked``
@@ -55,7 +53,7 @@ class Rows:
     lays them out as ``(B, T)`` just for attention (:meth:`Step.unpack` / :meth:`Step.pack`);
     padding costs attention work only. :func:`packing` builds both.
 
-    ``causal_groups`` (paged cache only): ``(lo, hi, start)`` ranges of rows, in order, covering
+    ``causal_groups``: ``(lo, hi, start)`` ranges of rows, in order, covering
     every row, whose rows all start at ``start`` (padding rows: n_valid 0, any start). Each group
     then attends with the ``"causal"`` mask over ``start + T`` gathered positions instead of a
     boolean mask over ``kv_len``: exact for every real token (query ``j`` sees positions
@@ -65,13 +63,12 @@ class Rows:
     """
 
     tokens: mx.array
-    slots: mx.array | None
     start: mx.array
     n_valid: mx.array
     kv_len: int
     last: mx.array
+    block_table: mx.array
     dense: bool = False
-    block_table: mx.array | None = None
     packed: mx.array | None = None
     unpacked: mx.array | None = None
     causal_groups: tuple[tuple[int, int, int], ...] | None = None
@@ -119,12 +116,6 @@ def _mask(rows: Rows, t: int) -> mx.array | str | None:
     return (mask | (j == 0))[:, None]  # key 0 always open: no fully masked row
 
 
-def _write_positions(rows: Rows, t: int, scratch: int) -> mx.array:
-    offs = mx.arange(t)[None, :]
-    pos = rows.start[:, None] + offs
-    return mx.where(offs < rows.n_valid[:, None], pos, scratch)
-
-
 def _decode_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float,
                       mask: mx.array) -> mx.array:
     """One query per row, ``q`` (B, H, 1, D) over ``keys``/``values`` (B, Hkv, S, D) with a
@@ -155,14 +146,13 @@ class Step:
     """Per-forward values shared by every layer (built once, not once per layer)."""
 
     rows: Rows
-    write_rows: mx.array  # (B, 1) cache slot of each row, for the K/V scatter
-    pos: mx.array  # (B, T) cache position of each token (scratch for padding)
-    mask: mx.array | str | None
+    pos: mx.array  # (B, T) cache position of each token
+    write_idx: mx.array  # (B * T,) flat cache row of each token (0: padding, the null block)
+    mask: mx.array | str | None = None
     sdpa_decode: bool = False  # one-token masked rows through mx.fast SDPA instead of the matmuls
-    write_idx: mx.array | None = None  # paged: (B * T,) flat cache row of each token (0: padding)
-    read_idx: mx.array | None = None  # paged: (B, kv_len) flat cache row of each attended position
+    read_idx: mx.array | None = None  # (B, kv_len) flat cache row of each attended position
     groups: list[tuple[int, int, mx.array]] | None = None  # causal groups: (lo, hi, read_idx (hi-lo, start+T))
-    kernel: PagedAttention | None = None  # paged: the native CPU attention reads the block table itself
+    kernel: PagedAttention | None = None  # the native CPU attention reads the block table itself
 
     def unpack(self, x: mx.array) -> mx.array:
         """Packed ``(N, F)`` activations laid out as ``(B * T, F)`` (identity when not packed)."""
@@ -181,31 +171,21 @@ def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False, kernel: Pa
     (:func:`models.native.paged_attention_cpu`), which reads the block table itself: no mask, no
     gathered K/V, prefill and decode one computation (the model state's ``attention``).
 
-    ``cache`` is a slot :class:`KVCache`, or a paged cache (then ``rows.block_table`` is set):
-    the block table becomes flat write and read indices once per forward, not per layer."""
-    b, t = rows.tokens.shape
-    if rows.block_table is not None:
-        bs, table = cache.block_size, rows.block_table
-        offs = mx.arange(t)[None, :]
-        pos = rows.start[:, None] + offs
-        blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
-        write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
-        step = Step(rows=rows, write_rows=mx.zeros((b, 1), dtype=mx.int32), pos=pos, mask=None,
-                    sdpa_decode=sdpa_decode, write_idx=write.reshape(-1), kernel=kernel)
-        if kernel is not None:
-            return step
-        if rows.causal_groups is not None:
-            step.groups = [(lo, hi, _read_idx(table[lo:hi], start + t, bs)) for lo, hi, start in rows.causal_groups]
-        else:
-            step.mask, step.read_idx = _mask(rows, t), _read_idx(table, rows.kv_len, bs)
+    The block table becomes flat write and read indices once per forward, not per layer."""
+    t = rows.tokens.shape[1]
+    bs, table = cache.block_size, rows.block_table
+    offs = mx.arange(t)[None, :]
+    pos = rows.start[:, None] + offs
+    blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
+    write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
+    step = Step(rows=rows, pos=pos, write_idx=write.reshape(-1), sdpa_decode=sdpa_decode, kernel=kernel)
+    if kernel is not None:
         return step
-    return Step(
-        rows=rows,
-        write_rows=(mx.arange(b) if rows.slots is None else rows.slots)[:, None],
-        pos=_write_positions(rows, t, cache.max_len),
-        mask=_mask(rows, t),
-        sdpa_decode=sdpa_decode,
-    )
+    if rows.causal_groups is not None:
+        step.groups = [(lo, hi, _read_idx(table[lo:hi], start + t, bs)) for lo, hi, start in rows.causal_groups]
+    else:
+        step.mask, step.read_idx = _mask(rows, t), _read_idx(table, rows.kv_len, bs)
+    return step
 
 
 def _read_idx(table: mx.array, span: int, bs: int) -> mx.array:
@@ -226,67 +206,49 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
     prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
 
-    On a paged cache (``step.write_idx`` set by :func:`make_step`) K/V are written at each
-    token's flat block position and each row's blocks are gathered into ``(B, Hkv, kv_len, D)``
-    before the same masked attention, or per causal group (``Rows.causal_groups``) into
-    ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with ``step.kernel`` the native CPU
-    attention reads them through the block table instead."""
+    K/V are written at each token's flat block position (:func:`make_step`) and each row's blocks
+    are gathered into ``(B, Hkv, kv_len, D)`` before a masked attention, or per causal group
+    (``Rows.causal_groups``) into ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with
+    ``step.kernel`` the native CPU attention reads them through the block table instead."""
     rows = step.rows
     b, h, t, d = q.shape
-    if step.write_idx is not None:
-        hkv = k.shape[1]
-        cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
-        cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
-        if step.kernel is not None:
-            out = step.kernel(q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, d**-0.5,
-                              cache.block_size)
-            return out.reshape(b * t, h * d)
-        if step.groups is not None:
-            outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
-                                                         mask="causal") for lo, hi, read in step.groups]
-            out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-        else:
-            out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
-        return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
-    cache.keys[i][step.write_rows, :, step.pos] = k.transpose(0, 2, 1, 3)
-    cache.values[i][step.write_rows, :, step.pos] = v
-    if rows.slots is None:
-        keys = cache.keys[i][:b, :, : rows.kv_len, :]
-        values = cache.values[i][:b, :, : rows.kv_len, :]
+    hkv = k.shape[1]
+    cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
+    cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
+    if step.kernel is not None:
+        out = step.kernel(q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, d**-0.5,
+                          cache.block_size)
+        return out.reshape(b * t, h * d)
+    if step.groups is not None:
+        outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
+                                                     mask="causal") for lo, hi, read in step.groups]
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     else:
-        keys = cache.keys[i][..., : rows.kv_len, :][rows.slots]
-        values = cache.values[i][..., : rows.kv_len, :][rows.slots]
-    out = _sdpa(q, keys, values, d**-0.5, step.mask, step.sdpa_decode)
+        out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
     return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
-def compiled_decode(state: ModelState, max_len: int, kv_len: int, block_size: int = 0,
+def compiled_decode(state: ModelState, kv_len: int, block_size: int,
                     decode: DecodeBackend | None = None) -> Callable[..., tuple]:
-    """An ``mx.compile``d one-token decode over slots ``0..B`` through the ``decode`` backend
+    """An ``mx.compile``d one-token decode of B rows through the ``decode`` backend
     (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a
-    backend whose rows read their own length, the fused one).
+    backend whose rows read their own length, the fused one), over a paged cache of
+    ``block_size``-token blocks.
 
-    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, keys, values)``
-    with the cache's per-layer lists; returns ``(logits (B, vocab), keys, values)``, the
-    new per-layer buffers (the caller stores them back). With ``block_size`` > 0 the cache is
-    paged: call as ``fn(tokens, start, n_valid, block_table (B, W) int32, keys, values)``.
-    Weights are captured as constants. MLX retraces once per new input shape. The forward traced
+    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, block_table (B, W)
+    int32, keys, values)`` with the cache's per-layer lists; returns ``(logits (B, vocab), keys,
+    values)``, the new per-layer arrays (the caller stores them back). Weights are captured as
+    constants. MLX retraces once per new input shape. The forward traced
     is the shared decoder's (:func:`models.layers.forward`), whatever ``state``'s family.
     """
     from ..layers import forward  # models.layers imports this module
 
     fwd = forward if decode is None else partial(forward, decode=decode)
 
-    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, keys: list[mx.array],
-             values: list[mx.array]) -> tuple:
-        cache = KVCache(list(keys), list(values), np.zeros(0, dtype=np.int64), max_len)
-        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start))
-        return fwd(state, cache, rows), cache.keys, cache.values
-
-    def paged_step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
-                   keys: list[mx.array], values: list[mx.array]) -> tuple:
+    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
+             keys: list[mx.array], values: list[mx.array]) -> tuple:
         cache = PagedKVCache(list(keys), list(values), block_size)
-        rows = Rows(tokens, None, start, n_valid, kv_len, mx.zeros_like(start), block_table=table)
+        rows = Rows(tokens, start, n_valid, kv_len, mx.zeros_like(start), table)
         return fwd(state, cache, rows), cache.keys, cache.values
 
-    return mx.compile(paged_step if block_size else step)
+    return mx.compile(step)

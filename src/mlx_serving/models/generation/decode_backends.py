@@ -77,12 +77,11 @@ class FusedDecode:
     reads_own_length: bool = True
 
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
-        """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` (rows ``0..B-1`` =
-        cache slots, or on a paged cache the blocks of ``rows.block_table``); the K/V cache is
-        written in place. Returns logits ``(B, vocab_size)``, as :func:`models.layers.forward`."""
+        """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` over the blocks of
+        ``rows.block_table``; the K/V cache is written in place. Returns logits ``(B, vocab_size)``, as :func:`models.layers.forward`."""
         c = state.config
         eps = c.rms_norm_eps
-        paged = {} if rows.block_table is None else {"block_table": rows.block_table, "block_size": cache.block_size}
+        paged = {"block_table": rows.block_table, "block_size": cache.block_size}
         x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
         for i, layer in enumerate(state.layers):
             qkv = layer.qkv.merged(x) if layer.qkv.merged is not None else mx.concatenate(layer.qkv(x), axis=-1)

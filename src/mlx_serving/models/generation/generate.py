@@ -15,7 +15,6 @@ from .engine import Engine
 from .events import FinishReason
 from .protocol import ModelState as State
 from .sampling import SamplingParams
-from .slot_cache import KVCache
 
 __all__ = ["generate"]
 
@@ -25,15 +24,14 @@ def _is_batch(input_ids: Sequence[Any]) -> bool:
 
 
 def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, max_new_tokens: int = 100,
-             max_len: int = 2048, kv_cache: KVCache | None = None, temperature: float = 0.0,
+             max_len: int = 2048, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None,
              profile_timing: bool = True, prefill_chunk: int = 2048,
              eos_token_ids: Sequence[int] | None = None) -> tuple[Any, dict[str, Any]]:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
     ``input_ids``: one prompt (list of ints) or a batch (list of lists; lengths may
-    differ). ``max_len``: cache positions per row (prompt + new tokens must fit);
-    ``kv_cache``: a cache from :func:`init_kv_cache` to reuse (its ``max_len`` wins).
+    differ). ``max_len``: positions per row (prompt + new tokens must fit).
     ``temperature``: 0 (default) is greedy, > 0 samples from the ``top_p`` nucleus at that
     temperature (``top_p`` 1: plain temperature sampling; see ``sampling``); ``seed``: an int >= 0
     for reproducible sampling (row i of a batch uses ``seed + i``).
@@ -52,8 +50,7 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     eos = tuple(state.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     first = SamplingParams(max_new_tokens, temperature, top_p, seed, eos)  # validates
     params = [first if seed is None else replace(first, seed=seed + i) for i in range(len(prompts))]
-    engine = Engine(state, max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk,
-                    kv_cache=kv_cache)
+    engine = Engine(state, max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk)
     try:  # the engine releases its KV cache here, on the caller's thread
         out, reasons, timing = _run(engine, prompts, params, profile_timing)
     finally:

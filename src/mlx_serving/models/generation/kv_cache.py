@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "PagedKVCache", "available_memory", "init_paged_kv_cache",
-           "kv_bytes_per_token", "plan_blocks"]
+           "kv_bytes_per_token", "plan_blocks", "row_blocks"]
 
 log = logging.getLogger("mlx_serving")
 
@@ -52,6 +53,14 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes held by all arrays."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+
+def row_blocks(rows: int, max_len: int, block_size: int = BLOCK_SIZE) -> np.ndarray:
+    """A fixed block table ``(rows, ceil(max_len / block_size))`` int32 giving row ``b`` the blocks
+    ``1 + b * W .. (b + 1) * W`` (block 0 is the null block): the layout of forwards run without a
+    scheduler (tests, benchmarks) over a cache of ``rows * W`` usable blocks."""
+    width = -(-max_len // block_size)
+    return 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
 
 
 def kv_bytes_per_token(state: Any) -> int:

@@ -29,7 +29,7 @@ from ...tokenization import Tokenizer
 
 from ..generation.events import FinishReason
 from ..generation.protocol import ModelState
-from ..generation.slot_cache import budget_slots
+from ..generation.kv_cache import plan_blocks
 from ._backend import GenerationBackend
 from ._events import TokenEvent
 from ._inputs import RequestInfo, max_bytes_per_token, needs_thread, preprocess
@@ -73,8 +73,7 @@ def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
         .client_preprocessing(lambda input: preprocess(input, tokenizer, opts, per_token), offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
-        .process_options(batch_size=opts.max_batch * (2 if opts.policy == "priority" else 1),
-                         batch_timeout=_BATCH_TIMEOUT_S)
+        .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)
     )
 
 
@@ -116,7 +115,7 @@ def _check_option_names(options: dict[str, Any]) -> None:
 def _check_budget(state: ModelState, opts: GenerationOptions) -> None:
     """ValueError unless the KV budget holds at least one sequence of ``max_len``."""
     if opts.kv_cache_bytes is not None:
-        budget_slots(state, opts.max_len, opts.kv_cache_bytes)
+        plan_blocks(state, 1, opts.max_len, opts.kv_cache_bytes)
 
 
 class _LazyConstraints:

@@ -55,31 +55,28 @@ class GenerationBackend:
         return rejected
 
     def free_slots(self, engine: Engine) -> int:
-        """How many more sequences the engine takes now: those that could start (free rows bounded
-        by free KV blocks); under the "priority" policy also room in the engine's waiting queue (up
-        to ``max_batch`` sequences), so that waiting rows are ordered by the engine's policy rather
-        than by arrival in the serving's queue. Never negative."""
-        room = max(0, engine.free_slots)
-        if self._opts.policy == "priority":
-            room += max(0, self._opts.max_batch - engine.num_waiting)
-        return room
+        """How many more sequences could start now (free rows bounded by free KV blocks, less those
+        waiting in the engine). Never negative."""
+        return engine.free_slots
+
+    def waiting(self, engine: Engine) -> int:
+        """Sequences the engine's scheduler holds and has not started: the serving hands it every
+        queued row (one queue, ordered by the engine's policy) and counts these as queued."""
+        return engine.num_waiting
 
     def stats(self, engine: Engine) -> dict[str, float]:
         """``ServingStats.backend`` of a text-generation serving: sequences running and waiting in
         the engine (``seqs_running``, ``seqs_waiting``), tokens per step (``iteration_tokens_*``,
         :class:`~..generation.iteration_stats.IterationTokens`) and the KV block and prefix-cache
-        counters of :meth:`kv_stats` (none on the slot design). Plain counters: safe from any thread."""
+        counters of :meth:`kv_stats`. Plain counters: safe from any thread."""
         seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting,
                 **engine.iteration_tokens.stats()}
-        kv = engine.kv_stats()
-        if kv is None:
-            return seqs
-        return seqs | {name: value for name, value in dataclasses.asdict(kv).items() if name != "block_size"}
+        kv = dataclasses.asdict(engine.kv_stats())
+        return seqs | {name: value for name, value in kv.items() if name != "block_size"}
 
-    def kv_stats(self, engine: Engine) -> KVStats | None:
+    def kv_stats(self, engine: Engine) -> KVStats:
         """The engine's KV block and prefix-cache counters (:class:`KVStats`: blocks used / free /
-        cached, prefix queries / hits / hit tokens, preemptions, evictions) for the serving's stats;
-        None on the slot design (fused CUDA decode path)."""
+        cached, prefix queries / hits / hit tokens, preemptions, evictions) for the serving's stats."""
         return engine.kv_stats()
 
     def step(self, engine: Engine) -> list[tuple[int, TokenEvent, bool]]:

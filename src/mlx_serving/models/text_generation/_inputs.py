@@ -1,8 +1,9 @@
 """Client preprocessing: parse, validate and tokenize text-generation inputs (caller side).
 
 Every per-request option is checked here, in the caller, before anything is tokenized or queued, so
-a bad request fails alone with a ValueError naming the option and never reaches the executor (where
-it could fail a step shared with other requests). The accepted types and ranges are listed in
+a bad request fails alone with an :class:`~mlx_serving.serving.InvalidInput` (a ValueError) naming
+the option, in its message and as its ``param``, and never reaches the executor (where it could
+fail a step shared with other requests). The accepted types and ranges are listed in
 :func:`preprocess` and docs/qwen3.md ("Request options").
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ...serving import Batch
+from ...serving import Batch, InvalidInput
 from ...tokenization import Tokenizer
 
 from ..generation.sampling import SamplingParams, _show
@@ -129,20 +132,29 @@ def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     tokenized (no tokenization of it could fit); a chat input's strings are summed, and when they
     come near the bound the template is rendered (cheap) and the rendered prompt measured.
 
-    Raises ValueError (naming the item for lists, and the option) for an empty input, an unknown
-    key, a bad option, or a prompt + max_new_tokens longer than max_len."""
+    Raises :class:`~mlx_serving.serving.InvalidInput` (a ValueError; its message names the item
+    for lists, and the option) for an empty input, an unknown key, a bad option, text the tokenizer
+    refuses, or a prompt + max_new_tokens longer than max_len. Its ``param`` is the input key at
+    fault: for a prompt + max_new_tokens over max_len, ``"max_new_tokens"`` when the request gave
+    it and the prompt could fit with a smaller one, else ``"text"`` / ``"messages"`` (the key the
+    prompt came from, as for a prompt the tokenizer or chat template refuses); None when no key is
+    (an empty list, an item that is not a dict)."""
     is_list = isinstance(input, list)
     items = input if is_list else [input]
     if not items:
-        raise ValueError("empty input list: give at least one prompt")
+        raise InvalidInput("empty input list: give at least one prompt")
     rows: list[Prompt] = []
     stops: list[tuple[str, ...]] = []
     outputs: list[RowOutput] = []
     for i, item in enumerate(items):
         try:
             prompts, stop, output = _one(item, tokenizer, opts, bytes_per_token)
-        except ValueError as e:
-            raise ValueError(f"input {i}: {e}" if is_list else str(e)) from None
+        except InvalidInput as e:
+            if not is_list:
+                raise
+            raise InvalidInput(f"input {i}: {e}", e.param) from e.__cause__  # the tokenizer's error, if any
+        except ValueError as e:  # no check raises a plain one; should one come, it names no key
+            raise InvalidInput(f"input {i}: {e}" if is_list else str(e)) from None
         rows += prompts
         stops += [stop] * len(prompts)
         outputs += [dataclasses.replace(output, input=i, index=j) for j in range(len(prompts))]
@@ -247,31 +259,49 @@ def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
     spec = _as_dict(item)
     params = _request.sampling_params(spec, tokenizer, opts)
     n, priority = _request.completions(spec), _request.priority(spec)
-    stop = _stop_tuple(spec["stop"]) if spec.get("stop") is not None else opts.stop
+    if spec.get("stop") is not None:
+        with _blame("stop"):
+            stop = _stop_tuple(spec["stop"])
+    else:
+        stop = opts.stop
     chat = "messages" in spec or opts.chat
     for key in ("enable_thinking", "tools", "tool_choice"):
         if spec.get(key) is not None and not chat:
-            raise ValueError(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
-                             "chat=True)")
+            raise InvalidInput(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
+                               "chat=True)", key)
     thinking = spec.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
-        raise ValueError(f"'enable_thinking' must be true, false or null, got {_show(thinking)}")
+        raise InvalidInput(f"'enable_thinking' must be true, false or null, got {_show(thinking)}", "enable_thinking")
     room = opts.max_len - params.max_new_tokens  # prompt tokens that fit
     limit = None if bytes_per_token is None else bytes_per_token * max(room, 1)
+    source = "messages" if "messages" in spec else "text"  # the key the prompt came from
+    full = None if bytes_per_token is None else bytes_per_token * max(opts.max_len - 1, 1)  # max_new_tokens 1
+
+    def too_long_param(prompt: str) -> str:
+        """Who is at fault for a prompt over the byte bound: the request's max_new_tokens when the
+        prompt could fit with max_new_tokens 1, else the prompt."""
+        asked = spec.get("max_new_tokens") is not None
+        return "max_new_tokens" if asked and full is not None and not _longer_than(prompt, full) else source
+
     if chat:
         if "messages" in spec:
             messages = spec["messages"]  # None too: refused by _check_messages
         else:
             messages = [{"role": "user", "content": _text(spec["text"])}]
-        ids = _encode_chat(messages, spec.get("tools"), thinking, tokenizer, limit, opts, params)
+        ids = _encode_chat(messages, spec.get("tools"), thinking, tokenizer, limit, opts, params, source,
+                           too_long_param)
     else:
         text = _text(spec["text"])
         if limit is not None and _longer_than(text, limit):
-            raise _too_long("'text' (the prompt)", len(text), limit, opts, params)
-        ids = tokenizer.encode(text)
+            raise _too_long("'text' (the prompt)", len(text), limit, opts, params, too_long_param(text))
+        with _blame("text"):
+            ids = tokenizer.encode(text)
     if len(ids) + params.max_new_tokens > opts.max_len:
-        raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
-                         f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}")
+        # the request's max_new_tokens is at fault when the prompt would fit with a smaller one
+        fits = len(ids) < opts.max_len and spec.get("max_new_tokens") is not None
+        raise InvalidInput(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
+                           f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}",
+                           "max_new_tokens" if fits else source)
     prompts = [Prompt(ids, p, priority) for p in _request.completion_params(params, n)]
     return prompts, stop, _output(spec, chat, thinking, params, n)
 
@@ -283,7 +313,8 @@ def _output(spec: dict[str, Any], chat: bool, thinking: bool | None, params: Sam
     tools = chat and bool(spec.get("tools"))
     keep = spec.get("include_stop_str_in_output")
     if keep is not None and not isinstance(keep, bool):
-        raise ValueError(f"include_stop_str_in_output must be true, false or null, got {_show(keep)}")
+        raise InvalidInput(f"include_stop_str_in_output must be true, false or null, got {_show(keep)}",
+                           "include_stop_str_in_output")
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
                      deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(keep))
 
@@ -292,13 +323,26 @@ def _as_dict(item: Any) -> dict[str, Any]:
     if isinstance(item, str):
         return {"text": item}
     if not isinstance(item, dict):
-        raise ValueError(f"expected a string or a dict with 'text' or 'messages', got {type(item).__name__}")
+        raise InvalidInput(f"expected a string or a dict with 'text' or 'messages', got {type(item).__name__}")
     unknown = set(item) - _KEYS
     if unknown:
-        raise ValueError(f"unknown input keys {_keys(unknown)} (allowed: {sorted(_KEYS)})")
+        named = min((k[:80] for k in unknown if isinstance(k, str)), default=None)  # a key may be huge
+        raise InvalidInput(f"unknown input keys {_keys(unknown)} (allowed: {sorted(_KEYS)})", named)
     if ("text" in item) == ("messages" in item):
-        raise ValueError("an input dict needs exactly one of 'text' or 'messages'")
+        raise InvalidInput("an input dict needs exactly one of 'text' or 'messages'")
     return item
+
+
+@contextmanager
+def _blame(param: str) -> Iterator[None]:
+    """Re-raise a plain ValueError of the block (a TokenizationError, ...) as InvalidInput naming
+    ``param``, same message, the original as ``__cause__``; an InvalidInput passes as it is."""
+    try:
+        yield
+    except InvalidInput:
+        raise
+    except ValueError as exc:
+        raise InvalidInput(str(exc), param) from exc
 
 
 def _keys(keys: set[Any]) -> str:
@@ -307,19 +351,29 @@ def _keys(keys: set[Any]) -> str:
 
 
 def _encode_chat(messages: Any, tools: Any, thinking: bool | None, tokenizer: Tokenizer, limit: int | None,
-                 opts: GenerationOptions, params: SamplingParams) -> list[int]:
-    chars = _check_messages(messages)
+                 opts: GenerationOptions, params: SamplingParams, source: str,
+                 too_long_param: Callable[[str], str]) -> list[int]:
+    """The chat prompt's ids; ``source``: the input key the messages came from ("messages", or
+    "text" made into one user message by a ``chat=True`` serving), the ``param`` of a refusal of
+    the messages or of their rendering; ``too_long_param``: the ``param`` of a rendered prompt
+    over the byte bound."""
+    with _blame(source):
+        chars = _check_messages(messages)
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise ValueError(f"'tools' must be a list of tool dicts (JSON Schema function specs), got {_show(tools)}")
-        chars += _json_chars(tools, "'tools'")
-    if limit is not None and 4 * chars > limit and tokenizer.chat_template is not None:
-        # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.
-        rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
-                                                 tools=tools)
-        if _longer_than(rendered, limit):
-            raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, params)
-    return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
+            raise InvalidInput(f"'tools' must be a list of tool dicts (JSON Schema function specs), got {_show(tools)}",
+                               "tools")
+        with _blame("tools"):
+            chars += _json_chars(tools, "'tools'")
+    with _blame(source):  # the template's errors (ChatTemplateError) and text it cannot encode
+        if limit is not None and 4 * chars > limit and tokenizer.chat_template is not None:
+            # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.
+            rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
+                                                     tools=tools)
+            if _longer_than(rendered, limit):
+                raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, params,
+                                too_long_param(rendered))
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
 
 
 def _check_messages(messages: Any) -> int:
@@ -409,17 +463,18 @@ def _longer_than(text: str, limit: int) -> bool:
     return len(text.encode("utf-8", "surrogatepass")) > limit
 
 
-def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, params: SamplingParams) -> ValueError:
+def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, params: SamplingParams,
+              param: str) -> InvalidInput:
     room = max(opts.max_len - params.max_new_tokens, 1)
-    return ValueError(f"{what} of {chars:,} characters exceeds max_len {opts.max_len}: with max_new_tokens "
+    return InvalidInput(f"{what} of {chars:,} characters exceeds max_len {opts.max_len}: with max_new_tokens "
                       f"{params.max_new_tokens} at most {room} prompt tokens fit, and one token of this tokenizer "
                       f"covers at most {limit // room} bytes of text, so more than {limit:,} bytes never fit "
-                      "(refused before tokenizing)")
+                      "(refused before tokenizing)", param)
 
 
 def _text(text: Any) -> str:
     if not isinstance(text, str):
-        raise ValueError(f"'text' must be a string, got {type(text).__name__}")
+        raise InvalidInput(f"'text' must be a string, got {type(text).__name__}", "text")
     if not text:
-        raise ValueError("empty prompt: 'text' must contain at least one character")
+        raise InvalidInput("empty prompt: 'text' must contain at least one character", "text")
     return text

@@ -40,8 +40,8 @@ class GenerationOptions:
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
-      first, ties by arrival; the engine's waiting queue then holds up to ``max_batch`` more
-      sequences and ``Serving.start``'s default ``batch_size`` is ``2 * max_batch``); the running
+      first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
+      queue in the policy's order); the running
       sequence preempted when KV blocks run out is the newest (fcfs) or the lowest-priority one.
 
     Raises ValueError for any value out of range.

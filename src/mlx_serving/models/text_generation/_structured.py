@@ -9,8 +9,9 @@ a mask costs tens of microseconds per row; it is imported only when a request as
 Two halves, as in the issue-14 contract (C):
 
 - :func:`compile_response_format` runs in the caller: it validates the request's
-  ``response_format`` (ValueError naming the bad field) and returns the grammar as llguidance's
-  serialized grammar string, which travels in ``SamplingParams.grammar``. Results are cached by
+  ``response_format`` (``InvalidInput``, param ``response_format``, naming the bad sub-field) and
+  returns the grammar as llguidance's serialized grammar string, which travels in
+  ``SamplingParams.grammar``. Results are cached by
   the format's JSON text, so a repeated schema costs one ``json.dumps``.
 - :func:`constraint_factory` runs where the engine lives: it builds llguidance's tokenizer once
   and returns a factory ``(grammar, eos_ids) -> GrammarConstraint``, one matcher per sequence.
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...serving import InvalidInput
 from ._parsers import CALL_END, CALL_START
 
 if TYPE_CHECKING:
@@ -102,8 +104,9 @@ def compile_response_format(response_format: object) -> str | None:
         llguidance's serialized grammar (a JSON string, opaque to the engine), or None.
 
     Raises:
-        ValueError: naming ``response_format`` and the bad sub-field (wrong type, unknown key,
-            bad name, a schema / regex / grammar llguidance rejects, or not JSON-serializable).
+        InvalidInput: (a ValueError, ``param`` ``"response_format"``) naming ``response_format``
+            and the bad sub-field (wrong type, unknown key, bad name, a schema / regex / grammar
+            llguidance rejects, or not JSON-serializable).
         ImportError: a constraint was asked for and llguidance is not installed.
     """
     if response_format is None:
@@ -111,10 +114,17 @@ def compile_response_format(response_format: object) -> str | None:
     try:
         canonical = json.dumps(response_format, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as exc:
-        raise ValueError(f"response_format must be JSON data (dicts, lists, str, finite numbers): {exc}") from None
+        raise InvalidInput(f"response_format must be JSON data (dicts, lists, str, finite numbers): {exc}",
+                           "response_format") from None
     if len(canonical) > MAX_FORMAT_CHARS:
-        raise ValueError(f"response_format is {len(canonical)} characters of JSON, more than {MAX_FORMAT_CHARS}")
-    return _compile(canonical)
+        raise InvalidInput(f"response_format is {len(canonical)} characters of JSON, more than {MAX_FORMAT_CHARS}",
+                           "response_format")
+    try:
+        return _compile(canonical)
+    except InvalidInput:
+        raise
+    except ValueError as exc:  # _compile's own checks, and llguidance's
+        raise InvalidInput(str(exc), "response_format") from exc
 
 
 @functools.lru_cache(maxsize=_COMPILED_CACHE)
@@ -153,8 +163,9 @@ def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool
     (``_parsers``), its arguments held to the tool's ``parameters`` schema (any object without one),
     as vLLM forces it (``vllm/entrypoints/openai/protocol.py``, ``_get_json_schema_from_tool``).
 
-    Raises ValueError naming ``tool_choice`` (an unknown choice, a name not among ``tools``) or
-    ``tools`` (an entry without a function name, parameters that are not an object)."""
+    Raises InvalidInput naming ``tool_choice`` (an unknown choice, a name not among ``tools``) or
+    ``tools`` (an entry without a function name, parameters that are not an object), in its
+    message and as its ``param``."""
     if choice in (None, "auto", "none"):
         return None
     specs = [_tool_spec(t, i) for i, t in enumerate(tools)]
@@ -165,12 +176,12 @@ def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool
         name = choice["function"]["name"]
         chosen = [spec for spec in specs if spec[0] == name]
         if not chosen:
-            raise ValueError(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
-                             f"({sorted(n for n, _ in specs)})")
+            raise InvalidInput(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
+                               f"({sorted(n for n, _ in specs)})", "tool_choice")
         parallel = False
     else:
-        raise ValueError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
-                         f"{{'name': str}}}}, got {choice!r:.80}")
+        raise InvalidInput("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                           f"{{'name': str}}}}, got {choice!r:.80}", "tool_choice")
     calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
               "required": ["name", "arguments"], "additionalProperties": False} for name, params in chosen]
     schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
@@ -186,12 +197,14 @@ def _tool_spec(tool: object, i: int) -> tuple[str, dict[str, Any]]:
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
-        raise ValueError(f"tools[{i}] needs a function name (a non-empty string) to be forced by tool_choice")
+        raise InvalidInput(f"tools[{i}] needs a function name (a non-empty string) to be forced by tool_choice",
+                           "tools")
     params = fn.get("parameters")
     if params is None:
         return name, {"type": "object"}
     if not isinstance(params, dict):
-        raise ValueError(f"tools[{i}].function.parameters must be a JSON Schema object, got {type(params).__name__}")
+        raise InvalidInput(f"tools[{i}].function.parameters must be a JSON Schema object, "
+                           f"got {type(params).__name__}", "tools")
     return name, params
 
 

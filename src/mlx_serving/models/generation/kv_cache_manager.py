@@ -12,7 +12,7 @@ import numpy as np
 from .block_pool import BlockPool
 from .prefix_cache import PrefixCache, SeqBlocks, prefix_cache
 
-__all__ = ["KVManager", "KVStats", "SeqBlocks"]
+__all__ = ["KVCacheManager", "KVStats", "SeqBlocks"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,11 @@ class KVStats:
     evictions: int
 
 
-class KVManager:
-    """Block tables for the engine's sequences; ``prefix_caching`` False: a prefix cache that does
-    nothing (:class:`~.prefix_cache.NoPrefixCache`). ``prefix``: the prefix cache."""
+class KVCacheManager:
+    """The scheduler's one view of KV memory (vLLM v1's ``KVCacheManager``): per-request block
+    tables (:class:`SeqBlocks`) over a :class:`~.block_pool.BlockPool` of ``num_blocks`` blocks of
+    ``block_size`` tokens, and ``prefix``, the prefix cache (``prefix_caching`` False: a prefix
+    cache that does nothing, :class:`~.prefix_cache.NoPrefixCache`, SGLang's ``ChunkCache`` shape)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.pool = BlockPool(num_blocks)

@@ -1,0 +1,224 @@
+"""The generation core's one scheduler (vLLM v1's ``Scheduler`` shape): it alone owns the waiting
+and running requests, admission, the per-step token budget, preemption and prefix sharing.
+
+:meth:`Scheduler.schedule` returns a frozen :class:`SchedulerOutput`, the step's plan as a value;
+the model runner (:mod:`.model_runner`) turns it into forwards, and :meth:`Scheduler.update`
+advances each planned request's two counters (:class:`~.request.Request`). KV memory is behind a
+:class:`~.kv_cache_manager.KVCacheManager` (block tables, prefix lookup, frees).
+
+A step admits waiting requests on free rows in the policy's order while the blocks of their first
+prefill chunk are free (their longest cached prefix is reused), gives every decoding request one
+token and the prefilling ones a chunk of up to ``prefill_chunk`` tokens each (in start order, within
+``max_step_tokens``), and reserves the blocks those tokens need, oldest request first; when the pool
+runs dry, the policy's victim is preempted: its blocks and row are freed and it waits again, to
+recompute its tokens later. A preempted request whose last sampled token is still in flight waits
+until that token lands (one step) before it can restart, so its recomputed tokens are all known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kv_cache_manager import KVCacheManager
+from .policy import Policy
+from .request import Request
+
+__all__ = ["DecodeRow", "PrefillChunk", "Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """``tokens`` (n,) int32 of ``request``'s prompt (or recomputed stream) at positions
+    ``start .. start + n - 1``, in batch row ``row``; ``sample``: the chunk ends the prefill, so its
+    last token's logits give the request's next token."""
+
+    request: Request
+    row: int
+    start: int
+    tokens: np.ndarray
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decode token of ``request`` in batch row ``row`` at cache position ``position`` (its
+    token is the row's last sampled one, already in the runner's row token array)."""
+
+    request: Request
+    row: int
+    position: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. ``prefills`` and ``decodes``: what each forward computes; ``started``:
+    requests given a row this step (the runner resets the row's per-request state); ``preempted``:
+    requests sent back to waiting this step."""
+
+    prefills: tuple[PrefillChunk, ...] = ()
+    decodes: tuple[DecodeRow, ...] = ()
+    started: tuple[Request, ...] = ()
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the step computes (decode rows count one each)."""
+        return len(self.decodes) + sum(len(c.tokens) for c in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Rows, the waiting queue (``policy``) and the KV blocks (``kv``) of one engine.
+
+    ``rows``: requests running at once; ``prefill_chunk``: most prompt tokens per request per step;
+    ``max_step_tokens``: the per-step token budget shared by decode rows (one each, always
+    scheduled) and prefill chunks (from what is left), or None (every prefill gets its chunk).
+    """
+
+    def __init__(self, rows: int, kv: KVCacheManager, policy: Policy, prefill_chunk: int,
+                 max_step_tokens: int | None = None):
+        self.kv, self.waiting = kv, policy
+        self.running: list[Request | None] = [None] * rows
+        self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
+        self._arrivals = self._starts = 0
+
+    @property
+    def free_rows(self) -> int:
+        """Rows no request holds."""
+        return sum(r is None for r in self.running)
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (it starts at a later :meth:`schedule`)."""
+        self._arrivals += 1
+        request.arrival = self._arrivals
+        self.waiting.push(request)
+
+    def finish(self, request: Request) -> None:
+        """Drop a request (finished or cancelled): its row and blocks are free at once."""
+        request.finished = True
+        if request.row >= 0:
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+
+    def _release(self, request: Request) -> None:
+        self.running[request.row] = None
+        self.kv.free(request.kv)
+        request.row = -1
+
+    # ---- schedule ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """This step's plan (see the module docstring)."""
+        started = self._admit()
+        chunks = self._chunks()
+        preempted = self._reserve(chunks)
+        decodes, prefills = [], []
+        for r in self._by_order():
+            if r.decoding:
+                decodes.append(DecodeRow(r, r.row, r.num_computed_tokens))
+            elif chunks.get(r, 0) > 0:
+                start, n = r.num_computed_tokens, chunks[r]
+                sample = start + n == r.prefill_end and r.num_sampled == 0  # a resumed one decodes next
+                prefills.append(PrefillChunk(r, r.row, start, r.tokens()[start : start + n], sample))
+        started = tuple(r for r in started if not r.finished and r.row >= 0)
+        return SchedulerOutput(tuple(prefills), tuple(decodes), started, tuple(preempted))
+
+    def _by_order(self) -> list[Request]:
+        return sorted((r for r in self.running if r is not None), key=lambda r: r.order)
+
+    def _admit(self) -> list[Request]:
+        started = []
+        for row, occupant in enumerate(self.running):
+            if not self.waiting:
+                break
+            if occupant is not None:
+                continue
+            r = self.waiting.peek()
+            if r.in_flight or self._prefilling_elsewhere(r):
+                break  # its last token lands this step / a running request is prefilling its prefix
+            tokens = r.tokens()[: r.prefill_end]
+            reused = self.kv.admit(r.kv, tokens, self.prefill_chunk)
+            if reused is None:
+                break  # the head waits for blocks
+            self.waiting.pop()
+            self._starts += 1
+            r.row, r.order, r.num_computed_tokens = row, self._starts, reused
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = reused
+            self.running[row] = r
+            started.append(r)
+        return started
+
+    def _prefilling_elsewhere(self, r: Request) -> bool:
+        """A running request is prefilling the first block of ``r``'s prompt that the prefix cache
+        lacks: ``r`` waits until that block is committed and starts with a prefix hit, so n
+        completions of one prompt added together prefill it once."""
+        prefilling = (o.kv for o in self.running if o is not None and o.prefilling)
+        return self.kv.prefix.prefilling_elsewhere(r.kv, r.tokens()[: r.prefill_end], prefilling)
+
+    def _chunks(self) -> dict[Request, int]:
+        """Prefill tokens per prefilling request: decode rows first, one token each, then chunks in
+        start order from what ``max_step_tokens`` leaves."""
+        running = self._by_order()
+        budget = self.max_step_tokens if self.max_step_tokens is not None else 1 << 62
+        budget -= sum(r.decoding for r in running)
+        chunks = {}
+        for r in running:
+            if r.prefilling and budget > 0:
+                chunks[r] = min(self.prefill_chunk, r.prefill_end - r.num_computed_tokens, budget)
+                budget -= chunks[r]
+        return chunks
+
+    def _reserve(self, chunks: dict[Request, int]) -> list[Request]:
+        """Blocks for every running request's tokens of this step, oldest first; preempts the
+        policy's victim while the pool is short. Returns the preempted requests."""
+        preempted: list[Request] = []
+        running = self._by_order()
+        i = 0
+        while i < len(running):
+            r = running[i]
+            need = r.num_computed_tokens + (chunks.get(r, 0) if r.prefilling else int(r.decoding))
+            if self.kv.ensure(r.kv, need):
+                i += 1
+                continue
+            victim = self.waiting.victim(running)
+            self._preempt(victim)
+            preempted.append(victim)
+            at = running.index(victim)
+            del running[at]
+            i -= at < i
+        return preempted
+
+    def _preempt(self, r: Request) -> None:
+        self._release(r)
+        r.num_computed_tokens = 0
+        self.waiting.requeue(r)
+        self.kv.preemptions += 1
+
+    # ---- update ------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput) -> None:
+        """Advance the counters of every request the runner has enqueued ``plan`` for."""
+        for c in plan.prefills:
+            c.request.num_computed_tokens += len(c.tokens)
+            c.request.num_tokens += c.sample
+        for d in plan.decodes:
+            d.request.num_computed_tokens += 1
+            d.request.num_tokens += 1
+
+    def commit_blocks(self) -> None:
+        """Offer every running request's full blocks whose tokens are known (landed) and whose K/V
+        is written to the prefix cache."""
+        bs = self.kv.block_size
+        for r in self.running:
+            if r is None or r.num_computed_tokens // bs <= r.kv.committed:
+                continue
+            n = min(len(r.prompt) + len(r.output), r.num_computed_tokens) // bs
+            if n > r.kv.committed:
+                self.kv.prefix.commit(r.kv, n, r.tokens)
