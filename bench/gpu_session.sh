@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's runs (the device machine: H200, CUDA 13, Python 3.12, no registry), after
 # ../shared/gpu/stage-mlx-cuda staged MLX's CUDA wheels in .gpuA/.gpuB (call 1 copies .gpuA's half
-# to $HOME/gpu). The package is not pip-installed there: links in the machine's copy of
-# mlx_serving/ put the repository's folders under the distribution namespace, as setuptools'
-# package-dir mapping does.
+# to $HOME/gpu). The package is not pip-installed there: src/ goes on PYTHONPATH.
 # Writes into $OUT: the test log and bench JSON. Arguments: which bench (mixed, default;
 # mixed: gpu_mixed + gpu_arrivals; arrivals [RATES [DURATION]]; rest: gpu_step + prefix caching;
 # throughput; all: every issue-17 bench and bench/gpu_summary.py's $OUT/gpu_all.json), then
@@ -31,8 +29,7 @@ set -euo pipefail
 test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
 cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$HOME/gpu/site" "$HOME"/gpu/*.whl .gpuB/*.whl
-for d in serving models tokenization; do ln -sfn "../$d" "mlx_serving/$d"; done
-export PYTHONPATH="$HOME/gpu/site:$PWD"
+export PYTHONPATH="$HOME/gpu/site:$PWD/src"
 python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__version__)'
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1  # a crash leaves its Python traceback in the part's log
 setup_s=$SECONDS

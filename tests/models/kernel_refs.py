@@ -8,20 +8,22 @@ import mlx.core as mx
 
 
 def ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta,
-                         block_table=None, block_size=0):
-    """kernels.decode_attention's contract in MLX ops; the cache write updates ``keys`` /
-    ``values`` (the caller's array objects) as the kernel's in-place write does. With
-    ``block_table`` the cache is paged: ``keys``/``values`` (blocks * block_size, Hkv, D)."""
-    if block_table is not None:
-        return _ref_paged(qkv, q_norm, k_norm, start, n_valid, keys, values, heads=heads, eps=eps,
-                          rope_theta=rope_theta, block_table=block_table, block_size=block_size)
+                         block_table, block_size):
+    """kernels.decode_attention's contract in MLX ops over the paged cache (``keys``/``values``
+    (blocks * block_size, Hkv, D)); the cache write updates ``keys`` / ``values`` (the caller's
+    array objects) as the kernel's in-place write does; ``q_norm``/``k_norm`` None: no q/k norm."""
     b = qkv.shape[0]
-    _, hkv, length, d = keys.shape
+    _, hkv, d = keys.shape
     q, k, v = _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta)
-    pos = mx.where(n_valid > 0, start, length - 1)  # padding rows: the last column, never attended
-    keys[mx.arange(b)[:, None], :, pos[:, None]] = k[:, None]
-    values[mx.arange(b)[:, None], :, pos[:, None]] = v[:, None]
-    return _attend(q, keys[:b], values[:b], start + n_valid, heads, hkv)
+    width = block_table.shape[1]
+    blk = mx.take_along_axis(block_table, mx.minimum(start // block_size, width - 1)[:, None], axis=1)[:, 0]
+    row = mx.where(n_valid > 0, blk * block_size + start % block_size, 0)  # padding rows: the null block
+    keys[row] = k
+    values[row] = v
+    j = mx.arange(width * block_size)
+    read = block_table[:, j // block_size] * block_size + (j % block_size)[None, :]  # (b, span)
+    return _attend(q, keys[read].transpose(0, 2, 1, 3), values[read].transpose(0, 2, 1, 3),
+                   start + n_valid, heads, hkv)
 
 
 def _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta):
@@ -31,8 +33,10 @@ def _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta):
     def rope(x: mx.array) -> mx.array:
         return mx.fast.rope(x[:, :, None], d, traditional=False, base=rope_theta, scale=1.0, offset=start)[:, :, 0]
 
-    q = rope(mx.fast.rms_norm(q.reshape(b, heads, d), q_norm, eps))
-    k = rope(mx.fast.rms_norm(k.reshape(b, hkv, d), k_norm, eps))
+    q, k = q.reshape(b, heads, d), k.reshape(b, hkv, d)
+    if q_norm is not None:
+        q, k = mx.fast.rms_norm(q, q_norm, eps), mx.fast.rms_norm(k, k_norm, eps)
+    q, k = rope(q), rope(k)
     return q, k, v.reshape(b, hkv, d)
 
 
@@ -46,21 +50,6 @@ def _attend(q, keys, values, n, heads, hkv):
     scores = mx.where(open_, scores, -mx.inf)
     probs = mx.where(open_, mx.softmax(scores, axis=-1, precise=True), 0.0)
     return (probs @ vv).reshape(b, heads * d)
-
-
-def _ref_paged(qkv, q_norm, k_norm, start, n_valid, keys, values, *, heads, eps, rope_theta, block_table, block_size):
-    b = qkv.shape[0]
-    _, hkv, d = keys.shape
-    q, k, v = _qkv(qkv, q_norm, k_norm, start, heads, hkv, d, eps, rope_theta)
-    width = block_table.shape[1]
-    blk = mx.take_along_axis(block_table, mx.minimum(start // block_size, width - 1)[:, None], axis=1)[:, 0]
-    row = mx.where(n_valid > 0, blk * block_size + start % block_size, 0)  # padding rows: the null block
-    keys[row] = k
-    values[row] = v
-    j = mx.arange(width * block_size)
-    read = block_table[:, j // block_size] * block_size + (j % block_size)[None, :]  # (b, span)
-    return _attend(q, keys[read].transpose(0, 2, 1, 3), values[read].transpose(0, 2, 1, 3),
-                   start + n_valid, heads, hkv)
 
 
 def ref_add_rms_norm(h, delta, weight, eps):

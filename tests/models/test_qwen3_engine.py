@@ -191,3 +191,28 @@ def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo, prefil
     reasons: dict[int, str] = {}
     _drain(engine, out, reasons)
     assert [out[i] for i in range(len(REQUESTS))] == solo
+
+
+def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch):
+    """warm_up(limit) builds the next shapes in order and returns how many are left: the first
+    ``runner.one_row_shapes`` are one-row forwards (what a lone first request meets), and a warm-up
+    left unfinished changes no output."""
+    from mlx_serving.models import layers
+
+    engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=16, bucket_shapes=True)
+    rows_seen: list[int] = []
+    forward = layers.forward
+    monkeypatch.setattr(layers, "forward", lambda state, cache, rows, *d: rows_seen.append(rows.tokens.shape[0])
+                        or forward(state, cache, rows, *d))
+    total = engine.runner.warm_shapes_left
+    first = engine.runner.one_row_shapes
+    assert engine.warm_up(first) == total - first and rows_seen == [1] * first
+    assert engine.warm_up(2) == total - first - 2 and engine.runner.warm_shapes_left == total - first - 2
+    for i, request in enumerate(REQUESTS):
+        engine.add(i, *request)
+    out: dict[int, list[int]] = {}
+    _drain(engine, out, {})
+    assert [out[i] for i in range(len(REQUESTS))] == solo
+    assert engine.warm_up() == 0 and engine.runner.warm_shapes_left == 0
+    cpu = Engine(tiny32, max_batch=2, max_len=64)  # no bucketing: nothing to build
+    assert cpu.runner.warm_shapes_left == 0 and cpu.warm_up() == 0

@@ -57,13 +57,33 @@ def test_fused_path_is_taken(tiny32):
 
 
 def test_decode_backend_is_chosen_once_by_name_or_default(tiny32):
-    """Off MLX's CUDA build the default is the matmul path; names pick a backend; "fused" falls
+    """The default is the fused path where the kernels run, else the matmul path; names pick a backend; "fused" falls
     back to the generic path for a config the kernels do not implement; a bad name is refused."""
-    assert decode_backend(tiny32).name == "matmul"
+    from mlx_serving.models.generation import cuda_kernels
+
+    assert decode_backend(tiny32).name == ("fused" if cuda_kernels.kernels_available() else "matmul")
     assert decode_backend(tiny32, "sdpa") == GenericDecode(sdpa=True)
     assert isinstance(decode_backend(tiny32, "fused"), FusedDecode)  # Qwen3: q/k norm, plain RoPE
     assert decode_backend(tiny32, REFERENCE) is REFERENCE
     llama_like = SimpleNamespace(config=replace(tiny32.config, qk_norm=False))
-    assert decode_backend(llama_like, "fused") == GenericDecode()
+    assert isinstance(decode_backend(llama_like, "fused"), FusedDecode)  # no q/k norm: the kernels skip it
+    scaled = SimpleNamespace(config=replace(tiny32.config, rope_traditional=True))
+    assert decode_backend(scaled, "fused") == GenericDecode()
     with pytest.raises(ValueError, match="decode_path must be one of"):
         decode_backend(tiny32, "flash")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_wiring_serves_a_family_without_qk_norm(tmp_path, compiled):
+    """A Llama-family model (no q/k norm, attention and MLP biases, untied head) through the fused
+    backend (reference kernels) generates what the generic path does."""
+    from mlx_serving.models.loader import load
+    from mlx_serving.models.seeded_checkpoint import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "llama", family="llama", quantized=False, dtype="float32", seed=2,
+                            tie_word_embeddings=False,
+                            config_overrides={"attention_bias": True, "mlp_bias": True, "rope_scaling": None,
+                                                "num_attention_heads": 2, "num_key_value_heads": 1})
+    llama = load(path)
+    assert not llama.config.qk_norm
+    assert _generate(llama, compiled) == _generate(llama, False, decode=GenericDecode())

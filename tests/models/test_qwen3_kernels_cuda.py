@@ -27,32 +27,14 @@ def test_swiglu_matches_reference():
     assert mx.allclose(swiglu(gu), ref_swiglu(gu), atol=1e-5).item()
 
 
-def test_decode_attention_matches_reference():
-    """q/k norm, RoPE, in-place K/V write and attention over each row's own prefix; row 1 is
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_qk_norm"])
+def test_paged_decode_attention_matches_reference(qk_norm):
+    """q/k norm (or none: the Llama family), RoPE, in-place K/V write and attention: each row reads
+    its positions through its block table (blocks out of order, shared by no one); row 1 is
     padding (its output is unused and the kernel writes nothing for it)."""
-    b, h, hkv, d, length = 3, 4, 2, 64, 40
-    qkv = mx.random.normal((b, (h + 2 * hkv) * d))
-    qw, kw = mx.random.normal((d,)), mx.random.normal((d,))
-    keys, values = mx.random.normal((4, hkv, length, d)), mx.random.normal((4, hkv, length, d))
-    ref_keys, ref_values = mx.array(np.array(keys)), mx.array(np.array(values))
-    start = mx.array(np.random.default_rng(0).integers(0, length - 1, b).astype(np.int32))
-    n_valid = mx.array([1, 0, 1], dtype=mx.int32)
-    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6)
-    out = decode_attention(qkv, qw, kw, start, n_valid, keys, values, **kw_args)
-    mx.eval(out)  # the in-place cache write is done once the kernel has run
-    want = ref_decode_attention(qkv, qw, kw, start, n_valid, ref_keys, ref_values, **kw_args)
-    # positions below the scratch column: equal (the reference parks padding rows' K/V there)
-    np.testing.assert_allclose(np.array(keys)[..., :-1, :], np.array(ref_keys)[..., :-1, :], atol=1e-4)
-    np.testing.assert_allclose(np.array(values)[..., :-1, :], np.array(ref_values)[..., :-1, :], atol=1e-5)
-    np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=1e-4)
-
-
-def test_paged_decode_attention_matches_reference():
-    """The paged layout: each row reads its positions through its block table (blocks out of
-    order, shared by no one); row 1 is padding."""
     b, h, hkv, d, bs, width = 3, 4, 2, 64, 8, 5
     qkv = mx.random.normal((b, (h + 2 * hkv) * d))
-    qw, kw = mx.random.normal((d,)), mx.random.normal((d,))
+    qw, kw = (mx.random.normal((d,)), mx.random.normal((d,))) if qk_norm else (None, None)
     blocks = 1 + b * width
     keys, values = mx.random.normal((blocks * bs, hkv, d)), mx.random.normal((blocks * bs, hkv, d))
     ref_keys, ref_values = mx.array(np.array(keys)), mx.array(np.array(values))
@@ -69,9 +51,8 @@ def test_paged_decode_attention_matches_reference():
     np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=1e-4)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["slots", "paged"])
 @pytest.mark.parametrize("splits", [1, 3, 32])
-def test_split_k_decode_attention_matches_reference(paged, splits):
+def test_split_k_decode_attention_matches_reference(splits):
     """Split-K: the keys of each (row, KV head) shared by several blocks and merged by the combine
     kernel give the reference output, for long and short rows (a row uses one split per 64 keys at
     most, so the 40-key row runs on one), with the new K/V written once."""
@@ -80,22 +61,17 @@ def test_split_k_decode_attention_matches_reference(paged, splits):
     n_valid = mx.array([1, 0, 1], dtype=mx.int32)
     qkv = mx.random.normal((b, (h + 2 * hkv) * d))
     qw, kw = mx.random.normal((d,)), mx.random.normal((d,))
-    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6)
-    if paged:
-        width = 48
-        keys, values = mx.random.normal(((1 + b * width) * bs, hkv, d)), mx.random.normal(((1 + b * width) * bs, hkv, d))
-        table = mx.array(1 + np.random.default_rng(1).permutation(b * width).reshape(b, width).astype(np.int32))
-        kw_args.update(block_table=table, block_size=bs)
-    else:
-        keys, values = mx.random.normal((b, hkv, 720, d)), mx.random.normal((b, hkv, 720, d))
+    width = 48
+    keys, values = mx.random.normal(((1 + b * width) * bs, hkv, d)), mx.random.normal(((1 + b * width) * bs, hkv, d))
+    table = mx.array(1 + np.random.default_rng(1).permutation(b * width).reshape(b, width).astype(np.int32))
+    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6, block_table=table, block_size=bs)
     ref_keys, ref_values = mx.array(np.array(keys)), mx.array(np.array(values))
     start = mx.array(lengths)
     out = decode_attention(qkv, qw, kw, start, n_valid, keys, values, splits=splits, **kw_args)
     mx.eval(out)
     want = ref_decode_attention(qkv, qw, kw, start, n_valid, ref_keys, ref_values, **kw_args)
     np.testing.assert_allclose(np.array(out)[[0, 2]], np.array(want)[[0, 2]], atol=2e-4)
-    cut = slice(bs, None) if paged else (slice(None), slice(None), slice(0, -1))
-    np.testing.assert_allclose(np.array(keys)[cut], np.array(ref_keys)[cut], atol=1e-4)
+    np.testing.assert_allclose(np.array(keys)[bs:], np.array(ref_keys)[bs:], atol=1e-4)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -110,6 +86,31 @@ def test_fused_generation_equals_generic_path(tiny32, compiled):
         assert engine.decode_backend.name == path
         for i, p in enumerate(prompts):
             engine.add(i, p, SamplingParams(max_new_tokens=12, eos_token_ids=()))
+        got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        while engine.num_active:
+            for ev in engine.step():
+                got[ev.seq_id].append(ev.token_id)
+        outs.append(got)
+    assert outs[0] == outs[1]
+
+
+def test_fused_generation_without_qk_norm_equals_generic_path(tmp_path):
+    """The Llama family (no q/k norm, biases, untied head) on the real kernels: fused == generic."""
+    from mlx_serving.models.loader import load
+    from mlx_serving.models.seeded_checkpoint import write_checkpoint
+
+    llama = load(write_checkpoint(tmp_path / "llama", family="llama", quantized=False, dtype="float32", seed=2,
+                                  tie_word_embeddings=False,
+                                  config_overrides={"attention_bias": True, "mlp_bias": True, "rope_scaling": None,
+                                                "num_attention_heads": 2, "num_key_value_heads": 1}))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 1000, n).tolist() for n in (5, 21, 2)]
+    outs = []
+    for path in ("matmul", "fused"):
+        engine = Engine(llama, max_batch=3, max_len=64, decode_path=path)
+        assert engine.decode_backend.name == path
+        for i, p in enumerate(prompts):
+            engine.add(i, p, SamplingParams(max_new_tokens=10, eos_token_ids=()))
         got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         while engine.num_active:
             for ev in engine.step():

@@ -354,3 +354,36 @@ def test_when_one_partition_fails_to_init_the_built_ones_are_released_on_their_t
     while not backend.closes and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [(name, state) for name, state, _ in backend.closes] == [("half-p0", backend.states[0])]
+
+
+class IdleBackend(CountdownBackend):
+    """A CountdownBackend with ``work`` pieces of idle work; records which ran while rows were active."""
+
+    def __init__(self, work: int, fail: bool = False):
+        super().__init__()
+        self.work, self.fail, self.idle_calls, self.busy_idle = work, fail, 0, 0
+
+    def idle(self, state: dict) -> bool:
+        self.idle_calls += 1
+        self.busy_idle += bool(state["rows"])
+        if self.fail:
+            raise RuntimeError("idle broke")
+        self.work -= 1
+        return self.work > 0
+
+
+def test_idle_work_runs_only_while_idle_and_stops_when_done():
+    backend = IdleBackend(work=5)
+    with Serving.new(backend).start(batch_size=4) as h:
+        wait_for(lambda: backend.work == 0)
+        assert [e for _, e in h.run(countdown(3))] == [2, 1, 0]
+        time.sleep(0.05)
+    assert backend.idle_calls == 5 and backend.busy_idle == 0  # never again once it said done
+
+
+def test_a_raising_idle_is_logged_and_not_called_again(caplog):
+    backend = IdleBackend(work=5, fail=True)
+    with Serving.new(backend).start(batch_size=4) as h:
+        wait_for(lambda: backend.idle_calls >= 1)
+        assert [e for _, e in h.run(countdown(2))] == [1, 0]  # the serving is unharmed
+    assert backend.idle_calls == 1 and "IterativeBackend.idle failed" in caplog.text

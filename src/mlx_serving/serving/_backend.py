@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 from ._batch import Batch
 
@@ -11,9 +11,12 @@ __all__ = ["Backend", "IterativeBackend", "FunctionBackend", "Mode", "is_iterati
 
 Mode = Literal["inline", "process"]
 
+State = TypeVar("State")  # what a backend's ``init`` builds and its other methods receive
+R = TypeVar("R")
+
 
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[State]):
     """A static backend: runs one whole batch at a time.
 
     ``init`` is called once per serving (inline: lazily on the first run; process mode: in
@@ -22,20 +25,22 @@ class Backend(Protocol):
     executor thread and returns ``(output, metadata)``: ``output`` has one leading entry per row of
     ``batch.data`` (an array, a dict or tuple of arrays, or a list of per-row results); rows past
     ``batch.size`` (padding) are dropped. ``metadata`` reaches every caller of the batch unsliced.
+    ``Backend[State]``: ``State`` is what ``init`` returns and ``handle_batch`` receives.
     """
 
-    def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...
+    def init(self, mode: Mode, arg: Any, partitions: int) -> State: ...
 
-    def handle_batch(self, batch: Batch, partition: int, state: Any) -> tuple[Any, Any]: ...
+    def handle_batch(self, batch: Batch, partition: int, state: State) -> tuple[object, object]: ...
 
 
 @runtime_checkable
-class IterativeBackend(Protocol):
+class IterativeBackend(Protocol[State]):
     """An iterative backend (continuous batching): rows join and leave between steps.
 
     Every method runs on the executor thread of the partition that owns ``state``. ``init`` is
     called once per partition on that partition's thread (``partitions`` is the total), so each
-    partition has its own state and its own step loop.
+    partition has its own state and its own step loop (``IterativeBackend[State]``: the type
+    ``init`` returns and every other method receives).
 
     - ``admit(state, rows, partition)``: add ``rows`` = ``[(row_id, payload)]`` to the running
       set; return ``[(row_id, error)]`` for rows that can never fit (each fails only its caller,
@@ -46,6 +51,9 @@ class IterativeBackend(Protocol):
     - ``cancel(state, row_ids)``: remove these rows now and free their memory; ids it does not
       hold are ignored (after an ``admit`` that raised, the scheduler cancels the whole group).
     - ``active(state)``: rows admitted and not finished.
+    - optional ``idle(state) -> bool``: a bounded piece of background work (a warm-up shape), run
+      on the partition's thread while it has no rows and none wait; True while more remains. A
+      raising ``idle`` is logged and not called again.
     - optional ``waiting(state) -> int``: the backend has its own scheduler: it accepts rows it
       cannot start yet, orders them by its own policy and reports here how many it holds unstarted
       (read from any thread: a plain counter). The serving then hands it every queued row instead
@@ -60,32 +68,32 @@ class IterativeBackend(Protocol):
       memory) there. Rows still active were already failed with ServingStopped. Errors are logged.
     """
 
-    def init(self, mode: Mode, arg: Any, partitions: int) -> Any: ...
+    def init(self, mode: Mode, arg: Any, partitions: int) -> State: ...
 
-    def admit(self, state: Any, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]: ...
+    def admit(self, state: State, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]: ...
 
-    def free_slots(self, state: Any) -> int: ...
+    def free_slots(self, state: State) -> int: ...
 
-    def step(self, state: Any) -> list[tuple[int, Any, bool]]: ...
+    def step(self, state: State) -> list[tuple[int, Any, bool]]: ...
 
-    def cancel(self, state: Any, row_ids: list[int]) -> None: ...
+    def cancel(self, state: State, row_ids: list[int]) -> None: ...
 
-    def active(self, state: Any) -> int: ...
+    def active(self, state: State) -> int: ...
 
 
-def is_iterative(backend: Any) -> bool:
+def is_iterative(backend: object) -> bool:
     """True for an object implementing the iterative protocol (it has ``admit`` and ``step``)."""
     return callable(getattr(backend, "admit", None)) and callable(getattr(backend, "step", None))
 
 
-class FunctionBackend:
+class FunctionBackend(Generic[R]):
     """The backend of ``Serving.new(fn)``: ``fn(batch) -> output``; metadata is None."""
 
-    def __init__(self, fn: Callable[[Batch], Any]):
+    def __init__(self, fn: Callable[[Batch], R]):
         self._fn = fn
 
-    def init(self, mode: Mode, arg: Any, partitions: int) -> None:
+    def init(self, mode: Mode, arg: object, partitions: int) -> None:
         return None
 
-    def handle_batch(self, batch: Batch, partition: int, state: Any) -> tuple[Any, Any]:
+    def handle_batch(self, batch: Batch, partition: int, state: object) -> tuple[R, None]:
         return self._fn(batch), None

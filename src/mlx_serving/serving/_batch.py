@@ -7,14 +7,18 @@ A batch is lazy: pieces are kept as given and joined only when ``data`` is read.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, Union
 
 import numpy as np
 
 __all__ = ["Batch"]
 
 _ROWS = "rows"  # template of a batch of plain Python rows
+
+# The shape/dtype signature of a piece, without the rows axis: ``_ROWS``, ``(library, dtype,
+# inner shape)`` for an array, or a dict of those.
+Template = Union[str, tuple[str, str, tuple[int, ...]], dict[Hashable, "Template"]]
 
 
 def _is_mlx(x: Any) -> bool:
@@ -111,7 +115,8 @@ class Batch:
 
     __slots__ = ("_pieces", "_sizes", "_template", "_key", "_pad", "_data")
 
-    def __init__(self, pieces: list[Any], sizes: list[int], template: Any, key: Any = "default", pad: int = 0):
+    def __init__(self, pieces: list[Any], sizes: list[int], template: Template, key: Hashable = "default",
+                 pad: int = 0):
         if not pieces or sum(sizes) == 0:
             raise ValueError("cannot build an empty Batch")
         self._pieces, self._sizes, self._template = pieces, sizes, template
@@ -119,12 +124,12 @@ class Batch:
         self._data: Any = None
 
     @classmethod
-    def stack(cls, items: Iterable[Any]) -> Batch:
+    def stack(cls, items: Iterable[object]) -> Batch:
         """One row per item: arrays gain a leading axis, other objects become one row each."""
         return cls._build([_expand(item) for item in items])
 
     @classmethod
-    def concatenate(cls, items: Iterable[Any]) -> Batch:
+    def concatenate(cls, items: Iterable[object]) -> Batch:
         """Each item holds rows on its leading axis (a list holds one row per element)."""
         return cls._build([_rows_of(item) for item in items])
 
@@ -165,7 +170,7 @@ class Batch:
         return self._pad
 
     @property
-    def batch_key(self) -> Any:
+    def batch_key(self) -> Hashable:
         """The batch key (``"default"`` unless set with ``key``)."""
         return self._key
 
@@ -176,7 +181,7 @@ class Batch:
             self._data = _join(self._pieces, self._template, self._pad)
         return self._data
 
-    def key(self, key: Any) -> Batch:
+    def key(self, key: Hashable) -> Batch:
         """A copy of this batch with batch key ``key``."""
         return Batch(self._pieces, self._sizes, self._template, key, self._pad)
 

@@ -18,7 +18,7 @@ import functools
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 import sniffio
@@ -28,6 +28,7 @@ END: Any = object()  # returned by get/aget after the last message of a normally
 
 RunSoon = Callable[[Callable[[], None]], None]  # an event loop's thread-safe "call soon"
 Waker = tuple[RunSoon, Callable[[], None]]  # (the reader's loop, the callback that wakes it)
+M = TypeVar("M")  # a message
 
 
 def _waiter() -> tuple[Waker, Awaitable[Any]]:
@@ -72,15 +73,16 @@ def _call_soon(run_soon: RunSoon, fn: Callable[[], None]) -> None:
         pass
 
 
-class Channel:
-    """Unbounded per-request message queue; its length is bounded by the request's own output."""
+class Channel(Generic[M]):
+    """Unbounded per-request message queue; its length is bounded by the request's own output.
+    ``Channel[M]``: the readers get ``M`` messages (and ``END``)."""
 
     __slots__ = ("_lock", "_cond", "_items", "_closed", "_error", "_wakers", "_quiet", "_blocked")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # taken directly (Condition's own __enter__ is a Python call)
         self._cond = threading.Condition(self._lock)
-        self._items: deque[Any] = deque()
+        self._items: deque[M] = deque()
         self._closed = False
         self._error: BaseException | None = None
         self._wakers: list[Waker] = []
@@ -106,7 +108,7 @@ class Channel:
     def _ready(self) -> bool:
         return self._closed or (bool(self._items) and not self._quiet)
 
-    def put(self, item: Any, deferred: list[Waker] | None = None) -> bool:
+    def put(self, item: M, deferred: list[Waker] | None = None) -> bool:
         """Append a message; False (dropped) once the channel is closed. With ``deferred``, the
         async readers' wake-ups are appended there for the caller to run with :func:`wake` once
         it has put a batch of messages on many channels (blocked threads are notified at once)."""
@@ -142,14 +144,14 @@ class Channel:
         for run_soon, fn in wakers:
             _call_soon(run_soon, fn)
 
-    def _take(self) -> Any:
+    def _take(self) -> M:
         if self._items:
             return self._items.popleft()
         if self._error is not None:
             raise self._error
         return END
 
-    def _take_all(self) -> list[Any]:
+    def _take_all(self) -> list[M]:
         items = list(self._items)
         self._items.clear()
         if self._closed:
@@ -169,13 +171,13 @@ class Channel:
         finally:
             self._blocked -= 1
 
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None) -> M:
         """Next message, ``END``, or raise the close error; ``TimeoutError`` after ``timeout`` s."""
         with self._lock:
             self._wait_ready(timeout)
             return self._take()
 
-    def get_all(self, timeout: float | None = None) -> list[Any]:
+    def get_all(self, timeout: float | None = None) -> list[M]:
         """``get`` for every message that has arrived: waits for the first, returns them all in
         order, followed by ``END`` once the channel closed normally (``[END]`` after the last);
         raises the close error when it closed with one; ``TimeoutError`` after ``timeout`` s."""
@@ -183,19 +185,19 @@ class Channel:
             self._wait_ready(timeout)
             return self._take_all()
 
-    def take_ready(self) -> list[Any]:
+    def take_ready(self) -> list[M]:
         """Every message that has arrived, without waiting (``[]`` when none has, or while held
         until close), followed by ``END`` once the channel closed normally; raises the close
         error, as ``get`` does, when the channel closed with one."""
         with self._lock:
             return self._take_all() if self._ready() else []
 
-    async def aget(self) -> Any:
+    async def aget(self) -> M:
         """Async ``get``: waits without blocking the event loop (asyncio or trio). A waiter
         that is cancelled removes its wake-up callback (as trio's ``abort_fn`` does)."""
         return await self._await(self._take)
 
-    async def aget_all(self) -> list[Any]:
+    async def aget_all(self) -> list[M]:
         """Async ``get_all`` (every message that has arrived, see there), waiting as ``aget``."""
         return await self._await(self._take_all)
 

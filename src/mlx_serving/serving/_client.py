@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, Self, TypeVar, cast
 
 import anyio
 
@@ -27,8 +26,12 @@ if TYPE_CHECKING:
 
 __all__ = ["AsyncStream", "Consumer", "LocalClient", "Stream", "Transducer"]
 
+In = TypeVar("In")  # what a caller passes (``run(input)``)
+Out = TypeVar("Out")  # what a call returns (the postprocessed result)
+T = TypeVar("T")  # one stream item
 
-class Transducer(Protocol):
+
+class Transducer(Protocol[T]):
     """Client-side state of one iterative request, built by ``Serving.streaming(factory)``.
 
     ``feed(row_index, event)`` turns one backend event of row ``row_index`` (0-based within the
@@ -41,36 +44,36 @@ class Transducer(Protocol):
     waking its caller once per event, and ``stop_rows()`` is then not asked.
     """
 
-    def feed(self, row_index: int, event: Any) -> list[Any]: ...
+    def feed(self, row_index: int, event: Any) -> list[T]: ...
 
     def stop_rows(self) -> list[int]: ...
 
-    def close(self) -> list[Any]: ...
+    def close(self) -> list[T]: ...
 
 
 class EventTransducer:
     """Default transducer: each event becomes the item ``(row_index, event)``."""
 
-    def feed(self, row_index: int, event: Any) -> list[Any]:
+    def feed(self, row_index: int, event: object) -> list[tuple[int, object]]:
         return [(row_index, event)]
 
     def stop_rows(self) -> list[int]:
         return []
 
-    def close(self) -> list[Any]:
+    def close(self) -> list[tuple[int, object]]:
         return []
 
 
-class Consumer(Protocol):
-    """Turns a request's channel messages into caller items, and the items into a result."""
+class Consumer(Protocol[T]):
+    """Turns a request's channel messages into caller items (``T``), and the items into a result."""
 
     live: bool
 
-    def on_message(self, message: Any) -> list[Any]: ...
+    def on_message(self, message: object) -> list[T]: ...
 
-    def finish(self) -> list[Any]: ...
+    def finish(self) -> list[T]: ...
 
-    def result(self, items: list[Any]) -> Any: ...
+    def result(self, items: list[T]) -> Any: ...  # a local call: (output, metadata); a pool's: the result
 
 
 class StaticConsumer:
@@ -79,17 +82,18 @@ class StaticConsumer:
     live = True
 
     def __init__(self) -> None:
-        self._parts: list[tuple[int, Any, Any]] = []
+        self._parts: list[tuple[int, object, object]] = []
 
-    def on_message(self, message: Part) -> list[Any]:
+    def on_message(self, message: object) -> list[tuple[object, object]]:
+        message = cast(Part, message)
         piece = slice_output(message.output, message.start, message.size)
         self._parts.append((message.offset, piece, message.metadata))
         return [(piece, message.metadata)]
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[tuple[object, object]]:
         return []
 
-    def result(self, items: list[Any]) -> tuple[Any, Any]:
+    def result(self, items: list[tuple[object, object]]) -> tuple[object, object]:
         """``(output, metadata)``: pieces joined in row order; metadata of the first piece."""
         parts = sorted(self._parts, key=lambda p: p[0])
         return concat_outputs([p[1] for p in parts]), parts[0][2]
@@ -98,12 +102,13 @@ class StaticConsumer:
 class IterativeConsumer:
     """Feeds ``RowEvent`` messages to the transducer and forwards its stop requests."""
 
-    def __init__(self, request: Request, transducer: Transducer):
+    def __init__(self, request: Request, transducer: Transducer[Any]):
         self._request, self._transducer = request, transducer
         self._stopped: set[int] = set()
         self.live: bool = getattr(transducer, "live", True)
 
-    def on_message(self, message: RowEvent) -> list[Any]:
+    def on_message(self, message: object) -> list[object]:
+        message = cast(RowEvent, message)
         row = message.row
         if row in self._stopped:
             return []
@@ -118,14 +123,14 @@ class IterativeConsumer:
             self._stopped.update(stops)
             self._request.stop_rows(stops)
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[object]:
         return list(self._transducer.close())
 
-    def result(self, items: list[Any]) -> tuple[Any, Any]:
+    def result(self, items: list[object]) -> tuple[list[object], None]:
         return items, None
 
 
-def _next_messages(request: Request) -> list[Any]:
+def _next_messages(request: Request) -> list[object]:
     """Every message that has arrived (waiting for the first), as ``Channel.get_all``; past the
     deadline the request expires (its close error is raised)."""
     try:
@@ -135,7 +140,7 @@ def _next_messages(request: Request) -> list[Any]:
         return request.channel.get_all(0)
 
 
-async def _anext_messages(request: Request) -> list[Any]:
+async def _anext_messages(request: Request) -> list[object]:
     """Async ``_next_messages``."""
     remaining = request.remaining()
     if remaining is None:
@@ -146,7 +151,7 @@ async def _anext_messages(request: Request) -> list[Any]:
     return request.channel.get_all(0)
 
 
-class _StreamBase:
+class _StreamBase(Generic[T]):
     """State shared by ``Stream`` and ``AsyncStream``: the request, its consumer, the messages
     taken from the channel in one burst and not consumed yet, pending items.
 
@@ -154,10 +159,10 @@ class _StreamBase:
     consumer's error or stop request comes exactly where it would reading message by message);
     only the channel reads are batched (one lock round and one wake-up per burst)."""
 
-    def __init__(self, request: Request, consumer: Consumer):
+    def __init__(self, request: Request, consumer: Consumer[T]):
         self._request, self._consumer = request, consumer
-        self._messages: deque[Any] = deque()
-        self._pending: deque[Any] = deque()
+        self._messages: deque[object] = deque()
+        self._pending: deque[T] = deque()
         self._finished = False
 
     @property
@@ -179,7 +184,7 @@ class _StreamBase:
         while self._messages and not self._finished:
             self._absorb_next()
 
-    def _take_pending(self) -> list[Any]:
+    def _take_pending(self) -> list[T]:
         items = list(self._pending)
         self._pending.clear()
         return items
@@ -204,7 +209,7 @@ class _StreamBase:
             request.cancel_later()
 
 
-class Stream(_StreamBase):
+class Stream(_StreamBase[T]):
     """Sync iterator over one request's items, submitted when the stream was made.
 
     Close it (``close()``, ``with``, or iterate to the end): closing early withdraws the request.
@@ -213,10 +218,10 @@ class Stream(_StreamBase):
     ``BackendError``, ... (each with ``request_id``).
     """
 
-    def __iter__(self) -> Stream:
+    def __iter__(self) -> Stream[T]:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> T:
         try:
             while not self._pending:
                 if self._finished:
@@ -231,7 +236,7 @@ class Stream(_StreamBase):
             raise
         return self._pending.popleft()
 
-    def _read_to_end(self) -> list[Any]:
+    def _read_to_end(self) -> list[T]:
         """Every item left, for a call's whole result (a burst of messages per wait, not one
         item per ``next``)."""
         while not self._finished:
@@ -239,26 +244,26 @@ class Stream(_StreamBase):
             self._absorb_taken()
         return self._take_pending()
 
-    def __enter__(self) -> Stream:
+    def __enter__(self) -> Stream[T]:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class AsyncStream(_StreamBase):
+class AsyncStream(_StreamBase[T]):
     """Async iterator (asyncio or trio) over one request's items, submitted when the stream was
     made. ``aclose()``, ``async with``, or the reading task being cancelled withdraws the
     request. A plain ``for`` over it raises ``TypeError`` (it would block the event loop)."""
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> NoReturn:
         raise TypeError("AsyncStream is an async iterator: use 'async for' (a blocking 'for' would "
                         "hold the event loop); use stream() for a sync iterator")
 
-    def __aiter__(self) -> AsyncStream:
+    def __aiter__(self) -> AsyncStream[T]:
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> T:
         try:
             while not self._pending:
                 if self._finished:
@@ -273,14 +278,14 @@ class AsyncStream(_StreamBase):
             raise
         return self._pending.popleft()
 
-    async def _aread_to_end(self) -> list[Any]:
+    async def _aread_to_end(self) -> list[T]:
         """Async ``Stream._read_to_end``."""
         while not self._finished:
             self._messages.extend(await _anext_messages(self._request))
             self._absorb_taken()
         return self._take_pending()
 
-    def take_ready(self) -> list[Any]:
+    def take_ready(self) -> list[T]:
         """The items that have already arrived, in order, without waiting (``[]`` when none has):
         for a writer that sends, after each awaited item, everything else already there in one
         write. Raises what the request ended with, as iteration would (the request is withdrawn
@@ -299,10 +304,10 @@ class AsyncStream(_StreamBase):
         """Stop reading; the request is withdrawn if it has not finished."""
         self.close()
 
-    async def __aenter__(self) -> AsyncStream:
+    async def __aenter__(self) -> AsyncStream[T]:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -314,15 +319,16 @@ class Runtime(Protocol):
     def stats(self) -> ServingStats: ...
 
 
-class Call:
+class Call(Generic[Out]):
     """One submitted call of a serving: its request and consumer; reads and postprocesses."""
 
-    def __init__(self, serving: Serving, runtime: Runtime, prepared: tuple[Batch, Any], deadline: float | None):
+    def __init__(self, serving: Serving[Any, Out], runtime: Runtime, prepared: tuple[Batch, object],
+                 deadline: float | None):
         batch, self.info = prepared
         self.serving = serving
         self.request = Request(batch.size, deadline)
         if serving._is_iterative:
-            self.consumer: Consumer = IterativeConsumer(self.request, serving._transducer_for(self.info))
+            self.consumer: Consumer[Any] = IterativeConsumer(self.request, serving._transducer_for(self.info))
         else:
             self.consumer = StaticConsumer()
         runtime.submit(self.request, batch)
@@ -331,33 +337,33 @@ class Call:
         if not self.consumer.live:
             self.request.channel.hold_until_close()
 
-    def result(self) -> Any:
+    def result(self) -> Out:
         """Block until done; the postprocessed result."""
         self._hold_unless_live()
         with Stream(self.request, self.consumer) as stream:
             items = stream._read_to_end()
         return self._postprocess(items)
 
-    async def result_async(self) -> Any:
+    async def result_async(self) -> Out:
         """Await completion without blocking the event loop; the postprocessed result."""
         self._hold_unless_live()
         async with AsyncStream(self.request, self.consumer) as stream:
             items = await stream._aread_to_end()
         return self._postprocess(items)
 
-    def _postprocess(self, items: list[Any]) -> Any:
+    def _postprocess(self, items: list[Any]) -> Out:
         with timed(self.serving._telemetry, "postprocessing", self.request.size):
             return self.serving._postprocess(self.consumer.result(items), self.info)
 
 
-class LocalClient:
+class LocalClient(Generic[In, Out]):
     """The client contract (see ``Client``) over a runtime in this process.
 
     Subclasses set ``_serving`` and implement ``_runtime()`` (raising ``ServingStopped`` when
     closed), ``_check(batch)``, ``stats()`` and ``close()``.
     """
 
-    _serving: Serving
+    _serving: Serving[In, Out]
 
     def _runtime(self) -> Runtime:
         raise NotImplementedError
@@ -365,35 +371,35 @@ class LocalClient:
     def _check(self, batch: Batch) -> None:
         """Refuse a batch this runtime cannot take (e.g. an unknown batch key)."""
 
-    def _prepare(self, input: Any, deadline: float | None) -> tuple[Batch, Any]:
+    def _prepare(self, input: In, deadline: float | None) -> tuple[Batch, object]:
         check_deadline(deadline)  # before preprocessing: a bad deadline wastes no tokenization
         prepared = self._serving._preprocess(input)
         self._check(prepared[0])
         return prepared
 
-    async def _prepare_async(self, input: Any, deadline: float | None) -> tuple[Batch, Any]:
+    async def _prepare_async(self, input: In, deadline: float | None) -> tuple[Batch, object]:
         if self._serving._offload(input):
             return await anyio.to_thread.run_sync(self._prepare, input, deadline)
         return self._prepare(input, deadline)
 
-    def _call(self, prepared: tuple[Batch, Any], deadline: float | None) -> Call:
+    def _call(self, prepared: tuple[Batch, object], deadline: float | None) -> Call[Out]:
         return Call(self._serving, self._runtime(), prepared, deadline)
 
-    def run(self, input: Any, *, deadline: float | None = None) -> Any:
+    def run(self, input: In, *, deadline: float | None = None) -> Out:
         """Run one request; blocks; the postprocessed result."""
         return self._call(self._prepare(input, deadline), deadline).result()
 
-    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
+    async def run_async(self, input: In, *, deadline: float | None = None) -> Out:
         """``run`` for asyncio/trio: awaits without blocking the loop; cancelling it withdraws."""
         return await self._call(await self._prepare_async(input, deadline), deadline).result_async()
 
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+    def stream(self, input: In, *, deadline: float | None = None) -> Stream[Any]:
         """Submit now; a ``Stream`` of items as they arrive (iterative: transducer items;
         static: ``(output, metadata)`` per executed chunk)."""
         call = self._call(self._prepare(input, deadline), deadline)
         return Stream(call.request, call.consumer)
 
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+    async def stream_async(self, input: In, *, deadline: float | None = None) -> AsyncStream[Any]:
         """Submit now (preprocessing off the loop when the serving says so); an ``AsyncStream``."""
         call = self._call(await self._prepare_async(input, deadline), deadline)
         return AsyncStream(call.request, call.consumer)
@@ -402,17 +408,15 @@ class LocalClient:
         """``close`` off the event loop."""
         await anyio.to_thread.run_sync(self.close)  # type: ignore[attr-defined]
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()  # type: ignore[attr-defined]
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-
-OffloadPredicate = Callable[[Any], bool]

@@ -22,25 +22,29 @@ Semantics, identical everywhere:
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ._client import AsyncStream, Stream
 from ._telemetry import ServingStats
 
 __all__ = ["Client"]
 
+In_contra = TypeVar("In_contra", contravariant=True)
+Out_co = TypeVar("Out_co", covariant=True)
+
 
 @runtime_checkable
-class Client(Protocol):
-    """See the module docstring."""
+class Client(Protocol[In_contra, Out_co]):
+    """See the module docstring. ``Client[In, Out]``: ``run(input: In) -> Out``; stream items are
+    the serving's (transducer items, or ``(output, metadata)`` per static chunk)."""
 
-    def run(self, input: Any, *, deadline: float | None = None) -> Any: ...
+    def run(self, input: In_contra, *, deadline: float | None = None) -> Out_co: ...
 
-    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any: ...
+    async def run_async(self, input: In_contra, *, deadline: float | None = None) -> Out_co: ...
 
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream: ...
+    def stream(self, input: In_contra, *, deadline: float | None = None) -> Stream[Any]: ...
 
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream: ...
+    async def stream_async(self, input: In_contra, *, deadline: float | None = None) -> AsyncStream[Any]: ...
 
     def stats(self) -> ServingStats: ...
 

@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._backend import is_iterative
 from ._batch import Batch
@@ -20,10 +20,16 @@ from ._options import ProcessOptions
 from ._static import StaticScheduler
 from ._telemetry import ServingStats
 
-_registry: dict[str, ServingHandle] = {}
+if TYPE_CHECKING:
+    from ._serving import Serving
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+_registry: dict[str, ServingHandle[Any, Any]] = {}
 _registry_lock = threading.Lock()
 _anonymous = itertools.count()
-_live: weakref.WeakSet[ServingHandle] = weakref.WeakSet()
+_live: weakref.WeakSet[ServingHandle[Any, Any]] = weakref.WeakSet()
 
 
 @atexit.register
@@ -34,7 +40,7 @@ def _stop_all() -> None:
         handle._stop_now()
 
 
-def lookup(name: str) -> ServingHandle:
+def lookup(name: str) -> ServingHandle[Any, Any]:
     """The running serving registered under ``name`` (``ServingStopped`` if none)."""
     with _registry_lock:
         handle = _registry.get(name)
@@ -43,7 +49,7 @@ def lookup(name: str) -> ServingHandle:
     return handle
 
 
-class ServingHandle(LocalClient):
+class ServingHandle(LocalClient[In, Out]):
     """A started serving: batches rows from many callers on its partition threads.
 
     Implements the client contract (``Client``: run / run_async / stream / stream_async /
@@ -52,7 +58,7 @@ class ServingHandle(LocalClient):
     request: past it the request is withdrawn and ``DeadlineExceeded`` is raised.
     """
 
-    def __init__(self, serving: Any, name: str | None, options: ProcessOptions):
+    def __init__(self, serving: Serving[In, Out], name: str | None, options: ProcessOptions):
         self._serving, self._name, self._options = serving, name, options
         self._stop_lock = threading.Lock()
         self._stopped = False

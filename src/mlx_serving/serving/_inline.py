@@ -11,7 +11,7 @@ import threading
 from dataclasses import replace
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._backend import is_iterative
 from ._batch import Batch
@@ -31,11 +31,14 @@ if TYPE_CHECKING:
 
 _UNSET: Any = object()
 
+In = TypeVar("In")
+Out = TypeVar("Out")
+
 
 class InlineRuntime:
     """Lazily started executor thread plus the backend state it initialized (``mode="inline"``)."""
 
-    def __init__(self, backend: Any, arg: Any, batch_size: int | None,
+    def __init__(self, backend: Any, arg: object, batch_size: int | None,
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._arg, self._batch_size, self._telemetry = backend, arg, batch_size, telemetry
         self._lock = threading.Lock()
@@ -164,10 +167,10 @@ class InlineRuntime:
             offset += chunk.size
 
 
-class InlineClient(LocalClient):
+class InlineClient(LocalClient[In, Out]):
     """The client contract over a serving's inline runtime (what ``Serving.run`` uses)."""
 
-    def __init__(self, serving: Serving, runtime: InlineRuntime):
+    def __init__(self, serving: Serving[In, Out], runtime: InlineRuntime):
         self._serving, self._inline = serving, runtime
 
     def _runtime(self) -> Runtime:

@@ -53,12 +53,13 @@ class _Row:
 
 
 class _Partition:
-    __slots__ = ("index", "state", "active", "to_cancel")
+    __slots__ = ("index", "state", "active", "to_cancel", "idle_work")
 
-    def __init__(self, index: int, state: Any):
+    def __init__(self, index: int, state: Any, idle_work: bool):
         self.index, self.state = index, state
         self.active: dict[int, _Row] = {}
         self.to_cancel: list[int] = []
+        self.idle_work = idle_work  # the backend's idle(state) may have work left
 
 
 class IterativeScheduler:
@@ -68,7 +69,8 @@ class IterativeScheduler:
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._opts, self._batch_size = backend, options, batch_size
         self._telemetry = telemetry
-        self._parts = [_Partition(i, s) for i, s in enumerate(states)]
+        idle = callable(getattr(backend, "idle", None))
+        self._parts = [_Partition(i, s, idle) for i, s in enumerate(states)]
         self._cond = threading.Condition(threading.RLock())
         self.orphans: deque[Request] = deque()
         self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
@@ -199,6 +201,8 @@ class IterativeScheduler:
         reap(self.orphans)
         self._apply_cancels(part)
         active = backend.active(part.state)
+        if active == 0 and not drain and self._idle(part):
+            return True  # one piece of idle work done: look at the queue again
         free = backend.free_slots(part.state)
         room = min(self._batch_size - active, free)
         hand_off = self._queues and free <= self._batch_size - self._running(part)  # within batch_size
@@ -213,6 +217,17 @@ class IterativeScheduler:
         if backend.active(part.state) > 0:
             self._step(part)
         emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, self._running(part), part.index))
+        return True
+
+    def _idle(self, part: _Partition) -> bool:
+        """Run one piece of the backend's idle work when nothing waits (see the protocol)."""
+        if not part.idle_work or self._c.queued or part.to_cancel or self._stopping or part.state is None:
+            return False
+        try:
+            part.idle_work = bool(self._backend.idle(part.state))
+        except Exception:
+            _log.exception("IterativeBackend.idle failed; not called again")
+            part.idle_work = False
         return True
 
     def _recover(self, part: _Partition, cause: BaseException) -> None:

@@ -63,7 +63,7 @@ class Request:
     def __init__(self, size: int, deadline_s: float | None):
         check_deadline(deadline_s)
         self.id = next(_ids)
-        self.channel = Channel()
+        self.channel: Channel[Any] = Channel()  # Part, RowEvent or a pool's payload / reply
         self.size = size
         self.submitted = time.monotonic()
         self.deadline = None if deadline_s is None else self.submitted + deadline_s

@@ -6,11 +6,11 @@ arithmetic or memory traffic. These kernels cut a layer's decode work from ~29 g
 nodes to 8 (four of them the projections):
 
 - :func:`decode_attention`: per (row, KV head) block, from the fused q/k/v projection:
-  q_norm/k_norm (RMSNorm), split-half RoPE at the row's position, the new K/V written into
-  the KV cache, then one-token GQA attention of the ``G = H / Hkv`` query heads over
+  q_norm/k_norm (RMSNorm, where the family has them: Qwen3 does, Llama and Qwen2 do not),
+  split-half RoPE at the row's position, the new K/V written into the KV cache, then one-token GQA attention of the ``G = H / Hkv`` query heads over
   the row's valid prefix with an online softmax (running max and sum; Milakov &
   Gimelshein, arXiv:1805.02867), warps splitting the keys and merged through shared memory;
-  the cache is the paged KV cache, read through each row's block table, or the slot cache; when
+  the cache is the paged KV cache, read through each row's block table; when
   rows x KV heads leave the GPU's SMs idle, several blocks share each row's keys and a second
   kernel merges their partial softmax sums (split-K, flash-decoding).
 - :func:`add_rms_norm`: residual add and the next RMSNorm in one pass.
@@ -56,24 +56,19 @@ _ATTENTION = r"""
     const int t = threadIdx.x;
     const int warp = t / 32;
     const int lane = t % 32;
-    const int L = meta[0];  // slot layout: positions per slot; paged (BS > 0): block-table width
+    const int L = meta[0];  // block-table width
     const int pos = start[b];
     const bool real = n_valid[b] > 0;
     const int n = pos + (real ? 1 : 0);
-    // element offset of position j's head-g vector: slot layout (slots, HKV, L, D), or paged
-    // (blocks * BS, HKV, D) through row b's block table (b, L)
-    // (paged: the row's block ids are staged in shared memory first, so that the key loop's
-    // address needs no dependent global load per key)
-    constexpr int S = BS > 0 ? BS : 1;
+    // element offset of position j's head-g vector in the cache (blocks * BS, HKV, D), through
+    // row b's block table (b, L); the row's block ids are staged in shared memory first, so that
+    // the key loop's address needs no dependent global load per key
     __shared__ int tab[TW];
-    if (BS > 0) {
-        const int nb = min((n + S - 1) / S, L);
-        for (int i = t; i < nb; i += D) tab[i] = table[(size_t)b * L + i];
-        __syncthreads();
-    }
+    const int nb = min((n + BS - 1) / BS, L);
+    for (int i = t; i < nb; i += D) tab[i] = table[(size_t)b * L + i];
+    __syncthreads();
     auto kv_at = [&](int j) -> size_t {
-        if (BS == 0) return (((size_t)b * HKV + g) * L + j) * D;
-        return (((size_t)tab[j / S] * S + j % S) * HKV + g) * D;
+        return (((size_t)tab[j / BS] * BS + j % BS) * HKV + g) * D;
     };
     __shared__ float red[W];
     __shared__ float rot[D];
@@ -81,7 +76,7 @@ _ATTENTION = r"""
     __shared__ float kself[D];
     __shared__ float vself[D];
 
-    // q/k heads: RMSNorm (weight), then RoPE (split halves) at position pos.
+    // q/k heads: RMSNorm (weight; QKN 0: none), then RoPE (split halves) at position pos.
     const T* row = qkv + (size_t)b * (H + 2 * HKV) * D;
     const float freq = exp2f(-(float)(2 * (t % HALF)) / (float)D * LOG2_BASE);
     float sn, cs;
@@ -89,9 +84,12 @@ _ATTENTION = r"""
     for (int j = 0; j <= G; ++j) {
         const bool is_k = j == G;
         const float x = static_cast<float>(row[(is_k ? H + g : g * G + j) * D + t]);
-        const float inv = rsqrtf(block_sum<W>(x * x, red) / (float)D + EPS);
-        const float wt = static_cast<float>((is_k ? k_w : q_w)[t]);
-        const float nv = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(x * inv)) * wt));
+        float nv = x;
+        if (QKN) {
+            const float inv = rsqrtf(block_sum<W>(x * x, red) / (float)D + EPS);
+            const float wt = static_cast<float>((is_k ? k_w : q_w)[t]);
+            nv = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(x * inv)) * wt));
+        }
         rot[t] = nv;
         __syncthreads();
         const float other = rot[t < HALF ? t + HALF : t - HALF];
@@ -296,7 +294,7 @@ MIN_SPLIT_KEYS = 64
 #: Most block-table columns the paged kernel stages in shared memory (16 KiB of int32 ids: with
 #: 16-token blocks, sequences of up to 65,536 positions).
 MAX_TABLE_WIDTH = 4096
-_NO_TABLE = mx.zeros((1, 1), dtype=mx.int32)  # the slot layout's unused block-table input
+_NO_NORM = mx.ones((1,), dtype=mx.float32)  # the unused q/k norm weights of a family without them
 
 
 def _int32(a: mx.array) -> mx.array:
@@ -315,22 +313,20 @@ def supports(hidden_size: int, head_dim: int) -> bool:
     return hidden_size % 32 == 0 and head_dim % 32 == 0 and head_dim <= 1024
 
 
-def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: mx.array, n_valid: mx.array,
-                     keys: mx.array, values: mx.array, *, heads: int, eps: float, rope_theta: float,
-                     block_table: mx.array | None = None, block_size: int = 0,
+def decode_attention(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | None, start: mx.array,
+                     n_valid: mx.array, keys: mx.array, values: mx.array, *, heads: int, eps: float,
+                     rope_theta: float, block_table: mx.array, block_size: int,
                      splits: int | None = None) -> mx.array:
     """One decode token per row: q/k norm, RoPE, K/V cache write (in place), attention.
 
     ``qkv`` (B, (H + 2 Hkv) * D): the fused q/k/v projection of rows ``0..B-1``; ``q_norm``/``k_norm``
-    (D,) RMSNorm weights (epsilon ``eps``); ``start`` (B,) int32 each row's position (its cache
-    length before this token); ``n_valid`` (B,) int32, 1 for a real row, 0 for padding (nothing
-    written or read, output unused). The cache, one layer's buffers, contiguous, is either
-
-    - slots (``block_table`` None): ``keys``/``values`` (slots, Hkv, L, D), row b = slot b, ``start < L``;
-    - paged: ``keys``/``values`` (num_blocks * block_size, Hkv, D) and ``block_table`` (B, W) int32,
-      row b's KV blocks in order; position j of row b lives at cache row
-      ``block_table[b, j // block_size] * block_size + j % block_size`` (the block of position
-      ``start`` must be in the table; W at most :data:`MAX_TABLE_WIDTH`).
+    (D,) RMSNorm weights (epsilon ``eps``), or both None for a family without q/k norm; ``start``
+    (B,) int32 each row's position (its cache length before this token); ``n_valid`` (B,) int32, 1
+    for a real row, 0 for padding (nothing written or read, output unused). The cache, one layer's
+    buffers, contiguous: ``keys``/``values`` (num_blocks * block_size, Hkv, D) and ``block_table``
+    (B, W) int32, row b's KV blocks in order; position j of row b lives at cache row
+    ``block_table[b, j // block_size] * block_size + j % block_size`` (the block of position
+    ``start`` must be in the table; W at most :data:`MAX_TABLE_WIDTH`).
 
     RoPE: split halves, base ``rope_theta``. Attention scale ``D ** -0.5`` over positions
     ``0..start`` (the new token included). ``splits``: thread blocks per (row, KV head) sharing
@@ -340,24 +336,21 @@ def decode_attention(qkv: mx.array, q_norm: mx.array, k_norm: mx.array, start: m
     on shape mismatch.
     """
     b, width = qkv.shape
-    paged = block_table is not None
-    if paged:
-        _, hkv, d = keys.shape
-        if block_size < 1 or block_table.shape[0] != b or block_table.shape[1] > MAX_TABLE_WIDTH:
-            raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
-        table, length = _int32(block_table), block_table.shape[1]
-    else:
-        slots, hkv, length, d = keys.shape
-        if slots < b:
-            raise ValueError(f"decode_attention: {b} rows but {slots} cache slots")
-        table, block_size = _NO_TABLE, 0
+    _, hkv, d = keys.shape
+    if block_size < 1 or block_table.shape[0] != b or block_table.shape[1] > MAX_TABLE_WIDTH:
+        raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
+    table, length = _int32(block_table), block_table.shape[1]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_attention: q_norm and k_norm are both given or both None")
+    qkn = q_norm is not None
     if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024:
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
     if splits is None:
         splits = split_count(b, hkv)
-    inputs = [qkv, q_norm, k_norm, _int32(start), _int32(n_valid), keys, values, table, _meta(length)]
+    norms = [q_norm, k_norm] if qkn else [_NO_NORM, _NO_NORM]
+    inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, table, _meta(length)]
     template = [("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
-                ("TW", _pow2(length) if paged else 1), ("SPLITS", splits)]
+                ("TW", _pow2(length)), ("SPLITS", splits), ("QKN", int(qkn))]
     if splits == 1:
         return _attention_kernel(float(eps), float(rope_theta))(
             inputs=inputs, template=[*template, ("MIN_SPLIT", 1)], grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),

@@ -4,9 +4,9 @@
   masked attention through batched matmuls or ``mx.fast.scaled_dot_product_attention``;
 - :class:`FusedDecode` (``"fused"``): the custom CUDA kernels of :mod:`.cuda_kernels`, 8 launches per
   layer, no mask; each row's kernel reads its own length, so a compiled decode needs one graph per
-  row count, not per attention span. The kernels implement one architecture: q/k RMSNorm folded
-  into the attention kernel and plain split-half RoPE (``config.qk_norm``, no ``rope_scaling``,
-  not ``rope_traditional``: Qwen3).
+  row count, not per attention span. The kernels implement the shared decoder with plain
+  split-half RoPE (no ``rope_scaling``, not ``rope_traditional``), q/k RMSNorm folded into the
+  attention kernel where the family has it (Qwen3) and skipped where not (Llama, Qwen2).
 
 :func:`decode_backend` picks one for a model: the fused kernels where they run (MLX's CUDA build,
 a supported shape) and the config fits them, the matmul path elsewhere. bench/gpu_step.py times
@@ -81,13 +81,12 @@ class FusedDecode:
         ``rows.block_table``; the K/V cache is written in place. Returns logits ``(B, vocab_size)``, as :func:`models.layers.forward`."""
         c = state.config
         eps = c.rms_norm_eps
-        paged = {"block_table": rows.block_table, "block_size": cache.block_size}
         x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
         for i, layer in enumerate(state.layers):
             qkv = layer.qkv.merged(x) if layer.qkv.merged is not None else mx.concatenate(layer.qkv(x), axis=-1)
             attn = self.attention(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
                                   cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta,
-                                  **paged)
+                                  block_table=rows.block_table, block_size=cache.block_size)
             h, x = self.add_rms_norm(h, layer.o_proj(attn), layer.post_attention_layernorm, eps)
             gate_up = layer.gate_up.merged
             act = self.swiglu(gate_up(x)) if gate_up is not None else split_swiglu(*layer.gate_up(x))
@@ -97,9 +96,10 @@ class FusedDecode:
 
 
 def fits_fused(state: State) -> bool:
-    """The config is the fused kernels' architecture (q/k norm, plain split-half RoPE)."""
+    """The config is the fused kernels' architecture (plain split-half RoPE; q/k norm or none) and
+    shape (:func:`~.cuda_kernels.supports`)."""
     c = state.config
-    return c.qk_norm and c.rope_scaling is None and not c.rope_traditional
+    return c.rope_scaling is None and not c.rope_traditional and cuda_kernels.supports(c.hidden_size, c.head_dim)
 
 
 def decode_backend(state: State, path: str | DecodeBackend | None = None) -> DecodeBackend:

@@ -39,7 +39,12 @@ from .request import Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
-__all__ = ["Engine"]
+__all__ = ["BUFFER_CACHE_BYTES", "Engine"]
+
+#: MLX's buffer cache bound an engine sets by default (``mx.set_cache_limit``): freed buffers MLX
+#: keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of 25.7 GB in
+#: use on the H200 at the text-generation defaults, issue 26).
+BUFFER_CACHE_BYTES = 1 << 30
 
 
 class Engine:
@@ -63,7 +68,9 @@ class Engine:
     through ``mx.compile``d graphs; None (default) means on with the fused path and off elsewhere.
     ``bucket_shapes`` pads batches to shape buckets (:mod:`.model_runner`); None (default) means on
     for a GPU, off on the CPU. ``pack_prefill`` / ``max_causal_groups``: how a multi-row prefill
-    runs (:class:`~.model_runner.ModelRunner`). :meth:`warm_up` runs every bucket once. Raises
+    runs (:class:`~.model_runner.ModelRunner`). :meth:`warm_up` runs every bucket once.
+    ``buffer_cache_bytes``: the bound set on MLX's buffer cache (:data:`BUFFER_CACHE_BYTES`; None:
+    left as it is). Raises
     ValueError when the budget holds no sequence of ``max_len``. Not thread-safe: drive it from one
     thread.
 
@@ -78,12 +85,14 @@ class Engine:
                  prefix_caching: bool = True, block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
                  max_step_tokens: int | None = None, constraint_factory: ConstraintFactory | None = None,
                  decode_path: str | DecodeBackend | None = None, pack_prefill: bool | None = None,
-                 max_causal_groups: int = 4):
+                 max_causal_groups: int = 4, buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES):
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
         if max_step_tokens is not None and max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be None or >= 1, got {max_step_tokens}")
+        if buffer_cache_bytes is not None:
+            mx.set_cache_limit(buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.max_len, self.prefill_chunk = state, max_len, prefill_chunk
         self.max_step_tokens = max_step_tokens
         self.decode_backend: DecodeBackend = decode_backend(state, decode_path)
@@ -236,16 +245,19 @@ class Engine:
 
     # ---- start-up and shutdown ---------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """Run every decode shape this engine can use once, plus every prefill shape of a first
-        chunk and of a single row's later chunks (:meth:`~.model_runner.ModelRunner.warm_up`), so
-        that MLX's per-shape work happens now and not inside a request's time to first token. Does
-        nothing without shape bucketing (the CPU default). Raises RuntimeError when sequences are
-        active or after :meth:`close`."""
+    def warm_up(self, limit: int | None = None) -> int:
+        """Build the next ``limit`` (None: all) of the shapes this engine's steps can meet, most
+        likely first (:meth:`~.model_runner.ModelRunner.warm_shapes`: every padded decode row count,
+        every first-chunk prefill, one row's later chunks), so that MLX's per-shape work happens now
+        and not inside a request's time to first token; returns how many are left. ``limit``
+        ``runner.one_row_shapes`` builds what a lone first request meets; the text-generation
+        serving builds those at start and the rest one per idle moment. Does nothing without shape
+        bucketing (the CPU default). Raises RuntimeError when sequences are active or after
+        :meth:`close`."""
         self._check_open()
         if self._by_id:
             raise RuntimeError("warm_up() needs an engine with no active sequences")
-        self.runner.warm_up()
+        return self.runner.warm_up(limit)
 
     def close(self) -> None:
         """Release this engine's device memory now, on the calling thread (the one that steps it):

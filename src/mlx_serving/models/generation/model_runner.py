@@ -23,6 +23,7 @@ call); a group's key span is its start + tokens, not bucketed.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -91,6 +92,7 @@ class ModelRunner:
         self._history: TokenHistory | None = None  # penalty state, made for the first penalized request
         self._table = np.zeros((rows, -(-max_len // cache.block_size)), dtype=np.int32)  # decode rows' blocks
         self._table_n = [0] * rows
+        self._warm: deque[Callable[[], None]] | None = None  # shapes warm_up has yet to build
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -270,41 +272,61 @@ class ModelRunner:
 
     # ---- start-up and shutdown ---------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """Run every decode shape once, plus every prefill shape of a first chunk (rows and tokens
-        rounded up to powers of two, tokens at least 16) and of a single row's later chunks, so that
-        MLX's per-shape work (kernel builds, traces of the compiled decode; seconds each on MLX's
-        CUDA build) happens now and not inside a request's time to first token. Only padding rows
-        take part (``n_valid`` 0): no valid cache position changes. Does nothing without shape
-        bucketing (the CPU default), where shapes are not a small known set."""
-        if not self.bucket:
-            return
-        span = self._span(1)  # the first span bucket (the fused path ignores it)
-        for hi in sorted({min(self.rows, pow2(k)) for k in range(1, self.rows + 1)}):
-            zeros = np.zeros(hi, dtype=np.int32)
-            table = np.zeros((hi, self._width(self._table_span(span))), dtype=np.int32)
-            if self._compiled is not None:
-                logits = self._decode_compiled(hi, zeros, zeros, span, table)
-            else:
-                rows = Rows(self._tokens[:hi, None], mx.array(zeros), mx.array(zeros), span, mx.array(zeros),
-                            mx.array(table), dense=hi == 1)
-                logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
-            mx.eval(greedy(logits))
-        self._warm_prefill()
+    def warm_up(self, limit: int | None = None) -> int:
+        """Build the next ``limit`` (None: every) pending shape of :meth:`warm_shapes`, in its
+        order, and return how many are left; MLX's buffer cache is emptied once none is. Only
+        padding rows take part (``n_valid`` 0): no valid cache position changes. Builds nothing
+        without shape bucketing (the CPU default), where shapes are not a small known set."""
+        if self._warm is None:
+            self._warm = deque(self.warm_shapes() if self.bucket else ())
+        n = len(self._warm) if limit is None else min(limit, len(self._warm))
+        for _ in range(n):
+            self._warm.popleft()()
+        if n and not self._warm:
+            mx.clear_cache()  # the warm-up's transient buffers go back to the device
+        return len(self._warm)
 
-    def _warm_prefill(self) -> None:
-        """One padding-only prefill of each (rows, tokens) bucket from position 0 (one causal
-        group), and of one row at each later chunk's start below ``_WARM_LATER_CHUNKS_BELOW``: the
-        attention shapes of a step's first chunks and of rows that start one by one. Group spans
-        follow each start exactly, so other starts (a prefix-cache hit, a chunk cut by
-        ``max_step_tokens``) and groups of several rows at a later start still build their shape on
-        first use."""
-        for b in sorted({pow2(k) for k in range(1, self.rows + 1)}):
-            for t in self._widths(self.max_len):
-                self._warm_prefill_shape(b, t, 0)
+    @property
+    def warm_shapes_left(self) -> int:
+        """Shapes :meth:`warm_up` has yet to build (a plain counter: safe from any thread)."""
+        if self._warm is None:
+            return len(self.warm_shapes()) if self.bucket else 0
+        return len(self._warm)
+
+    @property
+    def one_row_shapes(self) -> int:
+        """How many of :meth:`warm_shapes` come first as one-row shapes (a one-row decode and
+        every one-row first-chunk prefill): what a lone first request meets."""
+        return 1 + len(self._widths(self.max_len))
+
+    def warm_shapes(self) -> list[Callable[[], None]]:
+        """Every shape a step can meet that MLX builds per shape (kernel builds, traces of the
+        compiled decode; seconds each on MLX's CUDA build), most likely first: a one-row decode,
+        one-row first-chunk prefills, every padded decode row count, multi-row first chunks, then
+        one row's later chunks below ``_WARM_LATER_CHUNKS_BELOW``. Group spans follow each start
+        exactly, so other starts (a prefix-cache hit, a chunk cut by ``max_step_tokens``) and
+        groups of several rows at a later start still build their shape on first use."""
+        decodes = sorted({min(self.rows, pow2(k)) for k in range(1, self.rows + 1)})
+        batches = sorted({pow2(k) for k in range(1, self.rows + 1)})
+        widths = self._widths(self.max_len)
+        shapes = [lambda: self._warm_decode(1)] + [lambda t=t: self._warm_prefill_shape(1, t, 0) for t in widths]
+        shapes += [lambda hi=hi: self._warm_decode(hi) for hi in decodes[1:]]
+        shapes += [lambda b=b, t=t: self._warm_prefill_shape(b, t, 0) for b in batches[1:] for t in widths]
         for start in range(self.prefill_chunk, min(self.max_len, _WARM_LATER_CHUNKS_BELOW), self.prefill_chunk):
-            for t in self._widths(self.max_len - start):  # steady state: rows start one by one
-                self._warm_prefill_shape(1, t, start)
+            shapes += [lambda s=start, t=t: self._warm_prefill_shape(1, t, s) for t in self._widths(self.max_len - start)]
+        return shapes
+
+    def _warm_decode(self, hi: int) -> None:
+        span = self._span(1)  # the first span bucket (the fused path ignores it)
+        zeros = np.zeros(hi, dtype=np.int32)
+        table = np.zeros((hi, self._width(self._table_span(span))), dtype=np.int32)
+        if self._compiled is not None:
+            logits = self._decode_compiled(hi, zeros, zeros, span, table)
+        else:
+            rows = Rows(self._tokens[:hi, None], mx.array(zeros), mx.array(zeros), span, mx.array(zeros),
+                        mx.array(table), dense=hi == 1)
+            logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
+        mx.eval(greedy(logits))
 
     def _widths(self, room: int) -> list[int]:
         """Tokens per row of the bucketed prefills whose longest chunk holds at most ``room`` tokens."""
@@ -326,6 +348,7 @@ class ModelRunner:
             self._compiled.clear()
         self.cache = replace(self.cache, keys=[], values=[])
         self._tokens = mx.zeros((0,), dtype=mx.int32)
+        self._warm = deque()
 
 
 def _allowed(r: Request) -> np.ndarray | None:

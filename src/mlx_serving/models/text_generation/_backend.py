@@ -29,13 +29,20 @@ class GenerationBackend:
 
     def init(self, mode: str, arg: Any, partitions: int) -> Engine:
         """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
-        default one; see docs/generation.md) and warm its shapes up (Engine.warm_up: a no-op on the CPU)."""
+        default one; see docs/generation.md) and build the shapes a lone first request meets
+        (``Engine.warm_up(runner.one_row_shapes)``; a no-op on the CPU): the rest are built in idle
+        moments (:meth:`idle`)."""
         o = self._opts
         engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
                         kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching, policy=o.policy,
                         constraint_factory=self._constraints)
-        engine.warm_up()
+        engine.warm_up(engine.runner.one_row_shapes)
         return engine
+
+    def idle(self, engine: Engine) -> bool:
+        """Build one more warm-up shape while the serving has nothing to run (a request that
+        arrives waits for at most that one build); False once every shape is built."""
+        return engine.warm_up(1) > 0
 
     def close(self, engine: Engine) -> None:
         """Release the partition's KV cache and compiled steps on its own thread (:meth:`Engine.close`)
@@ -70,7 +77,7 @@ class GenerationBackend:
         :class:`~..generation.iteration_stats.IterationTokens`) and the KV block and prefix-cache
         counters of :meth:`kv_stats`. Plain counters: safe from any thread."""
         seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting,
-                **engine.iteration_tokens.stats()}
+                "warm_shapes_left": engine.runner.warm_shapes_left, **engine.iteration_tokens.stats()}
         kv = dataclasses.asdict(engine.kv_stats())
         return seqs | {name: value for name, value in kv.items() if name != "block_size"}
 
