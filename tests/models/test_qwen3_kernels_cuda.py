@@ -74,24 +74,26 @@ def test_split_k_decode_attention_matches_reference(splits):
     np.testing.assert_allclose(np.array(keys)[bs:], np.array(ref_keys)[bs:], atol=1e-4)
 
 
+def _greedy(state, prompts: list[list[int]], path: str, compiled: bool, new: int) -> dict[int, list[int]]:
+    """Greedy ids of ``prompts`` as one continuous batch on the ``path`` decode backend."""
+    engine = Engine(state, max_batch=len(prompts), max_len=64, compile_decode=compiled, decode_path=path)
+    assert engine.decode_backend.name == path
+    for i, p in enumerate(prompts):
+        engine.add(i, p, SamplingParams(max_new_tokens=new, eos_token_ids=()))
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    while engine.num_active:
+        for ev in engine.step():
+            got[ev.seq_id].append(ev.token_id)
+    engine.close()
+    return got
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_generation_equals_generic_path(tiny32, compiled):
     """Greedy ids of a ragged continuous batch: fused path (eager or compiled) == generic."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (3, 17, 9, 30)]
-    outs = []
-    for path in ("matmul", "fused"):
-        engine = Engine(tiny32, max_batch=4, max_len=64, compile_decode=compiled and path == "fused",
-                        decode_path=path)
-        assert engine.decode_backend.name == path
-        for i, p in enumerate(prompts):
-            engine.add(i, p, SamplingParams(max_new_tokens=12, eos_token_ids=()))
-        got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        while engine.num_active:
-            for ev in engine.step():
-                got[ev.seq_id].append(ev.token_id)
-        outs.append(got)
-    assert outs[0] == outs[1]
+    assert _greedy(tiny32, prompts, "matmul", False, 12) == _greedy(tiny32, prompts, "fused", compiled, 12)
 
 
 def test_fused_generation_without_qk_norm_equals_generic_path(tmp_path):
@@ -102,18 +104,7 @@ def test_fused_generation_without_qk_norm_equals_generic_path(tmp_path):
     llama = load(write_checkpoint(tmp_path / "llama", family="llama", quantized=False, dtype="float32", seed=2,
                                   tie_word_embeddings=False,
                                   config_overrides={"attention_bias": True, "mlp_bias": True, "rope_scaling": None,
-                                                "num_attention_heads": 2, "num_key_value_heads": 1}))
+                                                    "num_attention_heads": 2, "num_key_value_heads": 1}))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 1000, n).tolist() for n in (5, 21, 2)]
-    outs = []
-    for path in ("matmul", "fused"):
-        engine = Engine(llama, max_batch=3, max_len=64, decode_path=path)
-        assert engine.decode_backend.name == path
-        for i, p in enumerate(prompts):
-            engine.add(i, p, SamplingParams(max_new_tokens=10, eos_token_ids=()))
-        got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-        while engine.num_active:
-            for ev in engine.step():
-                got[ev.seq_id].append(ev.token_id)
-        outs.append(got)
-    assert outs[0] == outs[1]
+    assert _greedy(llama, prompts, "matmul", False, 10) == _greedy(llama, prompts, "fused", False, 10)

@@ -27,12 +27,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeVar
 
 import mlx.core as mx
 
+from ..serving._json import JSON, JSONObject
+
+if TYPE_CHECKING:
+    from .config import DecoderConfig
+
 __all__ = [
-    "COMPUTE_DTYPES", "FLOAT_DTYPES", "LIMITS", "MAX_HEADER_BYTES", "MAX_JSON_BYTES", "MissingFieldError",
+    "COMPUTE_DTYPES", "DecoderFields", "FLOAT_DTYPES", "LIMITS", "MAX_HEADER_BYTES", "MAX_JSON_BYTES", "MissingFieldError",
     "QuantSpec", "Quantization", "TensorChecks", "TensorInfo", "bool_field", "cast_floating", "check_dtype",
     "checkpoint_file", "compute_dtype", "decoder_fields", "eos_ids", "float_field", "int_field", "optional",
     "quantization_block", "read_config_files", "read_header", "read_json", "read_tensors", "require", "show",
@@ -60,6 +65,9 @@ LIMITS: Mapping[str, int] = {
 }
 #: Largest JSON file (config.json, generation_config.json, model.safetensors.index.json) read.
 MAX_JSON_BYTES = 8 * 2**20
+
+_T = TypeVar("_T")
+_D = TypeVar("_D")
 
 
 class MissingFieldError(KeyError, ValueError):
@@ -101,13 +109,13 @@ class Quantization:
 
 # ---- checked field access -------------------------------------------------------------------
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """``repr(value)``, cut to 80 characters (a hostile value is not echoed whole)."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def int_field(value: Any, where: str, name: str, lo: int = 1, hi: int | None = None) -> int:
+def int_field(value: object, where: str, name: str, lo: int = 1, hi: int | None = None) -> int:
     """An int field (a JSON integer, not a bool or a float) in ``lo..hi`` (``hi`` defaults to
     :data:`LIMITS` for the field's name)."""
     hi = LIMITS.get(name, hi) if hi is None else hi
@@ -119,7 +127,7 @@ def int_field(value: Any, where: str, name: str, lo: int = 1, hi: int | None = N
     return value
 
 
-def float_field(value: Any, where: str, name: str, lo: float, hi: float, lo_open: bool = True) -> float:
+def float_field(value: object, where: str, name: str, lo: float, hi: float, lo_open: bool = True) -> float:
     """A finite number field in ``(lo, hi]`` (``[lo, hi]`` when not ``lo_open``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{where}: {name} must be a number, got {show(value)}")
@@ -133,21 +141,21 @@ def float_field(value: Any, where: str, name: str, lo: float, hi: float, lo_open
     return x
 
 
-def bool_field(value: Any, where: str, name: str) -> bool:
+def bool_field(value: object, where: str, name: str) -> bool:
     """A JSON ``true`` / ``false`` field (not 0 / 1, not a string)."""
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {name} must be true or false, got {show(value)}")
     return value
 
 
-def require(raw: Mapping[str, Any], name: str, where: str) -> Any:
+def require(raw: Mapping[str, _T], name: str, where: str) -> _T:
     """``raw[name]``; :class:`MissingFieldError` naming the field when absent."""
     if name not in raw:
         raise MissingFieldError(f"{where}: missing field {name!r}")
     return raw[name]
 
 
-def optional(raw: Mapping[str, Any], name: str, default: Any) -> Any:
+def optional(raw: Mapping[str, _T], name: str, default: _D) -> _T | _D:
     """``raw[name]``, or ``default`` when absent or JSON null."""
     value = raw.get(name)
     return default if value is None else value
@@ -169,7 +177,7 @@ def _spec(raw: Mapping[str, Any], where: str, base: QuantSpec | None = None) -> 
     return QuantSpec(group_size=group_size, bits=bits, mode=mode)
 
 
-def quantization_block(raw: Any, where: str) -> Quantization | None:
+def quantization_block(raw: object, where: str) -> Quantization | None:
     """config.json's ``quantization`` block (None when absent): its default spec and the
     per-module overrides (an object, or ``false`` for a module kept dense)."""
     if raw is None:
@@ -186,7 +194,7 @@ def quantization_block(raw: Any, where: str) -> Quantization | None:
     return Quantization(default, overrides)
 
 
-def eos_ids(value: Any, where: str) -> tuple[int, ...]:
+def eos_ids(value: object, where: str) -> tuple[int, ...]:
     """An ``eos_token_id`` field: one id or a list of at most 1024, each in [0, 2**32)."""
     if value is None:
         return ()
@@ -196,8 +204,25 @@ def eos_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(int_field(v, where, "eos_token_id", 0, 2**32 - 1) for v in items)
 
 
-def decoder_fields(raw: Mapping[str, Any], generation: Mapping[str, Any] | None, where: str, *,
-                   max_position_embeddings: int, rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+class DecoderFields(TypedDict):
+    """What :func:`decoder_fields` returns: :class:`~models.config.DecoderConfig` keyword arguments."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    quantization: Quantization | None
+
+
+def decoder_fields(raw: Mapping[str, object], generation: Mapping[str, object] | None, where: str, *,
+                   max_position_embeddings: int, rms_norm_eps: float = 1e-6) -> DecoderFields:
     """The fields every decoder-only family reads from config.json (and generation_config.json),
     checked: ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``vocab_size``
     (required), ``num_attention_heads`` (required), ``num_key_value_heads`` (default: the query
@@ -226,7 +251,7 @@ def decoder_fields(raw: Mapping[str, Any], generation: Mapping[str, Any] | None,
         raise ValueError(f"{gen_where}: must hold a JSON object, got {type(generation).__name__}")
     gen_eos = eos_ids((generation or {}).get("eos_token_id"), gen_where)
     cfg_eos = eos_ids(raw.get("eos_token_id"), where)
-    return dict(
+    return DecoderFields(
         hidden_size=hidden,
         intermediate_size=int_field(require(raw, "intermediate_size", where), where, "intermediate_size"),
         num_hidden_layers=int_field(require(raw, "num_hidden_layers", where), where, "num_hidden_layers"),
@@ -257,7 +282,7 @@ def _allowed_roots(root: Path) -> list[Path]:
     return roots
 
 
-def checkpoint_file(root: str | Path, name: Any, what: str = "file") -> Path:
+def checkpoint_file(root: str | Path, name: object, what: str = "file") -> Path:
     """``root / name``, refusing a name or a symlink that leaves the checkpoint directory.
 
     Raises ValueError naming ``name`` when it is not a plain relative path string or when it
@@ -277,7 +302,7 @@ def checkpoint_file(root: str | Path, name: Any, what: str = "file") -> Path:
     return path
 
 
-def read_json(path: Path, root: Path, limit: int | None = None) -> Any:
+def read_json(path: Path, root: Path, limit: int | None = None) -> JSON:
     """Parse the JSON file ``path`` of checkpoint ``root``: contained in it, at most ``limit``
     bytes (default :data:`MAX_JSON_BYTES`), UTF-8. Raises ValueError naming the file for
     anything else."""
@@ -302,7 +327,7 @@ def read_json(path: Path, root: Path, limit: int | None = None) -> Any:
         raise ValueError(f"{path}: JSON nested too deeply") from None
 
 
-def read_config_files(path: str | Path) -> tuple[Any, Mapping[str, Any] | None, str]:
+def read_config_files(path: str | Path) -> tuple[JSON, JSONObject | None, str]:
     """Read ``config.json`` (required) and ``generation_config.json`` (optional) of checkpoint
     ``path``: ``(config, generation or None, where)`` with ``where`` config.json's path, for
     error messages. Raises FileNotFoundError naming config.json when it is missing; ValueError
@@ -316,9 +341,10 @@ def read_config_files(path: str | Path) -> tuple[Any, Mapping[str, Any] | None, 
     gen_file = path / "generation_config.json"
     generation = None
     if gen_file.is_file() or gen_file.is_symlink():
-        generation = read_json(gen_file, path)
-        if not isinstance(generation, Mapping):
-            raise ValueError(f"{gen_file}: must hold a JSON object, got {type(generation).__name__}")
+        gen = read_json(gen_file, path)
+        if not isinstance(gen, Mapping):
+            raise ValueError(f"{gen_file}: must hold a JSON object, got {type(gen).__name__}")
+        generation = gen
     return raw, generation, str(cfg_file)
 
 
@@ -355,7 +381,8 @@ def weight_files(path: Path) -> list[Path]:
         bad = next((s for s in weight_map.values() if not isinstance(s, str)), None)
         if bad is not None:
             raise ValueError(f"{index}: shard names must be strings, got {bad!r}")
-        files = [checkpoint_file(path, s, f"weight shard (in {index.name})") for s in sorted(set(weight_map.values()))]
+        shards = sorted({s for s in weight_map.values() if isinstance(s, str)})  # all of them, checked above
+        files = [checkpoint_file(path, s, f"weight shard (in {index.name})") for s in shards]
     else:
         files = [checkpoint_file(path, "model.safetensors", "weight file")]
     for f in files:
@@ -459,7 +486,7 @@ class TensorChecks:
         self.expect(f"{module}.scales", FLOAT_DTYPES, groups, why)
         self.expect(f"{module}.biases", FLOAT_DTYPES, groups, why)
 
-    def decoder(self, c: Any) -> dict[str, tuple[int, int, str, str]]:
+    def decoder(self, c: DecoderConfig) -> dict[str, tuple[int, int, str, str]]:
         """Check what every Llama-shaped decoder has outside its layers (the embedding, an untied
         head, the final norm: exactly ``vocab_size`` x ``hidden_size``) and each layer's two
         RMSNorm weights; return each layer's projections as ``{module: (out, in, why_out,

@@ -6,9 +6,9 @@ tokenizer without generating: ``GET /v1/models/{id}``, ``POST /tokenize``, ``POS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
+from typing import cast
 from ..serving import Client
+from ..serving._json import JSON, JSONObject
 from ..tokenization import Tokenizer
 from ._errors import APIError
 
@@ -29,9 +29,9 @@ class ServedModel:
     tokenizer: Tokenizer | None = None
 
 
-def model_object(name: str, model: ServedModel, created: int) -> dict[str, Any]:
+def model_object(name: str, model: ServedModel, created: int) -> JSONObject:
     """The ``model`` object of ``/v1/models``: OpenAI's fields and vLLM's ``max_model_len``."""
-    out: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving"}
+    out: JSONObject = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving"}
     if model.max_model_len is not None:
         out["max_model_len"] = model.max_model_len
     return out
@@ -43,7 +43,7 @@ def _tokenizer(model: ServedModel, name: str) -> Tokenizer:
     return model.tokenizer
 
 
-def tokenize(body: dict[str, Any], name: str, model: ServedModel, messages: Any) -> dict[str, Any]:
+def tokenize(body: JSONObject, name: str, model: ServedModel, messages: list[JSONObject] | None) -> JSONObject:
     """``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...], "add_generation_prompt": bool}``
     (``messages`` already mapped from OpenAI's shape) -> ``{"count", "max_model_len", "tokens"}``:
     the ids a completion or chat request with that prompt generates from. Blocking (~1 us per
@@ -66,10 +66,10 @@ def tokenize(body: dict[str, Any], name: str, model: ServedModel, messages: Any)
             ids = tok.encode(prompt)
         except ValueError as exc:
             raise APIError(400, f"the prompt cannot be tokenized: {exc}", param="prompt") from None
-    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids}
+    return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": cast(list[JSON], ids)}
 
 
-def detokenize(body: dict[str, Any], name: str, model: ServedModel) -> dict[str, Any]:
+def detokenize(body: JSONObject, name: str, model: ServedModel) -> JSONObject:
     """``/detokenize``: ``{"tokens": [int, ...]}`` -> ``{"prompt": str}`` (special tokens kept as
     text, as vLLM's). Raises APIError 400 naming ``tokens``."""
     tok = _tokenizer(model, name)
@@ -78,10 +78,10 @@ def detokenize(body: dict[str, Any], name: str, model: ServedModel) -> dict[str,
             or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tok.vocab_size for i in ids)):
         raise APIError(400, f"'tokens' must be a list of at most {MAX_TOKENIZE_IDS} token ids in "
                             f"[0, {tok.vocab_size})", param="tokens")
-    return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    return {"prompt": tok.decode(cast(list[int], ids), skip_special_tokens=False)}  # every id checked above
 
 
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+def _bool(body: JSONObject, key: str, default: bool) -> bool:
     value = body.get(key, default)
     if value is None:
         return default

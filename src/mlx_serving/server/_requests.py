@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from ..serving._json import JSONObject
 from ._errors import APIError
 
 __all__ = ["Call", "chat_call", "completion_call", "messages_of"]
@@ -77,7 +78,7 @@ class Call:
     prompts: int
 
 
-def chat_call(body: dict[str, Any]) -> Call:
+def chat_call(body: JSONObject) -> Call:
     """Map a ``/v1/chat/completions`` body. Raises APIError (400, naming the field) for a malformed
     envelope: ``messages`` missing or not a list of message dicts, a content part that is not text,
     a bad ``stream`` / ``stream_options`` / ``tool_choice`` / ``chat_template_kwargs``, or an
@@ -97,7 +98,7 @@ def chat_call(body: dict[str, Any]) -> Call:
     return _call(body, spec, prompts=1)
 
 
-def completion_call(body: dict[str, Any]) -> Call:
+def completion_call(body: JSONObject) -> Call:
     """Map a ``/v1/completions`` body (``prompt``: a string or a list of strings; ``logprobs``: an
     int, the alternatives per token). Raises APIError (400, naming the field) for a malformed one."""
     _check_fields(body, "completion")
@@ -105,7 +106,7 @@ def completion_call(body: dict[str, Any]) -> Call:
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
+        prompts = cast(list[str], prompt)  # every item checked
     else:
         raise APIError(400, "'prompt' must be a string or a non-empty list of strings (token-id prompts are "
                             "not supported)", param="prompt")
@@ -217,7 +218,7 @@ def _format_of(kind: str, value: Any, field: str) -> dict[str, Any]:
     return {"type": kind, kind: value}
 
 
-def messages_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+def messages_of(body: JSONObject) -> list[JSONObject]:
     """A request's ``messages`` as the chat template takes them (APIError 400 naming ``messages``)."""
     return _messages(body.get("messages"))
 

@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..serving._json import JSON, JSONObject
+
 __all__ = ["MIN_LOGPROB", "Event", "Kind", "StreamState", "chat_logprobs", "chat_response", "completion_logprobs",
            "completion_response", "event", "new_id", "usage"]
 
@@ -54,10 +56,10 @@ def event(item: Any, is_list: bool, n: int) -> Event:
     return Event(row * n + index, delta, value.get("logprobs") if final is None else None, final)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> JSONObject:
     """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` when the engine reports
     prefix-cache hits (the paged KV cache)."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    out: JSONObject = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
@@ -80,7 +82,7 @@ def _envelope(rid: str, model: str, obj: str) -> dict[str, Any]:
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model}
 
 
-def chat_response(result: Any, model: str, rid: str) -> dict[str, Any]:
+def chat_response(result: JSON, model: str, rid: str) -> JSONObject:
     """A ``chat.completion`` object from a (non-list) text-generation result."""
     entries = _entries(result)
     choices = []
@@ -96,10 +98,10 @@ def chat_response(result: Any, model: str, rid: str) -> dict[str, Any]:
     return {**_envelope(rid, model, "chat.completion"), "choices": choices, "usage": _usage_of(entries)}
 
 
-def completion_response(result: Any, model: str, rid: str) -> dict[str, Any]:
+def completion_response(result: JSON, model: str, rid: str) -> JSONObject:
     """A ``text_completion`` object from a text-generation result (a list result: one per prompt)."""
     entries = _entries(result)
-    choices = []
+    choices: list[JSON] = []
     for prompt_entries in entries:
         for e in prompt_entries:
             logprobs = completion_logprobs(e["logprobs"], 0) if e.get("logprobs") is not None else None
@@ -121,9 +123,9 @@ def chat_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{**one(e), "top_logprobs": [one(t) for t in e.get("top_logprobs") or []]} for e in entries]
 
 
-def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: list[dict[str, Any]], offset: int) -> JSONObject:
     """The serving's logprob entries as OpenAI completions ``logprobs`` (``text_offset`` from ``offset``)."""
-    offsets = []
+    offsets: list[JSON] = []
     for e in entries:
         offsets.append(offset)
         offset += len(e["token"])
@@ -202,7 +204,7 @@ class StreamState:
                final: dict[str, Any] | None) -> str:
         finish = None if final is None else final["finish_reason"]
         if self.kind == "chat":
-            lp = None if logprobs is None else {"content": chat_logprobs(logprobs)}
+            lp: dict[str, Any] | None = None if logprobs is None else {"content": chat_logprobs(logprobs)}
             body: dict[str, Any] = {"index": choice, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             offset = self._offsets.get(choice, 0)

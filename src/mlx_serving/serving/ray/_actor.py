@@ -14,9 +14,11 @@ import os
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Any
 
 from .._errors import ServingStopped
+from .._telemetry import ServingStats
 
 __all__ = ["ServingActor"]
 
@@ -67,7 +69,7 @@ class ServingActor:
         if self._tasks.get(call_id) is asyncio.current_task():
             del self._tasks[call_id]
 
-    async def call(self, call_id: int, value: Any, deadline: float | None) -> Any:
+    async def call(self, call_id: int, value: object, deadline: float | None) -> object:
         """One request: ``run_async`` on the serving (None when cancelled before it started)."""
         if not self._enter(call_id):
             return None
@@ -80,7 +82,7 @@ class ServingActor:
         finally:
             self._leave(call_id)
 
-    async def stream(self, call_id: int, value: Any, deadline: float | None) -> Any:
+    async def stream(self, call_id: int, value: object, deadline: float | None) -> AsyncIterator[object]:
         """Streaming generator: the items of ``stream_async`` on the serving."""
         if not self._enter(call_id):
             return
@@ -105,7 +107,7 @@ class ServingActor:
         while len(self._early) > _EARLY_CANCELS:
             self._early.popitem(last=False)
 
-    async def stats(self) -> Any:
+    async def stats(self) -> ServingStats:
         """The serving's ``ServingStats``."""
         return self._handle.stats()
 

@@ -23,6 +23,7 @@ every health check and stats call.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -31,6 +32,7 @@ from ray.serve import metrics
 from .._errors import DeadlineExceeded, ServingOverloaded
 from .._pool._worker import Factory, resolve_factory
 from .._progress import Progress  # the stuck rule the HTTP server's /health uses too
+from .._telemetry import ServingStats
 
 __all__ = ["DEFAULT_MAX_ONGOING", "Replica", "ServingDeployment", "queue_in_serve", "serving_app"]
 
@@ -58,17 +60,17 @@ class Replica:
             for name in _GAUGES
         }
 
-    async def run(self, input: Any, deadline: float | None = None) -> Any:
+    async def run(self, input: object, deadline: float | None = None) -> object:
         """One request: ``run_async`` on the replica's serving."""
         return await self._handle.run_async(input, deadline=deadline)
 
-    async def stream(self, input: Any, deadline: float | None = None) -> Any:
+    async def stream(self, input: object, deadline: float | None = None) -> AsyncIterator[object]:
         """Streaming response: the items of ``stream_async``."""
         async with await self._handle.stream_async(input, deadline=deadline) as stream:
             async for item in stream:
                 yield item
 
-    async def stats(self) -> Any:
+    async def stats(self) -> ServingStats:
         """The serving's ``ServingStats`` (also exported as gauges)."""
         return self._record()
 
@@ -82,7 +84,7 @@ class Replica:
                 f"or finished request for {idle:.1f} s (stuck_after {self._progress.stuck_after} s)"
             )
 
-    def _record(self) -> Any:
+    def _record(self) -> ServingStats:
         stats = self._handle.stats()
         for name, gauge in self._gauges.items():
             gauge.set(float(getattr(stats, name)))
