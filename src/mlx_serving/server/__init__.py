@@ -11,21 +11,26 @@ length and tokenizer) is importable without FastAPI.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._models import ServedModel
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from fastapi import FastAPI
 
 __all__ = ["ServedModel", "client_timeout_protocol", "create_app"]
 
 
-def create_app(*args: Any, **kwargs: Any) -> Any:
+def create_app(*args: Any, **kwargs: Any) -> FastAPI:
     """The server's ASGI app: see ``mlx_serving.server._app.create_app``."""
     from ._app import create_app as create
 
     return create(*args, **kwargs)
 
 
-def client_timeout_protocol(seconds: float) -> Any:
+def client_timeout_protocol(seconds: float) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol closing connections whose request head takes over ``seconds``: see
     ``mlx_serving.server._timeouts.client_timeout_protocol``."""
     from ._timeouts import client_timeout_protocol as protocol

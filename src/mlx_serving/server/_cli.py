@@ -28,7 +28,7 @@ API_KEY_ENV = "MLX_SERVING_API_KEY"
 _log = logging.getLogger("mlx_serving.server")
 
 
-def add_parser(subparsers: Any, formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
     """Register ``serve`` on the ``mlx-serving`` command's subparsers."""
     p = subparsers.add_parser(
         "serve", formatter_class=formatter_class, help="OpenAI-compatible HTTP server (needs mlx-serving[server])",
@@ -239,7 +239,8 @@ def _architecture(path: Path, options: dict[str, Any]) -> str:
     config = read_config(path)
     quant = config.quantization
     weights = f"{quant.default.bits}-bit weights (groups of {quant.default.group_size})" if quant else "dense weights"
-    stored = read_config_files(path)[0].get("torch_dtype")
+    raw = read_config_files(path)[0]  # a JSON object: read_config refused anything else
+    stored = raw.get("torch_dtype") if isinstance(raw, dict) else None
     stored = stored if isinstance(stored, str) and stored in COMPUTE_DTYPES else None
     compute = str(compute_dtype(None, COMPUTE_DTYPES[stored or "float32"])).removeprefix("mlx.core.")
     if stored is None and mx.default_device() != mx.cpu:

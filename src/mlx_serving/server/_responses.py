@@ -116,7 +116,7 @@ def _logprob(value: float | None) -> float | None:
     return None if value is None else max(value, MIN_LOGPROB)
 
 
-def chat_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_logprobs(entries: list[dict[str, Any]]) -> list[JSONObject]:
     """The serving's logprob entries as OpenAI chat ``logprobs.content`` items."""
     def one(e: dict[str, Any]) -> dict[str, Any]:
         return {"token": e["token"], "logprob": _logprob(e["logprob"]), "bytes": list(e["token"].encode("utf-8"))}

@@ -10,8 +10,6 @@ events, outside the scope.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..serving import AsyncStream
 from ._errors import APIError
 from ._shutdown import Drain
@@ -32,10 +30,10 @@ class ShuttingDown(Exception):
         return APIError(503, str(self), "server_error", code="shutting_down")
 
 
-async def next_items(stream: AsyncStream, drain: Drain) -> list[Any]:
+async def next_items(stream: AsyncStream, drain: Drain) -> list[object]:
     """The next item of ``stream`` (awaited under ``drain.scope()``), then those already waiting, joined;
     ``[]`` once the stream ended. Raises :class:`ShuttingDown`, or what the stream raises."""
-    item: Any = _END
+    item: object = _END
     with drain.scope() as waiting:
         item = await anext(stream, _END)
     if waiting.cancelled_caught:
@@ -45,10 +43,10 @@ async def next_items(stream: AsyncStream, drain: Drain) -> list[Any]:
     return joined([item, *stream.take_ready()])  # what waits goes out together
 
 
-def joined(items: list[Any]) -> list[Any]:
+def joined(items: list[object]) -> list[object]:
     """``items`` with each run of consecutive text pieces joined into one: a stream that fell behind
     the engine (several tokens waiting) is sent as one content chunk instead of one per token."""
-    out: list[Any] = []
+    out: list[object] = []
     for item in items:
         if isinstance(item, str) and out and isinstance(out[-1], str):
             out[-1] += item

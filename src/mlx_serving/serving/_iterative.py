@@ -20,7 +20,6 @@ serving keeps deadlines and cancellation for them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
 from dataclasses import replace
 import itertools
 import logging

@@ -14,6 +14,7 @@ import importlib
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from ...serving._json import JSON, JSONObject
 from .._checkpoint import read_config_files, read_json, show
 from ..config import DecoderConfig
 
@@ -30,11 +31,11 @@ class Family(Protocol):
     #: seeded-checkpoint shapes by preset name (``hidden_size``, ``num_hidden_layers``, ...)
     PRESETS: Mapping[str, Mapping[str, Any]]
 
-    def config_from_dict(self, raw: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
+    def config_from_dict(self, raw: Mapping[str, JSON], generation: Mapping[str, JSON] | None = None,
                          where: str = "config.json") -> DecoderConfig:
         """The checked config (ValueError / MissingFieldError naming ``where`` and the field)."""
 
-    def checkpoint_config(self, preset: str) -> dict[str, Any]:
+    def checkpoint_config(self, preset: str) -> JSONObject:
         """config.json of a seeded checkpoint of ``preset`` (a key of ``PRESETS``)."""
 
 
@@ -46,10 +47,15 @@ def family(name: str) -> Family:
     return importlib.import_module(f"{__name__}.{FAMILIES[name]}")  # type: ignore[return-value]
 
 
-def _model_type(raw: Any, where: str) -> str:
+def _json_object(raw: JSON, where: str) -> JSONObject:
+    """``raw`` when it is a JSON object (ValueError naming ``where`` when it is not)."""
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: must hold a JSON object, got {type(raw).__name__}")
-    kind = raw.get("model_type")
+    return raw
+
+
+def _model_type(raw: JSON, where: str) -> str:
+    kind = _json_object(raw, where).get("model_type")
     if not isinstance(kind, str) or kind not in FAMILIES:  # a list or object is no model_type either
         raise ValueError(f"{where}: model_type {show(kind)} is not supported (supported: {', '.join(sorted(FAMILIES))})")
     return kind
@@ -75,4 +81,5 @@ def read_config(path: str | Path) -> DecoderConfig:
     directory, holds an unsupported ``model_type`` or a bad value.
     """
     raw, generation, where = read_config_files(path)
-    return family(_model_type(raw, where)).config_from_dict(raw, generation, where=where)
+    config = _json_object(raw, where)
+    return family(_model_type(config, where)).config_from_dict(config, generation, where=where)

@@ -11,8 +11,7 @@ Each returns None where the chat path's default applies, and raises :class:`~.._
 
 from __future__ import annotations
 
-from typing import Any
-
+from ...serving._json import JSON
 from .._errors import APIError
 from ._items import Json
 
@@ -22,16 +21,16 @@ _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _LOGPROBS = "message.output_text.logprobs"
 
 
-def tools(value: Any) -> list[Json] | None:
+def tools(value: JSON) -> list[Json] | None:
     """Flat function tools -> chat tools; APIError 400 (param ``tools``) for any other kind."""
     if value is None or value == []:
         return None
     if not isinstance(value, list):
         raise APIError(400, "'tools' must be a list of function tools", param="tools")
-    out = []
+    out: list[Json] = []
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
+        if kind != "function" or not isinstance(tool, dict):  # not a dict: kind is None
             raise APIError(400, f"tools[{i}]: only function tools are supported, not {kind!r:.80} (built-in tools "
                            "run on OpenAI's servers)", param="tools")
         fn = {k: v for k, v in tool.items() if k != "type" and v is not None}
@@ -43,7 +42,7 @@ def tools(value: Any) -> list[Json] | None:
     return out
 
 
-def tool_choice(choice: Any) -> Any:
+def tool_choice(choice: JSON) -> JSON:
     """``tool_choice`` in the chat shape (None for "auto", the default); APIError 400 for hosted
     tools and ``allowed_tools``."""
     if choice in (None, "auto"):
@@ -56,7 +55,7 @@ def tool_choice(choice: Any) -> Any:
                    param="tool_choice")
 
 
-def response_format(text: Any) -> Json | None:
+def response_format(text: JSON) -> Json | None:
     """``text.format`` -> the chat ``response_format`` (None for plain text)."""
     if text is None:
         return None
@@ -70,12 +69,12 @@ def response_format(text: Any) -> Json | None:
         return None
     if kind == "json_object":
         return {"type": "json_object"}
-    if kind == "json_schema":
+    if kind == "json_schema" and isinstance(fmt, dict):  # a kind means fmt is a dict
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     raise APIError(400, "'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", param="text")
 
 
-def thinking(reasoning: Any) -> Json | None:
+def thinking(reasoning: JSON) -> Json | None:
     """``reasoning`` -> ``chat_template_kwargs`` (effort "none": thinking off; any other: on)."""
     if reasoning is None:
         return None

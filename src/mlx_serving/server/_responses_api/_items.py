@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...serving._json import JSON
 from .._errors import APIError
 
 __all__ = ["Item", "Json", "items_of", "messages_of"]
@@ -42,7 +43,7 @@ class Item:
         return len(self.text) + len(self.call_id) + len(self.name)
 
 
-def items_of(value: Any) -> list[Item]:
+def items_of(value: JSON) -> list[Item]:
     """A request's ``input`` as items: a string is one user message. Raises APIError 400 (param
     ``input``) for anything else than a string or a list of the supported items."""
     if isinstance(value, str):

@@ -68,7 +68,7 @@ def usage(final: Mapping[str, Any]) -> Json:
             "total_tokens": prompt + generated}
 
 
-def status(finish_reason: Any) -> tuple[str, Json | None]:
+def status(finish_reason: object) -> tuple[str, Json | None]:
     """``(status, incomplete_details)`` for a finish reason: "length" is incomplete, any other completed."""
     if finish_reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}

@@ -132,7 +132,7 @@ class _Streamed:
 
     def _open(self, kind: str, out: list[Json]) -> Json:
         """Open a reasoning or message item (its events go to ``out``) and return it."""
-        logprobs = [] if self.turn.logprobs else None
+        logprobs: list[Json] | None = [] if self.turn.logprobs else None
         item = reasoning("") if kind == "reasoning" else message("", "in_progress", logprobs)
         item["status"], self.current = "in_progress", item
         out += [self._event("response.output_item.added", output_index=len(self.output), item={**item, "content": []}),

@@ -9,7 +9,7 @@ worker and the context managers are here.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import anyio
 
@@ -31,10 +31,10 @@ class PoolClient:
     def _consumer(self) -> Consumer:
         raise NotImplementedError
 
-    def _submit(self, input: Any, stream: bool, deadline: float | None) -> Request:
+    def _submit(self, input: object, stream: bool, deadline: float | None) -> Request:
         raise NotImplementedError
 
-    async def _submit_async(self, input: Any, stream: bool, deadline: float | None) -> Request:
+    async def _submit_async(self, input: object, stream: bool, deadline: float | None) -> Request:
         raise NotImplementedError
 
     def pool_stats(self) -> PoolStats:
@@ -44,7 +44,7 @@ class PoolClient:
         raise NotImplementedError
 
     # ---- the verbs -----------------------------------------------------------------------------
-    def run(self, input: Any, *, deadline: float | None = None) -> Any:
+    def run(self, input: object, *, deadline: float | None = None) -> Any:
         """Run one request on the least-loaded worker and return its result (blocks; thread-safe).
 
         The worker runs ``run_async`` on its serving: client preprocessing, batching with other
@@ -60,19 +60,19 @@ class PoolClient:
         with Stream(self._submit(input, False, deadline), consumer) as stream:
             return consumer.result(list(stream))
 
-    async def run_async(self, input: Any, *, deadline: float | None = None) -> Any:
+    async def run_async(self, input: object, *, deadline: float | None = None) -> Any:
         """``run`` for asyncio or trio; cancelling the caller withdraws the request."""
         consumer = self._consumer()
         async with AsyncStream(await self._submit_async(input, False, deadline), consumer) as stream:
             return consumer.result([item async for item in stream])
 
-    def stream(self, input: Any, *, deadline: float | None = None) -> Stream:
+    def stream(self, input: object, *, deadline: float | None = None) -> Stream:
         """Send the request now; a ``Stream`` of its items (what the worker's ``stream_async``
         yields). Closing it (``close()``, leaving ``with``, an exception while reading) or the
         deadline passing withdraws the request in the worker. Raises as ``run``."""
         return Stream(self._submit(input, True, deadline), self._consumer())
 
-    async def stream_async(self, input: Any, *, deadline: float | None = None) -> AsyncStream:
+    async def stream_async(self, input: object, *, deadline: float | None = None) -> AsyncStream:
         """``stream`` for asyncio or trio (the request is sent when the await returns); the
         reading task being cancelled, ``aclose()`` or leaving ``async with`` withdraws it."""
         return AsyncStream(await self._submit_async(input, True, deadline), self._consumer())
@@ -103,13 +103,13 @@ class PoolClient:
         """``close`` without blocking the event loop."""
         await anyio.to_thread.run_sync(self.close, timeout)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import msgspec
@@ -67,14 +67,15 @@ class WireConsumer:
 
     live = True
 
-    def on_message(self, message: msgspec.Raw) -> list[Any]:
-        """The decoded payload; ``ValueError`` if it cannot be decoded."""
-        return [decode_payload(message)]
+    def on_message(self, message: object) -> list[object]:
+        """The decoded payload (``message`` is the ``msgspec.Raw`` the worker sent); ``ValueError``
+        if it cannot be decoded."""
+        return [decode_payload(cast(msgspec.Raw, message))]
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[object]:
         return []
 
-    def result(self, items: list[Any]) -> Any:
+    def result(self, items: list[object]) -> object:
         """A non-streamed call's result: its one message."""
         return items[0]
 
@@ -568,7 +569,7 @@ class ServingPool(PoolClient):
                     best, best_score = worker, score
         return best
 
-    def _submit(self, input: Any, stream: bool, deadline: float | None) -> Request:
+    def _submit(self, input: object, stream: bool, deadline: float | None) -> Request:
         """Send one call to a ready worker (waiting for one if none is); its request."""
         reap(self._orphans)
         payload = encode_payload(input)
@@ -581,7 +582,7 @@ class ServingPool(PoolClient):
         _send_call(worker, request, payload, stream)
         return request
 
-    async def _submit_async(self, input: Any, stream: bool, deadline: float | None) -> Request:
+    async def _submit_async(self, input: object, stream: bool, deadline: float | None) -> Request:
         """``_submit`` for asyncio or trio: waits for a ready worker without blocking the loop."""
         reap(self._orphans)
         payload = encode_payload(input)
@@ -635,7 +636,7 @@ class ServingPool(PoolClient):
                     worker.queries.add(query.id)
                 queries.append((slot, worker, query))
         for _, worker, query in queries:
-            if query is not None:
+            if query is not None and worker is not None:  # a query is only made for a worker
                 with contextlib.suppress(OSError):
                     worker.send(StatsQuery(query.id))
         deadline = time.monotonic() + _STATS_TIMEOUT
