@@ -92,7 +92,7 @@ class ModelRunner:
         self._history: TokenHistory | None = None  # penalty state, made for the first penalized request
         self._table = np.zeros((rows, -(-max_len // cache.block_size)), dtype=np.int32)  # decode rows' blocks
         self._table_n = [0] * rows
-        self._warm: deque[Callable[[], None]] | None = None  # shapes warm_up has yet to build
+        self._warm: deque[Callable[[], None]] = deque(self.warm_shapes() if bucket_shapes else ())  # yet to build
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -277,8 +277,6 @@ class ModelRunner:
         order, and return how many are left; MLX's buffer cache is emptied once none is. Only
         padding rows take part (``n_valid`` 0): no valid cache position changes. Builds nothing
         without shape bucketing (the CPU default), where shapes are not a small known set."""
-        if self._warm is None:
-            self._warm = deque(self.warm_shapes() if self.bucket else ())
         n = len(self._warm) if limit is None else min(limit, len(self._warm))
         for _ in range(n):
             self._warm.popleft()()
@@ -289,8 +287,6 @@ class ModelRunner:
     @property
     def warm_shapes_left(self) -> int:
         """Shapes :meth:`warm_up` has yet to build (a plain counter: safe from any thread)."""
-        if self._warm is None:
-            return len(self.warm_shapes()) if self.bucket else 0
         return len(self._warm)
 
     @property

@@ -72,10 +72,12 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
+        """Positions before :attr:`prefill_end` still lack their K/V."""
         return self.num_computed_tokens < self.prefill_end
 
     @property
     def decoding(self) -> bool:
+        """Prefilled, with a sampled token to feed and fewer than ``max_new_tokens`` sampled."""
         return not self.prefilling and 1 <= self.num_sampled < self.params.max_new_tokens
 
     def tokens(self) -> np.ndarray:

@@ -31,8 +31,9 @@ __all__ = ["DecodeRow", "PrefillChunk", "Scheduler", "SchedulerOutput"]
 @dataclass(frozen=True)
 class PrefillChunk:
     """``tokens`` (n,) int32 of ``request``'s prompt (or recomputed stream) at positions
-    ``start .. start + n - 1``, in batch row ``row``; ``sample``: the chunk ends the prefill, so its
-    last token's logits give the request's next token."""
+    ``start .. start + n - 1``, in batch row ``row``; ``sample``: the chunk ends a new request's
+    prefill, so its last token's logits give its first token (a request recomputed after a
+    preemption samples nothing here: its last token is decoded next)."""
 
     request: Request
     row: int
@@ -69,6 +70,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
+        """Nothing to compute this step (no prefill chunk, no decode row)."""
         return not self.prefills and not self.decodes
 
 
@@ -116,10 +118,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This step's plan (see the module docstring)."""
         started = self._admit()
-        chunks = self._chunks()
-        preempted = self._reserve(chunks)
+        running = self._by_order()
+        chunks = self._chunks(running)
+        preempted = self._reserve(running, chunks)  # removes the preempted from running
         decodes, prefills = [], []
-        for r in self._by_order():
+        for r in running:
             if r.decoding:
                 decodes.append(DecodeRow(r, r.row, r.num_computed_tokens))
             elif chunks.get(r, 0) > 0:
@@ -162,10 +165,9 @@ class Scheduler:
         prefilling = (o.kv for o in self.running if o is not None and o.prefilling)
         return self.kv.prefix.prefilling_elsewhere(r.kv, r.tokens()[: r.prefill_end], prefilling)
 
-    def _chunks(self) -> dict[Request, int]:
-        """Prefill tokens per prefilling request: decode rows first, one token each, then chunks in
-        start order from what ``max_step_tokens`` leaves."""
-        running = self._by_order()
+    def _chunks(self, running: list[Request]) -> dict[Request, int]:
+        """Prefill tokens per prefilling request of ``running`` (in start order): decode rows first,
+        one token each, then chunks in start order from what ``max_step_tokens`` leaves."""
         budget = self.max_step_tokens if self.max_step_tokens is not None else 1 << 62
         budget -= sum(r.decoding for r in running)
         chunks = {}
@@ -175,11 +177,11 @@ class Scheduler:
                 budget -= chunks[r]
         return chunks
 
-    def _reserve(self, chunks: dict[Request, int]) -> list[Request]:
-        """Blocks for every running request's tokens of this step, oldest first; preempts the
-        policy's victim while the pool is short. Returns the preempted requests."""
+    def _reserve(self, running: list[Request], chunks: dict[Request, int]) -> list[Request]:
+        """Blocks for the tokens of this step of every request of ``running`` (in start order),
+        oldest first; preempts the policy's victim while the pool is short, removing it from
+        ``running``. Returns the preempted requests."""
         preempted: list[Request] = []
-        running = self._by_order()
         i = 0
         while i < len(running):
             r = running[i]
