@@ -25,6 +25,7 @@ by its data dependence on the kernel's output.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from functools import cache
 
@@ -286,8 +287,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-#: Streaming multiprocessors of the GPU class the split heuristic targets (H100 / H200: 132).
-GPU_SMS = 132
+#: Streaming multiprocessors assumed when the CUDA driver cannot be asked (an H100 / H200's 132).
+DEFAULT_SMS = 132
+_CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16  # CUdevice_attribute, CUDA driver API (cuda.h)
 #: Most thread blocks sharing one (row, KV head)'s keys, and the fewest keys each takes.
 MAX_SPLITS = 32
 MIN_SPLIT_KEYS = 64
@@ -367,10 +369,26 @@ def decode_attention(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | 
 def split_count(rows: int, kv_heads: int) -> int:
     """How many thread blocks share one (row, KV head)'s keys in :func:`decode_attention` (split-K,
     flash-decoding: Dao et al. 2023, "Flash-Decoding for long-context inference"): enough for
-    about two blocks per SM of an H100/H200 (:data:`GPU_SMS`) when ``rows * kv_heads`` alone is
+    about two blocks per SM of this GPU (:func:`sm_count`) when ``rows * kv_heads`` alone is
     fewer, at most :data:`MAX_SPLITS`; 1 when the batch fills the GPU. At run time a row uses at
     most one split per :data:`MIN_SPLIT_KEYS` keys, so short contexts stay on one."""
-    return max(1, min(MAX_SPLITS, -(-2 * GPU_SMS // (rows * kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-2 * sm_count() // (rows * kv_heads))))
+
+
+@cache
+def sm_count() -> int:
+    """Streaming multiprocessors of CUDA device 0 (the one MLX runs on; ``CUDA_VISIBLE_DEVICES``
+    applies), read once from the CUDA driver (``cuDeviceGetAttribute``,
+    ``CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT``); :data:`DEFAULT_SMS` where there is no driver
+    (a CPU or Metal machine, where the kernels do not run)."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        dev, count = ctypes.c_int(), ctypes.c_int()
+        ok = (driver.cuInit(0) == 0 and driver.cuDeviceGet(ctypes.byref(dev), 0) == 0
+              and driver.cuDeviceGetAttribute(ctypes.byref(count), _CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev) == 0)
+    except (OSError, AttributeError):
+        return DEFAULT_SMS
+    return count.value if ok and count.value > 0 else DEFAULT_SMS
 
 
 def add_rms_norm(h: mx.array, delta: mx.array, weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:

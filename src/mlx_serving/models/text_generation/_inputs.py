@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,20 +21,11 @@ from ...tokenization import Tokenizer
 
 from ..generation.sampling import SamplingParams, _show
 from . import _request
-from ._options import GenerationOptions, _stop_tuple
+from ._options import GenerationOptions
+from ._request import ROLES, GenerationRequest, RowOutput, _blame, parse_request
 
 __all__ = ["ROLES", "Prompt", "RequestInfo", "RowOutput", "max_bytes_per_token", "needs_thread", "preprocess"]
 
-_KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *_request.KEYS))
-
-#: Chat roles a message may have (the Qwen3 template renders these four and silently drops any other).
-ROLES = ("system", "user", "assistant", "tool")
-_MESSAGE_KEYS = frozenset(("role", "content", "reasoning_content", "thinking", "reasoning", "tool_calls", "name",
-                           "tool_call_id"))
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-#: Nesting depth of the JSON values in ``tools`` and tool-call arguments (JSON Schemas of real tools
-#: nest ~10 deep; the chat template's ``tojson`` and copy are recursive, so depth must be bounded).
-MAX_JSON_DEPTH = 32
 # Unicode NFC can shrink UTF-8 text by up to 3x (U+0390 is 6 bytes decomposed, 2 composed; a
 # Hangul L+V+T jamo triple is 9 bytes, the syllable 3; U+212A KELVIN SIGN 3 bytes -> "K"). Checked
 # over every code point (decomposed and single) with unicodedata; a tokenizer that normalizes NFC
@@ -66,25 +56,6 @@ class Prompt:
     ids: list[int]
     params: SamplingParams
     priority: int = 0
-
-
-@dataclass(frozen=True)
-class RowOutput:
-    """Where one row's output goes and what it carries: ``input`` (index of its input in the
-    request) and ``index`` (which of that input's ``n`` completions); ``logprobs``: per-token
-    log-probabilities were asked for; ``reasoning``: split ``<think>`` blocks into
-    ``reasoning_content`` (``enable_thinking`` true); ``tools``: parse ``<tool_call>`` blocks
-    (``tools`` given); ``deltas``: stream dict deltas instead of str pieces (its input asked for
-    ``n`` > 1, logprobs, tools or thinking); ``keep_stop``: a matched stop string stays at the end
-    of the text (``include_stop_str_in_output``, vLLM's)."""
-
-    input: int = 0
-    index: int = 0
-    logprobs: bool = False
-    reasoning: bool = False
-    tools: bool = False
-    deltas: bool = False
-    keep_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -253,204 +224,61 @@ def needs_thread(input: Any) -> bool:
     return False
 
 
-def _one(item: Any, tokenizer: Tokenizer, opts: GenerationOptions,
+def _one(item: object, tokenizer: Tokenizer, opts: GenerationOptions,
          bytes_per_token: int | None) -> tuple[list[Prompt], tuple[str, ...], RowOutput]:
     """One input -> its ``n`` rows (one per completion), stop strings and output spec."""
-    spec = _as_dict(item)
-    params = _request.sampling_params(spec, tokenizer, opts)
-    n, priority = _request.completions(spec), _request.priority(spec)
-    if spec.get("stop") is not None:
-        with _blame("stop"):
-            stop = _stop_tuple(spec["stop"])
-    else:
-        stop = opts.stop
-    chat = "messages" in spec or opts.chat
-    for key in ("enable_thinking", "tools", "tool_choice"):
-        if spec.get(key) is not None and not chat:
-            raise InvalidInput(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
-                               "chat=True)", key)
-    thinking = spec.get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise InvalidInput(f"'enable_thinking' must be true, false or null, got {_show(thinking)}", "enable_thinking")
+    request = parse_request(item, tokenizer, opts)
+    params = request.params
+    ids = _encode(request, tokenizer, opts, bytes_per_token)
+    if len(ids) + params.max_new_tokens > opts.max_len:
+        # the request's max_new_tokens is at fault when the prompt would fit with a smaller one
+        fits = len(ids) < opts.max_len and request.max_new_tokens_given
+        raise InvalidInput(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
+                           f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}",
+                           "max_new_tokens" if fits else request.source)
+    prompts = [Prompt(ids, p, request.priority) for p in _request.completion_params(params, request.n)]
+    return prompts, request.stop, request.output
+
+
+def _encode(request: GenerationRequest, tokenizer: Tokenizer, opts: GenerationOptions,
+            bytes_per_token: int | None) -> list[int]:
+    """The prompt's token ids; a prompt over the byte bound (``bytes_per_token`` x the prompt
+    tokens that fit) is refused before it is tokenized or rendered."""
+    params = request.params
     room = opts.max_len - params.max_new_tokens  # prompt tokens that fit
     limit = None if bytes_per_token is None else bytes_per_token * max(room, 1)
-    source = "messages" if "messages" in spec else "text"  # the key the prompt came from
     full = None if bytes_per_token is None else bytes_per_token * max(opts.max_len - 1, 1)  # max_new_tokens 1
 
     def too_long_param(prompt: str) -> str:
         """Who is at fault for a prompt over the byte bound: the request's max_new_tokens when the
         prompt could fit with max_new_tokens 1, else the prompt."""
-        asked = spec.get("max_new_tokens") is not None
-        return "max_new_tokens" if asked and full is not None and not _longer_than(prompt, full) else source
+        blame_max = request.max_new_tokens_given and full is not None and not _longer_than(prompt, full)
+        return "max_new_tokens" if blame_max else request.source
 
-    if chat:
-        if "messages" in spec:
-            messages = spec["messages"]  # None too: refused by _check_messages
-        else:
-            messages = [{"role": "user", "content": _text(spec["text"])}]
-        ids = _encode_chat(messages, spec.get("tools"), thinking, tokenizer, limit, opts, params, source,
-                           too_long_param)
-    else:
-        text = _text(spec["text"])
-        if limit is not None and _longer_than(text, limit):
-            raise _too_long("'text' (the prompt)", len(text), limit, opts, params, too_long_param(text))
-        with _blame("text"):
-            ids = tokenizer.encode(text)
-    if len(ids) + params.max_new_tokens > opts.max_len:
-        # the request's max_new_tokens is at fault when the prompt would fit with a smaller one
-        fits = len(ids) < opts.max_len and spec.get("max_new_tokens") is not None
-        raise InvalidInput(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
-                           f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}",
-                           "max_new_tokens" if fits else source)
-    prompts = [Prompt(ids, p, priority) for p in _request.completion_params(params, n)]
-    return prompts, stop, _output(spec, chat, thinking, params, n)
+    if request.messages is not None:
+        return _encode_chat(request, tokenizer, limit, opts, too_long_param)
+    text = request.text or ""
+    if limit is not None and _longer_than(text, limit):
+        raise _too_long("'text' (the prompt)", len(text), limit, opts, params, too_long_param(text))
+    with _blame("text"):
+        return tokenizer.encode(text)
 
 
-def _output(spec: dict[str, Any], chat: bool, thinking: bool | None, params: SamplingParams, n: int) -> RowOutput:
-    """What the rows of this input return (see :class:`RowOutput`)."""
-    logprobs = params.logprobs is not None
-    reasoning = chat and thinking is True
-    tools = chat and bool(spec.get("tools"))
-    keep = spec.get("include_stop_str_in_output")
-    if keep is not None and not isinstance(keep, bool):
-        raise InvalidInput(f"include_stop_str_in_output must be true, false or null, got {_show(keep)}",
-                           "include_stop_str_in_output")
-    return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
-                     deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(keep))
-
-
-def _as_dict(item: Any) -> dict[str, Any]:
-    if isinstance(item, str):
-        return {"text": item}
-    if not isinstance(item, dict):
-        raise InvalidInput(f"expected a string or a dict with 'text' or 'messages', got {type(item).__name__}")
-    unknown = set(item) - _KEYS
-    if unknown:
-        named = min((k[:80] for k in unknown if isinstance(k, str)), default=None)  # a key may be huge
-        raise InvalidInput(f"unknown input keys {_keys(unknown)} (allowed: {sorted(_KEYS)})", named)
-    if ("text" in item) == ("messages" in item):
-        raise InvalidInput("an input dict needs exactly one of 'text' or 'messages'")
-    return item
-
-
-@contextmanager
-def _blame(param: str) -> Iterator[None]:
-    """Re-raise a plain ValueError of the block (a TokenizationError, ...) as InvalidInput naming
-    ``param``, same message, the original as ``__cause__``; an InvalidInput passes as it is."""
-    try:
-        yield
-    except InvalidInput:
-        raise
-    except ValueError as exc:
-        raise InvalidInput(str(exc), param) from exc
-
-
-def _keys(keys: set[Any]) -> str:
-    """``['a', 'b']`` for any keys (mixed types do not sort; a key may be huge)."""
-    return "[" + ", ".join(sorted(_show(k) for k in keys)[:10]) + (", ...]" if len(keys) > 10 else "]")
-
-
-def _encode_chat(messages: Any, tools: Any, thinking: bool | None, tokenizer: Tokenizer, limit: int | None,
-                 opts: GenerationOptions, params: SamplingParams, source: str,
+def _encode_chat(request: GenerationRequest, tokenizer: Tokenizer, limit: int | None, opts: GenerationOptions,
                  too_long_param: Callable[[str], str]) -> list[int]:
-    """The chat prompt's ids; ``source``: the input key the messages came from ("messages", or
-    "text" made into one user message by a ``chat=True`` serving), the ``param`` of a refusal of
-    the messages or of their rendering; ``too_long_param``: the ``param`` of a rendered prompt
-    over the byte bound."""
-    with _blame(source):
-        chars = _check_messages(messages)
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-            raise InvalidInput(f"'tools' must be a list of tool dicts (JSON Schema function specs), got {_show(tools)}",
-                               "tools")
-        with _blame("tools"):
-            chars += _json_chars(tools, "'tools'")
-    with _blame(source):  # the template's errors (ChatTemplateError) and text it cannot encode
-        if limit is not None and 4 * chars > limit and tokenizer.chat_template is not None:
+    """The chat prompt's ids; a refusal of the messages or of their rendering names
+    ``request.source`` ("messages", or "text" made into one user message by a ``chat=True``
+    serving); ``too_long_param``: the ``param`` of a rendered prompt over the byte bound."""
+    messages, tools, thinking = request.messages, request.tools, request.enable_thinking
+    with _blame(request.source):  # the template's errors (ChatTemplateError) and text it cannot encode
+        if limit is not None and 4 * request.chat_chars > limit and tokenizer.chat_template is not None:
             # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.
             rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
                                                      tools=tools)
             if _longer_than(rendered, limit):
-                raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, params,
+                raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, request.params,
                                 too_long_param(rendered))
         return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
-
-
-def _check_messages(messages: Any) -> int:
-    """ValueError naming the message and field unless ``messages`` is what the chat template takes;
-    returns the characters of its strings."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
-    chars = 0
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be a {{'role', 'content'}} dict, got {type(m).__name__}")
-        unknown = set(m) - _MESSAGE_KEYS
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {_keys(unknown)} (allowed: {sorted(_MESSAGE_KEYS)})")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
-            raise ValueError(f"{where}: 'role' must be one of {list(ROLES)}, got {_show(role)}")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}: 'content' must be a string, got {_show(content)}")
-        chars += len(content)
-        for key in (*_REASONING_KEYS, "name", "tool_call_id"):
-            value = m.get(key)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{where}: '{key}' must be a string, got {_show(value)}")
-            chars += len(value or "")
-        calls = m.get("tool_calls")
-        if calls is not None:
-            if role != "assistant":
-                raise ValueError(f"{where}: 'tool_calls' are for assistant messages only (role is {role!r})")
-            if not isinstance(calls, list):
-                raise ValueError(f"{where}: 'tool_calls' must be a list of dicts, got {_show(calls)}")
-            for j, call in enumerate(calls):
-                _check_tool_call(call, f"{where}.tool_calls[{j}]")
-            chars += _json_chars(calls, f"{where}: 'tool_calls'")
-    return chars
-
-
-def _check_tool_call(call: Any, where: str) -> None:
-    function = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(function, dict):
-        raise ValueError(f"{where} must be a dict: {{'function': {{'name', 'arguments'}}}} or {{'name', 'arguments'}}")
-    if not isinstance(function.get("name"), str):
-        raise ValueError(f"{where}: 'name' must be a string, got {_show(function.get('name'))}")
-    if not isinstance(function.get("arguments"), (str, dict)):
-        raise ValueError(f"{where}: 'arguments' must be a JSON string or an object, "
-                         f"got {_show(function.get('arguments'))}")
-
-
-def _json_chars(value: Any, where: str) -> int:
-    """Characters of the strings in a JSON-like ``value`` (str, int, float, bool, None, lists,
-    dicts with string keys, at most MAX_JSON_DEPTH deep); ValueError naming ``where`` otherwise.
-    Iterative: a deeply nested or self-containing value costs no recursion."""
-    chars = 0
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, str):
-            chars += len(v)
-        elif v is None or isinstance(v, (bool, int, float)):
-            chars += 1
-        elif isinstance(v, (dict, list, tuple)):
-            if depth >= MAX_JSON_DEPTH:
-                raise ValueError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels")
-            if isinstance(v, dict):
-                for k in v:
-                    if not isinstance(k, str):
-                        raise ValueError(f"{where}: object keys must be strings, got {_show(k)}")
-                    chars += len(k)
-                stack.extend((x, depth + 1) for x in v.values())
-            else:
-                stack.extend((x, depth + 1) for x in v)
-        else:
-            raise ValueError(f"{where} must hold JSON values only (str, number, bool, null, list, dict), "
-                             f"got {type(v).__name__}")
-    return chars
 
 
 def _longer_than(text: str, limit: int) -> bool:
@@ -472,9 +300,3 @@ def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, params
                       "(refused before tokenizing)", param)
 
 
-def _text(text: Any) -> str:
-    if not isinstance(text, str):
-        raise InvalidInput(f"'text' must be a string, got {type(text).__name__}", "text")
-    if not text:
-        raise InvalidInput("empty prompt: 'text' must contain at least one character", "text")
-    return text
