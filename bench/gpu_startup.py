@@ -37,7 +37,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def gpu_memory_mb() -> float | None:
-    """MB in use on GPU 0 (``nvidia-smi``; this bench is its only process), None without it."""
+    """MB in use on GPU 0 (``nvidia-smi``), None without it. The start-up child is the only process
+    holding GPU memory: the parent writes the checkpoint in a process of its own and imports no MLX
+    until the start-ups are over."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                              capture_output=True, text=True, timeout=20).stdout
@@ -56,14 +58,21 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_serving.serving import Serving
     from mlx_serving.tokenization import Tokenizer
 
-    out: dict[str, Any] = {"import_s": time.time() - t_spawn}
+    out: dict[str, Any] = {"import_s": time.time() - t_spawn, "graph_cache": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}
+    mx.eval(mx.zeros((1,)))
+    out["memory_context_mb"] = gpu_memory_mb()  # the CUDA context alone
+    out["device_info"] = {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else None
+    from mlx_serving.models.generation.cuda_kernels import sm_count
+    out["sm_count"] = sm_count()
     state = load(args.ckpt)
     mx.eval(state.embed_tokens.weight)
     out["load_s"] = time.time() - t_spawn
     weights = mx.get_active_memory()  # the loaded model: nothing else is allocated yet
     gen = text_generation.serving(Tokenizer.from_dir(args.ckpt), state, max_new_tokens=16, **args.options)
+    out["memory_after_load_mb"] = gpu_memory_mb()
     with Serving.start(gen) as h:
         out["started_s"] = time.time() - t_spawn
+        out["memory_after_start_mb"] = gpu_memory_mb()
         for name in ("first", "second"):
             t0 = time.time()
             with h.stream({"text": "hello " * 120, "max_new_tokens": 16}) as stream:
@@ -135,6 +144,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spawn", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--parts", default="startup,overhead", help="comma-separated: startup, overhead")
+    ap.add_argument("--graph-caches", type=int, nargs="*", default=[],
+                    help="more warm start-ups, each with MLX_CUDA_GRAPH_CACHE_SIZE set to this (MLX's default: 400)")
     args = ap.parse_args()
     args.options = {}
     if args.quick:
@@ -143,13 +154,16 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    from mlx_serving.models.seeded_checkpoint import write_checkpoint
-    if not (args.ckpt / "config.json").is_file():
-        write_checkpoint(args.ckpt, args.preset, seed=0)
+    if not (args.ckpt / "config.json").is_file():  # in a process of its own: this one holds no GPU memory
+        subprocess.run([sys.executable, "-c", "import sys; from mlx_serving.models.seeded_checkpoint import "
+                        "write_checkpoint as w; w(sys.argv[1], sys.argv[2], seed=0)", str(args.ckpt), args.preset],
+                       check=True, timeout=900)
     out: dict[str, Any] = {"command": " ".join(["python", "bench/gpu_startup.py", *sys.argv[1:]]), "runs": []}
     ptx = tempfile.mkdtemp(prefix="ptx-")
     env = {**os.environ, "MLX_PTX_CACHE_DIR": ptx}
-    for run in ("cold_ptx_cache", "warm_ptx_cache") if "startup" in args.parts else ():
+    runs = [("cold_ptx_cache", None), ("warm_ptx_cache", None)] + [(f"warm_ptx_cache_graphs_{g}", g) for g in args.graph_caches]
+    for run, graphs in runs if "startup" in args.parts else ():
+        env = {**env, "MLX_CUDA_GRAPH_CACHE_SIZE": str(graphs)} if graphs else env
         cmd = [sys.executable, __file__, "--child", "--ckpt", str(args.ckpt), "--spawn", str(time.time()),
                "--idle-wait", str(args.idle_wait)] + (["--quick"] if args.quick else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
