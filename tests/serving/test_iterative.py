@@ -359,9 +359,10 @@ def test_when_one_partition_fails_to_init_the_built_ones_are_released_on_their_t
 class IdleBackend(CountdownBackend):
     """A CountdownBackend with ``work`` pieces of idle work; records which ran while rows were active."""
 
-    def __init__(self, work: int, fail: bool = False):
+    def __init__(self, work: int, fail: bool = False, idle_after_s: float = 0.0):
         super().__init__()
         self.work, self.fail, self.idle_calls, self.busy_idle = work, fail, 0, 0
+        self.idle_after_s = idle_after_s
 
     def idle(self, state: dict) -> bool:
         self.idle_calls += 1
@@ -387,3 +388,12 @@ def test_a_raising_idle_is_logged_and_not_called_again(caplog):
         wait_for(lambda: backend.idle_calls >= 1)
         assert [e for _, e in h.run(countdown(2))] == [1, 0]  # the serving is unharmed
     assert backend.idle_calls == 1 and "IterativeBackend.idle failed" in caplog.text
+
+
+def test_idle_work_waits_for_a_quiet_period_so_an_early_request_never_waits_for_it():
+    backend = IdleBackend(work=3, idle_after_s=1.0)
+    with Serving.new(backend).start(batch_size=4) as h:
+        assert [e for _, e in h.run(countdown(3))] == [2, 1, 0]  # right after start: no idle piece first
+        assert backend.idle_calls == 0
+        wait_for(lambda: backend.work == 0)  # once quiet for idle_after_s, the pieces run
+    assert backend.busy_idle == 0

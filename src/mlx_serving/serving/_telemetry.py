@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 __all__ = ["ServingStats", "TelemetryEvent"]
 
-_log = logging.getLogger("serving")
+_log = logging.getLogger("mlx_serving.serving")
 
 EventKind = Literal["preprocessing", "execute", "step", "postprocessing"]
 
