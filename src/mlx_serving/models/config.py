@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..serving._json import JSON
 from ._checkpoint import MissingFieldError, Quantization, float_field, int_field, optional, show
 
 __all__ = ["DecoderConfig", "RopeScaling", "check_architecture", "check_full_attention", "rope_config"]
@@ -76,7 +77,7 @@ class DecoderConfig:
     quantization: Quantization | None = None
 
 
-def check_architecture(raw: Any, where: str, family: str, model_types: tuple[str, ...],
+def check_architecture(raw: JSON, where: str, family: str, model_types: tuple[str, ...],
                        architectures: tuple[str, ...]) -> None:
     """ValueError unless ``raw`` is a JSON object whose ``model_type`` is one of ``model_types``
     or whose ``architectures`` name one of ``architectures``, and whose ``hidden_act`` (default

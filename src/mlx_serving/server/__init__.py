@@ -11,7 +11,7 @@ length and tokenizer) is importable without FastAPI.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._models import ServedModel
 
@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["ServedModel", "client_timeout_protocol", "create_app"]
 
 
-def create_app(*args: Any, **kwargs: Any) -> FastAPI:
-    """The server's ASGI app: see ``mlx_serving.server._app.create_app``."""
+def create_app(*args: object, **kwargs: object) -> FastAPI:
+    """The server's ASGI app: see ``mlx_serving.server._app.create_app`` (the arguments are passed
+    through)."""
     from ._app import create_app as create
 
     return create(*args, **kwargs)

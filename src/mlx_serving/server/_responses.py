@@ -45,7 +45,7 @@ class Event:
     final: dict[str, Any] | None
 
 
-def event(item: Any, is_list: bool, n: int) -> Event:
+def event(item: str | JSONObject | tuple[int, str | JSONObject], is_list: bool, n: int) -> Event:
     """Normalize one stream item (see the module docstring)."""
     row, value = item if is_list else (0, item)
     if isinstance(value, str):

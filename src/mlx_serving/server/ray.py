@@ -61,7 +61,7 @@ OpenAIDeployment = serve.deployment(name="OpenAIDeployment", max_ongoing_request
 
 def openai_app(factory: Factory, *, model: str, process_options: dict[str, Any] | None = None,
                api_key: str | None = None, request_timeout: float | None = None, stuck_after: float = 60.0,
-               **deployment_options: Any) -> serve.Application:
+               **deployment_options: object) -> serve.Application:
     """``OpenAIDeployment`` bound to ``factory``: the OpenAI API over Serve HTTP.
 
     model: the model's id in the API (``/v1/models``, a request's ``model``).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 from ._batch import Batch
 
@@ -28,7 +28,7 @@ class Backend(Protocol[State]):
     ``Backend[State]``: ``State`` is what ``init`` returns and ``handle_batch`` receives.
     """
 
-    def init(self, mode: Mode, arg: Any, partitions: int) -> State: ...
+    def init(self, mode: Mode, arg: object, partitions: int) -> State: ...
 
     def handle_batch(self, batch: Batch, partition: int, state: State) -> tuple[object, object]: ...
 
@@ -69,7 +69,7 @@ class IterativeBackend(Protocol[State]):
       memory) there. Rows still active were already failed with ServingStopped. Errors are logged.
     """
 
-    def init(self, mode: Mode, arg: Any, partitions: int) -> State: ...
+    def init(self, mode: Mode, arg: object, partitions: int) -> State: ...
 
     def admit(self, state: State, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]: ...
 
@@ -82,7 +82,7 @@ class IterativeBackend(Protocol[State]):
     def active(self, state: State) -> int: ...
 
 
-def is_iterative(backend: object) -> bool:
+def is_iterative(backend: object) -> TypeGuard[IterativeBackend[Any]]:
     """True for an object implementing the iterative protocol (it has ``admit`` and ``step``)."""
     return callable(getattr(backend, "admit", None)) and callable(getattr(backend, "step", None))
 

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ._backend import is_iterative
+from ._backend import Backend, IterativeBackend, is_iterative
 from ._batch import Batch
 from ._client import LocalClient, Runtime
 from ._counters import Counters
@@ -38,7 +38,7 @@ Out = TypeVar("Out")
 class InlineRuntime:
     """Lazily started executor thread plus the backend state it initialized (``mode="inline"``)."""
 
-    def __init__(self, backend: Any, arg: object, batch_size: int | None,
+    def __init__(self, backend: Backend | IterativeBackend, arg: object, batch_size: int | None,
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._arg, self._batch_size, self._telemetry = backend, arg, batch_size, telemetry
         self._lock = threading.Lock()

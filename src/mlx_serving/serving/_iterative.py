@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._backend import IterativeBackend
 from ._batch import Batch
@@ -41,6 +41,7 @@ from ._telemetry import ServingStats, TelemetryEvent, emit
 
 _log = logging.getLogger("mlx_serving.serving")
 IDLE_AFTER_S = 1.0  # quiet period before a backend's idle work starts (its ``idle_after_s`` overrides)
+S = TypeVar("S")  # an iterative backend's state
 
 
 class _Row:
@@ -83,7 +84,7 @@ class IterativeScheduler:
         self._c = Counters()
         self._queues = callable(getattr(backend, "waiting", None))  # the backend orders its own queue
 
-    def bind_state(self, index: int, state: Any) -> None:
+    def bind_state(self, index: int, state: object) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
         self._parts[index].state = state
 
@@ -387,7 +388,7 @@ class IterativeScheduler:
         self._apply_cancels(part)
 
 
-def close_state(backend: IterativeBackend, state: Any) -> None:
+def close_state(backend: IterativeBackend[S], state: S) -> None:
     """The backend's optional ``close(state)``: release a partition's state (device memory) on the
     calling thread, the partition's own, rather than on whichever thread drops it last. A raising
     ``close`` is logged, never raised."""

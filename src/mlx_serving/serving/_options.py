@@ -50,6 +50,6 @@ class ProcessOptions:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
-    def merge(self, **overrides: Any) -> ProcessOptions:
+    def merge(self, **overrides: object) -> ProcessOptions:
         """A copy with ``overrides`` applied (unknown names raise ``TypeError``)."""
         return replace(self, **overrides)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
 from ._batch import _is_array, _is_mlx
 
+O = TypeVar("O")  # a backend output: an array, a dict or tuple of them, or a list of rows
 
-def output_rows(output: Any) -> int:
+
+def output_rows(output: object) -> int:
     """Leading size of an output; ``TypeError`` if it has no rows axis."""
     if _is_array(output):
         if len(output.shape) == 0:
@@ -26,7 +28,7 @@ def output_rows(output: Any) -> int:
     )
 
 
-def slice_output(output: Any, start: int, size: int) -> Any:
+def slice_output(output: O, start: int, size: int) -> O:
     """Rows ``[start, start + size)`` of every leaf."""
     if isinstance(output, dict):
         return {k: slice_output(v, start, size) for k, v in output.items()}
@@ -35,7 +37,7 @@ def slice_output(output: Any, start: int, size: int) -> Any:
     return output[start : start + size]
 
 
-def concat_outputs(parts: list[Any]) -> Any:
+def concat_outputs(parts: list[O]) -> O:
     """Join per-chunk outputs of one caller in order (the inverse of splitting)."""
     first = parts[0]
     if len(parts) == 1:

@@ -121,7 +121,7 @@ class Serving(Generic[In, Out]):
             raise ValueError(f"batch_size must be >= 1, got {n}")
         return self._replace(batch_size=n)
 
-    def process_options(self, **options: Any) -> Serving[In, Out]:
+    def process_options(self, **options: object) -> Serving[In, Out]:
         """Defaults for ``start`` (the fields of ``ProcessOptions``; unknown names: ``TypeError``)."""
         return self._replace(options=self._options.merge(**options))
 
@@ -224,7 +224,10 @@ class Serving(Generic[In, Out]):
         opts = opts.merge(batch_size=opts.batch_size or self._batch_size or 1)
         return ServingHandle(self, name, opts)
 
-    async def start_async(self, name: str | None = None, **options: Any) -> ServingHandle[In, Out]:
+    async def start_async(self, name: str | None = None, *, batch_size: int | None = None,
+                          batch_timeout: float | None = None, batch_keys: Sequence[Hashable] | None = None,
+                          partitions: int | None = None, max_queue: int | None = _UNSET,
+                          shutdown_timeout: float | None = None) -> ServingHandle[In, Out]:
         """``start`` for asyncio/trio: the backend's ``init`` (loading, warming up: seconds on a
         GPU) runs on a worker thread while the event loop keeps serving. Same options, result
         and errors as ``start``. Cancelled while ``init`` runs, it waits for ``init`` to end,
@@ -233,7 +236,8 @@ class Serving(Generic[In, Out]):
         started: list[ServingHandle[In, Out]] = []
 
         def run() -> ServingHandle[In, Out]:
-            started.append(self.start(name, **options))
+            started.append(self.start(name, batch_size=batch_size, batch_timeout=batch_timeout, batch_keys=batch_keys,
+                                      partitions=partitions, max_queue=max_queue, shutdown_timeout=shutdown_timeout))
             return started[0]
 
         try:

@@ -23,7 +23,7 @@ from ._options import ProcessOptions
 from ._output import output_rows
 from ._messages import Part
 from ._request import Request, reap
-from ._telemetry import TelemetryEvent, emit
+from ._telemetry import ServingStats, TelemetryEvent, emit
 
 
 class _Entry:
@@ -43,7 +43,7 @@ class _Stack:
 class StaticScheduler:
     """Collects rows into batches and runs them on partition threads (see module docstring)."""
 
-    def __init__(self, backend: Backend, state: Any, options: ProcessOptions, batch_size: int,
+    def __init__(self, backend: Backend, state: object, options: ProcessOptions, batch_size: int,
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._state, self._opts = backend, state, options
         self._batch_size, self._telemetry = batch_size, telemetry
@@ -116,7 +116,7 @@ class StaticScheduler:
     def stop_rows(self, request: Request, indices: list[int]) -> None:
         raise TypeError("stop_rows needs an iterative backend")
 
-    def stats(self) -> Any:
+    def stats(self) -> ServingStats:
         with self._cond:
             return self._c.snapshot()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -49,7 +49,8 @@ def emit(callback: Callback | None, event: TelemetryEvent) -> None:
 
 
 @contextmanager
-def timed(callback: Callback | None, kind: EventKind, rows: int, **fields: Any) -> Iterator[None]:
+def timed(callback: Callback | None, kind: EventKind, rows: int, *, partition: int | None = None,
+          batch_key: Hashable = None) -> Iterator[None]:
     """Time the block and emit one event (with the error, re-raised, if the block raised)."""
     if callback is None:
         yield
@@ -58,9 +59,9 @@ def timed(callback: Callback | None, kind: EventKind, rows: int, **fields: Any) 
     try:
         yield
     except BaseException as exc:
-        emit(callback, TelemetryEvent(kind, time.perf_counter() - start, rows, error=exc, **fields))
+        emit(callback, TelemetryEvent(kind, time.perf_counter() - start, rows, partition, batch_key, exc))
         raise
-    emit(callback, TelemetryEvent(kind, time.perf_counter() - start, rows, **fields))
+    emit(callback, TelemetryEvent(kind, time.perf_counter() - start, rows, partition, batch_key))
 
 
 @dataclass(frozen=True)

@@ -625,7 +625,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> str:
         """Render ``messages`` (dicts with ``role``, ``content`` and optionally ``reasoning_content``,
         ``tool_calls``...) into the prompt text.

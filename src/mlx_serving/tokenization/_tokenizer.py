@@ -16,7 +16,7 @@ import tokenizers
 
 from ._chat import ChatTemplate, Message
 from ._data import data_path
-from ._errors import ChatTemplateError, InvalidTextError, InvalidTokenIdError, TokenizationError
+from ._errors import ChatTemplateError, InvalidTextError, TokenizationError
 from ._specials import SpecialTokens
 from ._stream import ByteTable, check_id, sentencepiece_chain
 
@@ -305,7 +305,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> list[int]:
         """Ids of the chat prompt: ``encode`` of ``chat_template.apply(...)`` with control tokens
         only where the template itself writes them; special-token strings inside messages, tools

@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
+
+from .protocol import ModelState
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "PagedKVCache", "available_memory", "init_paged_kv_cache",
            "kv_bytes_per_token", "plan_blocks", "row_blocks"]
@@ -63,7 +63,7 @@ def row_blocks(rows: int, max_len: int, block_size: int = BLOCK_SIZE) -> np.ndar
     return 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)
 
 
-def kv_bytes_per_token(state: Any) -> int:
+def kv_bytes_per_token(state: ModelState) -> int:
     """Bytes of K and V one token occupies across all layers."""
     c = state.config
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * state.dtype.size
@@ -83,7 +83,7 @@ def available_memory() -> int:
         return DEFAULT_CPU_BYTES
 
 
-def plan_blocks(state: Any, max_batch: int, max_len: int, kv_cache_bytes: int | None = None,
+def plan_blocks(state: ModelState, max_batch: int, max_len: int, kv_cache_bytes: int | None = None,
                 kv_cache_fraction: float | None = None, block_size: int = BLOCK_SIZE) -> int:
     """Usable KV blocks (the null block not counted) for the budget described in the module
     docstring. Raises ValueError for a budget that holds no sequence of ``max_len`` (the same
@@ -107,7 +107,7 @@ def plan_blocks(state: Any, max_batch: int, max_len: int, kv_cache_bytes: int | 
     return max(blocks, one_seq)
 
 
-def init_paged_kv_cache(state: Any, num_blocks: int, block_size: int = BLOCK_SIZE) -> PagedKVCache:
+def init_paged_kv_cache(state: ModelState, num_blocks: int, block_size: int = BLOCK_SIZE) -> PagedKVCache:
     """Allocate (zero-filled, evaluated) ``num_blocks`` usable blocks plus the null block, and
     log what was reserved."""
     c = state.config

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...serving import Serving
+from ...serving._json import JSONObject
 from ...tokenization import Tokenizer
 
 from ..generation.events import FinishReason
@@ -42,18 +43,20 @@ __all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "f
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
 
-def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
+def serving(tokenizer: Tokenizer, state: ModelState, **options: object) -> Serving:
     """A text-generation Serving over a loaded model ``state`` (any family of ``models.families``
     loads: Qwen3, Qwen2, Llama, Mistral).
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
-    policy="fcfs"). ``Serving.start`` defaults to ``batch_size=max_batch`` (``2 * max_batch``
-    under policy "priority") and a 5 ms admission window. The tokenizer's byte table (streaming
-    detokenization) is built here, once per tokenizer, not inside a caller's first request; async
-    callers tokenize a long input (more than ~3,000 characters, see ``_inputs.needs_thread``) on
-    a worker thread, so no client-side step holds their event loop for more than ~10 ms.
+    policy="fcfs"). ``Serving.start`` defaults to ``batch_size=max_batch`` (under either policy) and a
+    5 ms admission window; the serving hands every queued request to the engine's scheduler (the
+    backend's ``waiting``), which holds the one queue and orders it by ``policy``. The tokenizer's
+    byte table (streaming detokenization) is built here, once per tokenizer, not inside a caller's
+    first request; async callers tokenize a long input (more than ~3,000 characters, see
+    ``_inputs.needs_thread``) on a worker thread, so no client-side step holds their event loop for
+    more than ~10 ms.
     Raises ValueError for a bad option (including a ``kv_cache_bytes`` that holds no sequence of
     ``max_len``), TypeError for an unknown one, and TokenizationError (a ValueError) for a
     tokenizer whose decoder is not byte-level. Bad inputs raise ValueError in the caller only
@@ -78,7 +81,7 @@ def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
 
 
 def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequantize: bool = False,
-                 **options: Any) -> Serving:
+                 **options: object) -> Serving:
     """Load an MLX checkpoint directory (4-bit or dense) and return :func:`serving` over it.
 
     The tokenizer comes from the same directory unless given. ``dequantize``: keep the
@@ -94,7 +97,7 @@ def from_mlx4bit(path: str | Path, tokenizer: Tokenizer | None = None, *, dequan
 
 
 def from_pretrained(model: str | Path | None = None, tokenizer: Tokenizer | None = None, *,
-                    dequantize: bool = False, **options: Any) -> Serving:
+                    dequantize: bool = False, **options: object) -> Serving:
     """:func:`from_mlx4bit` over any model source (``models.sources.resolve``): None for the
     default model (SmolLM2-135M-Instruct, fetched and converted on first use), a checkpoint
     directory, a ``.gguf`` file, a Hugging Face repo id ``org/name[@revision]``, a packaged
@@ -105,7 +108,7 @@ def from_pretrained(model: str | Path | None = None, tokenizer: Tokenizer | None
     return from_mlx4bit(resolve(model).path, tokenizer, dequantize=dequantize, **options)
 
 
-def _check_option_names(options: dict[str, Any]) -> None:
+def _check_option_names(options: dict[str, object]) -> None:
     known = {f.name for f in fields(GenerationOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -134,6 +137,6 @@ class _LazyConstraints:
         return self._factory(grammar, eos_token_ids)
 
 
-def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> Any:
+def _postprocess(result: tuple[list[Any], Any], info: RequestInfo) -> JSONObject | list[JSONObject]:
     items, _metadata = result
     return collect(items, info)

@@ -27,7 +27,7 @@ class GenerationBackend:
                  constraint_factory: ConstraintFactory | None = None):
         self._model, self._opts, self._constraints = state, options, constraint_factory
 
-    def init(self, mode: str, arg: Any, partitions: int) -> Engine:
+    def init(self, mode: str, arg: object, partitions: int) -> Engine:
         """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
         default one; see docs/generation.md) and build the shapes a lone first request meets
         (``Engine.warm_up(runner.one_row_shapes)``; a no-op on the CPU): the rest are built in idle

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...serving import Batch, InvalidInput
+from ...serving._json import JSON
 from ...tokenization import Tokenizer
 
 from ..generation.sampling import SamplingParams, _show
@@ -79,7 +80,7 @@ class RequestInfo:
         return self.outputs[-1].input + 1 if self.outputs else len(self.input_tokens)
 
 
-def preprocess(input: Any, tokenizer: Tokenizer, opts: GenerationOptions,
+def preprocess(input: JSON, tokenizer: Tokenizer, opts: GenerationOptions,
                bytes_per_token: int | None = None) -> tuple[Batch, RequestInfo]:
     """Turn an input (a string, ``{"text": ...}``, ``{"messages": [...]}`` or a list of them) into a
     Batch of :class:`Prompt` rows.
@@ -200,7 +201,7 @@ def _pre_tokenizer_keeps_text(pre_tokenizer: Any) -> bool:
                for p in parts)
 
 
-def needs_thread(input: Any) -> bool:
+def needs_thread(input: object) -> bool:
     """True when preprocessing ``input`` (tokenization, chat templating) could take more than
     ~10 ms: its strings (text, message contents, tools; for a list input, all items together)
     hold more than 3,000 characters, each dict or list counting as 50 more. Never raises; stops

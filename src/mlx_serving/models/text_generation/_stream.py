@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...serving._json import JSONObject
 from ...tokenization import StreamingDetokenizer, Tokenizer
 
 from ..generation.events import FinishReason
@@ -182,7 +183,7 @@ class GenerationTransducer:
         return done
 
 
-def collect(items: list[Any], info: RequestInfo) -> Any:
+def collect(items: list[Any], info: RequestInfo) -> JSONObject | list[JSONObject]:
     """Non-streamed result from a request's items: ``{"results": [...]}`` (a list of those for a
     list input), ``results`` holding one entry per completion (``n`` of them): ``{"generated_text",
     "num_tokens", "finish_reason", "token_summary"[, "timing"][, "logprobs"][, "reasoning_content"]

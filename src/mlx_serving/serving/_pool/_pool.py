@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import msgspec
@@ -49,6 +49,9 @@ from ._wire import (
     send_frame,
 )
 from ._worker import Factory, main, resolve_factory
+
+if TYPE_CHECKING:
+    from ..ray import RayServingPool
 
 __all__ = ["ServingPool", "WireConsumer"]
 
@@ -198,7 +201,7 @@ class ServingPool(PoolClient):
     """
 
     def __new__(cls, factory: Factory, workers: int = 1, *, backend: str = "process",
-                ray_actor_options: dict[str, Any] | None = None, **options: Any) -> Any:
+                ray_actor_options: dict[str, Any] | None = None, **options: object) -> ServingPool | RayServingPool:
         """``backend="ray"``: a ``mlx_serving.serving.ray.RayServingPool`` (Ray actors instead of
         processes, same contract; ``ray`` is imported only then), given ``ray_actor_options``,
         ``weights``, ``start_timeout`` and the process options."""
@@ -228,18 +231,18 @@ class ServingPool(PoolClient):
         start_timeout: float = 120.0,
         liveness_timeout: float | None = 10.0,
         heartbeat_interval: float | None = None,
-        **process_options: Any,
+        **process_options: object,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._liveness_timeout, self._heartbeat_interval = _liveness(liveness_timeout, heartbeat_interval)
         _check_factory(factory)
         # refuse bad options here rather than in every worker (``name`` is Serving.start's own)
-        ProcessOptions().merge(**{k: v for k, v in process_options.items() if k != "name"})
+        checked = ProcessOptions().merge(**{k: v for k, v in process_options.items() if k != "name"})
         self._factory = factory
         self._process_options = process_options
         self._start_timeout = start_timeout
-        self._shutdown_timeout = float(process_options.get("shutdown_timeout", 30.0))
+        self._shutdown_timeout = float(checked.shutdown_timeout)
         self._slots = [
             _Slot(i, w, e) for i, (w, e) in enumerate(zip(_weights(weights, workers), _envs(worker_env, workers)))
         ]

@@ -225,7 +225,7 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytearray | None:
 _SCALARS = frozenset({str, float, bool, bytes, type(None)})
 
 
-def encode_payload(value: Any) -> msgspec.Raw:
+def encode_payload(value: object) -> msgspec.Raw:
     """Encode a payload value (see the module docstring). Raises TypeError if it cannot be sent."""
     try:
         return msgspec.Raw(_payload_encoder.encode(_prepare(value)))
@@ -235,7 +235,7 @@ def encode_payload(value: Any) -> msgspec.Raw:
         raise TypeError(f"cannot send {type(value).__name__} to another process: {exc!r}") from exc
 
 
-def decode_payload(raw: msgspec.Raw | bytes | bytearray | memoryview) -> Any:
+def decode_payload(raw: msgspec.Raw | bytes | bytearray | memoryview) -> object:
     """Decode a payload. Raises ValueError naming the cause if it cannot be decoded."""
     try:
         return _payload_decoder.decode(raw)

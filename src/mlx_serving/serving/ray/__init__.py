@@ -12,16 +12,19 @@ Nothing in ``mlx_serving.serving`` imports this package (nor ray) unless ``backe
 asked for.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ._pool import RayServingPool
+
+if TYPE_CHECKING:  # imported on first use (see __getattr__)
+    from ._deployment import ServingDeployment, serving_app
 
 __all__ = ["RayServingPool", "ServingDeployment", "serving_app"]
 
 _LAZY = {"ServingDeployment": "_deployment", "serving_app": "_deployment"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         from importlib import import_module
 

@@ -120,7 +120,7 @@ ServingDeployment = serve.deployment(name="ServingDeployment", max_ongoing_reque
 
 
 def serving_app(factory: Factory, *, process_options: dict[str, Any] | None = None, stuck_after: float = 60.0,
-                **deployment_options: Any) -> Any:
+                **deployment_options: object) -> serve.Application:
     """``ServingDeployment`` bound to ``factory``, with ``max_ongoing_requests`` defaulting to the
     serving's ``max_queue`` (when given) so that Serve, not the serving, queues the excess;
     ``deployment_options`` go to ``.options()`` (``num_replicas``, ``ray_actor_options``,

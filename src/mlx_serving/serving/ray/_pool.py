@@ -178,15 +178,15 @@ class RayServingPool(PoolClient):
         ray_actor_options: dict[str, Any] | None = None,
         weights: Sequence[float] | None = None,
         start_timeout: float = 120.0,
-        **process_options: Any,
+        **process_options: object,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         factory_bytes = _pickle_factory(factory)
-        ProcessOptions().merge(**{k: v for k, v in process_options.items() if k != "name"})
+        checked = ProcessOptions().merge(**{k: v for k, v in process_options.items() if k != "name"})
         self._process_options = process_options
         self._start_timeout = start_timeout
-        self._shutdown_timeout = float(process_options.get("shutdown_timeout", 30.0))
+        self._shutdown_timeout = float(checked.shutdown_timeout)
         options = {**_ACTOR_DEFAULTS, **(ray_actor_options or {})}
         weights_ = _weights(weights, workers)
         self._cond = threading.Condition()
