@@ -32,7 +32,7 @@ from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_s
 from .generation.decode_backends import DecodeBackend, GenericDecode
 from .native import PagedAttention
 
-__all__ = ["Layer", "State", "forward", "rope_frequencies"]
+__all__ = ["Layer", "State", "forward", "hidden_states", "rope_frequencies"]
 
 
 @dataclass
@@ -93,10 +93,10 @@ def rope_frequencies(config: DecoderConfig) -> mx.array | None:
     return mx.where(is_medium, smooth_freqs, freqs)
 
 
-def _rope(state: State, rows: Rows) -> Callable[[mx.array], mx.array]:
-    """RoPE of ``(B, heads, T, head_dim)`` at each row's start position."""
+def _rope(state: State, start: mx.array | int) -> Callable[[mx.array], mx.array]:
+    """RoPE of ``(B, heads, T, head_dim)`` at each row's start position (``(B,)``, or one int)."""
     c = state.config
-    kw: dict = dict(dims=c.head_dim, traditional=c.rope_traditional, offset=rows.start)
+    kw: dict = dict(dims=c.head_dim, traditional=c.rope_traditional, offset=start)
     if state.rope_freqs is not None:
         return partial(mx.fast.rope, base=None, scale=1.0, freqs=state.rope_freqs, **kw)
     linear = c.rope_scaling is not None and c.rope_scaling.rope_type == "linear"
@@ -138,7 +138,7 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GEN
         if logits is not None:
             return logits
     step = make_step(rows, cache, sdpa_decode=decode.sdpa, kernel=state.attention)
-    rope = _rope(state, rows)
+    rope = _rope(state, rows.start)
     eps = c.rms_norm_eps
     for i, layer in enumerate(state.layers):
         h = h + _attention(layer, mx.fast.rms_norm(h, layer.input_layernorm, eps), cache, i, step, rope, c)
@@ -146,3 +146,40 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GEN
         h = h + layer.down_proj(swiglu(gate, up))
     h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, eps)
     return state.lm_head(h)
+
+
+def _causal_attention(layer: Layer, x: mx.array, b: int, t: int, rope: Callable[[mx.array], mx.array],
+                      c: DecoderConfig) -> mx.array:
+    """Layer ``layer``'s attention block without a KV cache: normed ``x`` ``(B * T, hidden)`` of
+    ``B`` rows of ``T`` tokens from position 0, causal -> ``(B * T, hidden)``."""
+    d = c.head_dim
+    q, k, v = layer.qkv(x)
+    q = q.reshape(b, t, c.num_attention_heads, d)
+    k = k.reshape(b, t, c.num_key_value_heads, d)
+    if c.qk_norm:
+        q, k = mx.fast.rms_norm(q, layer.q_norm, c.rms_norm_eps), mx.fast.rms_norm(k, layer.k_norm, c.rms_norm_eps)
+    q, k = rope(q.transpose(0, 2, 1, 3)), rope(k.transpose(0, 2, 1, 3))
+    v = v.reshape(b, t, c.num_key_value_heads, d).transpose(0, 2, 1, 3)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask="causal" if t > 1 else None)
+    return layer.o_proj(out.transpose(0, 2, 1, 3).reshape(b * t, -1))
+
+
+def hidden_states(state: State, tokens: mx.array) -> mx.array:
+    """The final-normed hidden states (after ``model.norm``, before the head) of ``tokens``
+    ``(B, T)`` int32: ``(B, T, hidden_size)`` in the activation dtype.
+
+    Every row starts at position 0 and attends causally (the decoder's own attention, no KV
+    cache: the entry point of embeddings). With causal attention a row's states at positions
+    ``< n`` depend only on its first ``n`` tokens, so right-padding a row never changes them.
+    Lazy: evaluate the result (or compile a caller of it).
+    """
+    c = state.config
+    b, t = tokens.shape
+    h = state.embed_tokens.rows(tokens.reshape(-1))
+    rope = _rope(state, 0)
+    eps = c.rms_norm_eps
+    for layer in state.layers:
+        h = h + _causal_attention(layer, mx.fast.rms_norm(h, layer.input_layernorm, eps), b, t, rope, c)
+        gate, up = layer.gate_up(mx.fast.rms_norm(h, layer.post_attention_layernorm, eps))
+        h = h + layer.down_proj(swiglu(gate, up))
+    return mx.fast.rms_norm(h, state.norm, eps).reshape(b, t, -1)

@@ -34,11 +34,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
-from ..serving import AsyncStream, Client, ServingError, ServingStats
+from ..serving import AsyncStream, Client, InvalidInput, ServingError, ServingStats
 from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
+from ._embeddings import embedding_call, embedding_response, input_error
 from ._errors import RETRY_AFTER_S, APIError, from_exception
 from ._metrics import Metrics
-from ._models import ServedModel, detokenize, model_object, tokenize
+from ._models import ServedModel, Task, detokenize, model_object, tokenize
 from ._requests import Call, chat_call, completion_call, messages_of
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
 from ._responses_api import ResponsesAPI
@@ -84,18 +85,23 @@ class _Served:
         waited = time.time() - self.created
         return {"status": "loading", "detail": f"the models are loading ({waited:.0f} s so far); retry later"}
 
-    def pick(self, model: Any) -> tuple[str, ServedModel]:
-        """The model a request names (None: the first one); APIError 404 for an unknown one, 503
-        while loading."""
+    def pick(self, model: Any, task: Task | None = None) -> tuple[str, ServedModel]:
+        """The model a request names (None: the first one, of ``task`` when given); APIError 404
+        for an unknown one, 400 naming ``model`` for one of another ``task``, 503 while loading."""
         if self.status != "ready":
             raise APIError(503, f"the server is {self.status}: no model is ready yet", "server_error",
                            code=self.status, headers={"Retry-After": str(RETRY_AFTER_S)})
         if model is None:
-            return next(iter(self.models.items()))
-        if isinstance(model, str) and model in self.models:
-            return model, self.models[model]
-        raise APIError(404, f"the model {model!r:.200} does not exist (served: {sorted(self.models)})",
-                       param="model", code="model_not_found")
+            found = [(n, m) for n, m in self.models.items() if task is None or m.task == task]
+            name, chosen = found[0] if found else next(iter(self.models.items()))
+        elif isinstance(model, str) and model in self.models:
+            name, chosen = model, self.models[model]
+        else:
+            raise APIError(404, f"the model {model!r:.200} does not exist (served: {sorted(self.models)})",
+                           param="model", code="model_not_found")
+        if task is not None:
+            chosen.check_task(name, task)
+        return name, chosen
 
     def stats(self) -> dict[str, ServingStats]:
         """Every model's ``ServingStats`` (blocking for a pool: call off the event loop)."""
@@ -228,12 +234,13 @@ def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
 
 def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None,
                drain: Drain) -> APIRouter:
+    """The ``/v1`` routes: chat, completions, responses, embeddings and models."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
 
     async def complete(request: Request, kind: Kind) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, model = served.pick(body.get("model"))
+        name, model = served.pick(body.get("model"), "generate")
         client = model.client
         call = chat_call(body) if kind == "chat" else completion_call(body)
         deadline = call.deadline if call.deadline is not None else request_timeout
@@ -260,13 +267,33 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     async def completions(request: Request) -> Response:
         return await complete(request, "completion")
 
+    _responses_routes(router, served, metrics, request_timeout, drain)
+    _embeddings_route(router, served, metrics, request_timeout)
+
+    @router.get("/models")
+    async def list_models() -> Response:
+        served.pick(None)  # 503 while loading
+        data = [model_object(name, m, served.created) for name, m in served.models.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    @router.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        name, model = served.pick(model_id)
+        return JSONResponse(model_object(name, model, served.created))
+
+    return router
+
+
+def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None,
+                      drain: Drain) -> None:
+    """OpenAI's Responses API on ``router``: ``POST /responses``, ``GET`` / ``DELETE /responses/{id}``."""
     responses = ResponsesAPI()  # this app's stored responses (previous_response_id, GET /v1/responses/{id})
 
     @router.post("/responses")
     async def create_response(request: Request) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, model = served.pick(body.get("model"))
+        name, model = served.pick(body.get("model"), "generate")
         turn = responses.turn(body)
         deadline = turn.call.deadline if turn.call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, turn.call, arrival)
@@ -289,18 +316,25 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     async def delete_response(response_id: str) -> Response:
         return JSONResponse(responses.store.delete(response_id))
 
-    @router.get("/models")
-    async def list_models() -> Response:
-        served.pick(None)  # 503 while loading
-        data = [model_object(name, m, served.created) for name, m in served.models.items()]
-        return JSONResponse({"object": "list", "data": data})
 
-    @router.get("/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> Response:
-        name, model = served.pick(model_id)
-        return JSONResponse(model_object(name, model, served.created))
+def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None) -> None:
+    """``POST /embeddings`` on ``router`` (an embedding model's; :mod:`._embeddings`)."""
 
-    return router
+    @router.post("/embeddings")
+    async def embeddings(request: Request) -> Response:
+        arrival = time.perf_counter()
+        body = await _body(request)
+        name, model = served.pick(body.get("model"), "embed")
+        call = embedding_call(body)
+        try:
+            result = await _unless_disconnected(
+                request, lambda: model.client.run_async(call.inputs, deadline=request_timeout))
+        except InvalidInput as exc:
+            raise input_error(exc) from None
+        if result is _GONE:
+            return Response(status_code=499)
+        metrics.embedded(name, [int(r["num_tokens"]) for r in result], time.perf_counter() - arrival)
+        return JSONResponse(embedding_response(result, name, call.encoding_format))
 
 
 def _token_router(served: _Served, api_key: str | None) -> APIRouter:

@@ -2,7 +2,11 @@
 
 The models load on a thread after the server started listening (``/health`` answers 503 until they
 are ready); ``--workers 1`` serves each model through a started handle (``Serving.start``), more
-through a ``ServingPool`` of that many worker processes: the app holds either as a ``Client``.
+through a ``ServingPool`` of that many worker processes: the app holds either as a ``Client``. A
+checkpoint that ships sentence-transformers' pooling files (or a GGUF file that declares llama.cpp's
+``pooling_type``) is served as a text-embedding model (``/v1/embeddings``), any other as a
+text-generation one; ``--model A --model B`` serves both side by side, each under its
+``--served-model-name``.
 """
 
 from __future__ import annotations
@@ -33,15 +37,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
     p = subparsers.add_parser(
         "serve", formatter_class=formatter_class, help="OpenAI-compatible HTTP server (needs mlx-serving[server])",
         description="Serve models over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/responses, "
-                    "/v1/models) and vLLM's /tokenize and /detokenize, with /health, Prometheus /metrics and a chat "
+                    "/v1/embeddings, /v1/models) and vLLM's /tokenize and /detokenize, with /health, Prometheus /metrics and a chat "
                     "page at /. Needs the 'server' extra.")
     p.add_argument("--model", action="append", default=None, metavar="MODEL",
                    help="a checkpoint directory, a .gguf file, a Hugging Face repo id org/name[@revision], a packaged "
-                        "model's name or seeded:<family>-<preset> (repeatable: one served model each; default: "
+                        "model's name or seeded:<family>-<preset> (repeatable: one served model each; a checkpoint with "
+                        "sentence-transformers' 1_Pooling/config.json, or a .gguf with a pooling_type, is served for "
+                        "/v1/embeddings; default: "
                         "smollm2-135m-instruct, fetched and converted on first use; docs/models.md)")
     p.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="the model's id in the API, one per --model (default: the repo id, the directory's or "
                         "file's name, or the packaged model's name)")
+    p.add_argument("--embedding-max-len", type=int, default=None, metavar="TOKENS",
+                   help="tokens per input of an embedding model (one that ships sentence-transformers' "
+                        "1_Pooling/config.json; default: its max_seq_length, else 512)")
+    p.add_argument("--embedding-batch", type=int, default=32, metavar="N",
+                   help="most inputs per forward of an embedding model (per worker)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--workers", type=int, default=1,
@@ -106,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         failed.append(exc)
         server[0].should_exit = True
 
-    app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue), api_key=api_key,
+    embedding = _embedding_options(args)
+    app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue, embedding), api_key=api_key,
                      request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed,
                      allowed_origins=tuple(args.allowed_origins or ()), shutdown_grace=args.shutdown_grace,
                      client_timeout=args.client_timeout)
@@ -193,13 +205,28 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers: int,
-          max_queue: int) -> dict[str, Any]:
-    """Build and start every model's client (on the app's loading thread)."""
-    from ..models import text_generation
+def _embedding_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The text-embedding options of ``--embedding-max-len`` / ``--embedding-batch`` (checked
+    before the server starts)."""
+    from ..models.text_embedding import EmbeddingOptions
+
+    options: dict[str, Any] = {"batch_size": args.embedding_batch}
+    if args.embedding_max_len is not None:
+        options["max_len"] = args.embedding_max_len
+    EmbeddingOptions(**options)
+    if args.max_queue < args.embedding_batch:
+        raise ValueError(f"--max-queue ({args.max_queue}) must be >= --embedding-batch ({args.embedding_batch})")
+    return options
+
+
+def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers: int, max_queue: int,
+          embedding: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Build and start every model's client (on the app's loading thread): a text-embedding
+    serving for a checkpoint that ships sentence-transformers' pooling files
+    (``text_embedding.is_embedding_model``) or a GGUF file that declares a pooling type
+    (``text_embedding.gguf_pooling``), text generation otherwise."""
     from ..models.sources import resolve
-    from ..serving import Client, Serving, ServingPool
-    from ..tokenization import Tokenizer
+    from ..models.text_embedding import gguf_pooling, is_embedding_model
     from ._models import ServedModel
 
     served: dict[str, ServedModel] = {}
@@ -207,25 +234,66 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     try:
         for name, spec in models:
             model = resolve(spec)
-            print(f"mlx-serving: model {name!r}: {model.origin} ({model.path}), {_architecture(model.path, options)}",
-                  file=sys.stderr, flush=True)
-            tokenizer = Tokenizer.from_dir(model.path)  # for /tokenize; the serving's own when in process
-            client: Client
-            if workers > 1:
-                client = ServingPool(functools.partial(text_generation.from_mlx4bit, model.path, **options),
-                                     workers=workers, max_queue=max_queue)
+            pooling = gguf_pooling(spec)
+            embed = pooling is not None or is_embedding_model(model.path)
+            task = "embedding" if embed else "generation"
+            print(f"mlx-serving: model {name!r}: {model.origin} ({model.path}), {_architecture(model.path, options)}, "
+                  f"{task}", file=sys.stderr, flush=True)
+            if embed:
+                emb_options = {"pooling": pooling, **(embedding or {})}
+                served[name] = _embedding_model(model.path, emb_options, workers, max_queue)
+                detail = _describe_embedding(served[name].max_model_len, embedding or {}, workers)
             else:
-                client = Serving.start(text_generation.from_mlx4bit(model.path, tokenizer, **options),
-                                       max_queue=max_queue)
-            served[name] = ServedModel(client, options["max_len"], tokenizer)
-            print(f"mlx-serving: model {name!r} ready: {_describe(client, options, workers)}", file=sys.stderr,
-                  flush=True)
+                served[name] = _generation_model(model.path, options, workers, max_queue)
+                detail = _describe(served[name].client, options, workers)
+            print(f"mlx-serving: model {name!r} ready: {detail}", file=sys.stderr, flush=True)
     except BaseException:
         for m in served.values():
             m.client.close()
         raise
     print(f"mlx-serving: ready in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     return served
+
+
+def _generation_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> Any:
+    """A started text-generation client (a handle, or a pool of ``workers``) as a ServedModel."""
+    from ..models import text_generation
+    from ..serving import Serving, ServingPool
+    from ..tokenization import Tokenizer
+    from ._models import ServedModel
+
+    tokenizer = Tokenizer.from_dir(path)  # for /tokenize; the serving's own when in process
+    client: Client
+    if workers > 1:
+        client = ServingPool(functools.partial(text_generation.from_mlx4bit, path, **options),
+                             workers=workers, max_queue=max_queue)
+    else:
+        client = Serving.start(text_generation.from_mlx4bit(path, tokenizer, **options), max_queue=max_queue)
+    return ServedModel(client, options["max_len"], tokenizer)
+
+
+def _embedding_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> Any:
+    """A started text-embedding client as a ServedModel (``task`` "embed", ``max_model_len`` its
+    tokens per input)."""
+    from ..models import text_embedding
+    from ..serving import Serving, ServingPool
+    from ..tokenization import Tokenizer
+    from ._models import ServedModel
+
+    tokenizer = Tokenizer.from_dir(path)
+    max_len = text_embedding.settings_for(path, **options).max_len  # checks the options first
+    client: Client
+    if workers > 1:
+        client = ServingPool(functools.partial(text_embedding.from_mlx4bit, path, **options),
+                             workers=workers, max_queue=max_queue)
+    else:
+        client = Serving.start(text_embedding.from_mlx4bit(path, tokenizer, **options), max_queue=max_queue)
+    return ServedModel(client, max_len, tokenizer, task="embed")
+
+
+def _describe_embedding(max_len: int | None, options: dict[str, Any], workers: int) -> str:
+    where = f"{workers} worker processes" if workers > 1 else "in process"
+    return f"embedding, max_len {max_len}, batch_size {options.get('batch_size', 32)} per worker, {where}"
 
 
 def _architecture(path: Path, options: dict[str, Any]) -> str:

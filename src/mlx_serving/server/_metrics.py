@@ -18,6 +18,10 @@ Per request (observed when a completion's final item arrives; label ``model_name
   and ``request_success_total{finished_reason}`` (``stop``, ``length``, ``tool_calls``; ``abort``
   for a request its client left).
 
+Per embeddings request (``/v1/embeddings``), when it finished: ``embedding_inputs_total`` (inputs
+embedded), ``prompt_tokens_total`` and ``request_prompt_tokens`` (the tokens of each input) and
+``e2e_request_latency_seconds``.
+
 Per request at arrival: ``request_params_n`` (completions asked for) and
 ``request_params_max_tokens`` (when the request gives it).
 
@@ -95,6 +99,8 @@ class Metrics:
                                      registry=self.registry)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", labels,
                                          registry=self.registry)
+        self.embedding_inputs = Counter(PREFIX + "embedding_inputs", "Inputs embedded (/v1/embeddings).", labels,
+                                        registry=self.registry)
         self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
                                [*labels, "finished_reason"], registry=self.registry)
         self.registry.register(_StatsCollector(stats))
@@ -124,6 +130,16 @@ class Metrics:
         itl = self.itl.labels(model)
         for gap_ms in timing.get("itl_ms", ()):
             itl.observe(gap_ms / 1e3)
+
+    def embedded(self, model: str, tokens: list[int], e2e_s: float) -> None:
+        """Observe one finished embeddings request: ``tokens`` per input, ``e2e_s`` seconds since
+        it arrived (``embedding_inputs_total``, ``prompt_tokens_total``, ``request_prompt_tokens``,
+        ``e2e_request_latency_seconds``)."""
+        self.embedding_inputs.labels(model).inc(len(tokens))
+        self.prompt_tokens.labels(model).inc(sum(tokens))
+        for n in tokens:
+            self.prompt_hist.labels(model).observe(n)
+        self.e2e.labels(model).observe(e2e_s)
 
     def arrived(self, model: str, n: int, max_tokens: int | None) -> None:
         """Observe a request's parameters at arrival (``max_tokens`` None: the server's default)."""

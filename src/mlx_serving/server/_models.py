@@ -6,13 +6,17 @@ tokenizer without generating: ``GET /v1/models/{id}``, ``POST /tokenize``, ``POS
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 from ..serving import Client
 from ..serving._json import JSON, JSONObject
 from ..tokenization import Tokenizer
 from ._errors import APIError
 
-__all__ = ["MAX_TOKENIZE_IDS", "ServedModel", "detokenize", "model_object", "tokenize"]
+__all__ = ["MAX_TOKENIZE_IDS", "ServedModel", "Task", "detokenize", "model_object", "tokenize"]
+
+#: What a served model does: text generation (the chat, completions and responses routes) or
+#: embedding (``/v1/embeddings``).
+Task = Literal["generate", "embed"]
 
 #: Most ids one ``/detokenize`` takes (bounds its work: ~1 us per id).
 MAX_TOKENIZE_IDS = 1 << 20
@@ -22,16 +26,27 @@ MAX_TOKENIZE_IDS = 1 << 20
 class ServedModel:
     """A served model: its ``client`` (the generation contract), ``max_model_len`` (positions per
     sequence, prompt and output together; reported by ``/v1/models``; None: not known) and
-    ``tokenizer`` (for ``/tokenize`` and ``/detokenize``; None: those answer 400 for the model)."""
+    ``tokenizer`` (for ``/tokenize`` and ``/detokenize``; None: those answer 400 for the model) and
+    ``task``: "generate" (a text-generation serving) or "embed" (a text-embedding serving)."""
 
     client: Client
     max_model_len: int | None = None
     tokenizer: Tokenizer | None = None
+    task: Task = "generate"
+
+    def check_task(self, name: str, task: Task) -> None:
+        """APIError 400 naming ``model`` unless this model does ``task``."""
+        if self.task != task:
+            route = "/v1/embeddings" if self.task == "embed" else "the chat, completions or responses routes"
+            raise APIError(400, f"the model {name!r} is {'an embedding' if self.task == 'embed' else 'a generation'} "
+                                f"model: use {route}", param="model", code="wrong_model_task")
 
 
 def model_object(name: str, model: ServedModel, created: int) -> JSONObject:
-    """The ``model`` object of ``/v1/models``: OpenAI's fields and vLLM's ``max_model_len``."""
-    out: JSONObject = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving"}
+    """The ``model`` object of ``/v1/models``: OpenAI's fields, vLLM's ``max_model_len`` and the
+    model's ``task`` ("generate" or "embed")."""
+    out: JSONObject = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving",
+                       "task": model.task}
     if model.max_model_len is not None:
         out["max_model_len"] = model.max_model_len
     return out
