@@ -41,7 +41,8 @@ class GenerationBackend:
 
     def idle(self, engine: Engine) -> bool:
         """Build one more warm-up shape while the serving has nothing to run (a request that
-        arrives waits for at most that one build); False once every shape is built."""
+        arrives waits for at most that one build; the serving calls it only after a 1 s quiet period,
+        so a request right after start or right after another never waits); False once every shape is built."""
         return engine.warm_up(1) > 0
 
     def close(self, engine: Engine) -> None:
