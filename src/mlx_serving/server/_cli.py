@@ -24,7 +24,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..serving import Client
+    from ..serving import Client, Serving
+    from ..tokenization import Tokenizer
+    from ._models import ServedModel
 
 __all__ = ["API_KEY_ENV", "add_parser", "run"]
 
@@ -255,39 +257,38 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     return served
 
 
-def _generation_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> Any:
+def _generation_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> ServedModel:
     """A started text-generation client (a handle, or a pool of ``workers``) as a ServedModel."""
     from ..models import text_generation
-    from ..serving import Serving, ServingPool
     from ..tokenization import Tokenizer
     from ._models import ServedModel
 
     tokenizer = Tokenizer.from_dir(path)  # for /tokenize; the serving's own when in process
-    client: Client
-    if workers > 1:
-        client = ServingPool(functools.partial(text_generation.from_mlx4bit, path, **options),
-                             workers=workers, max_queue=max_queue)
-    else:
-        client = Serving.start(text_generation.from_mlx4bit(path, tokenizer, **options), max_queue=max_queue)
+    client = _start(text_generation.from_mlx4bit, path, tokenizer, options, workers, max_queue)
     return ServedModel(client, options["max_len"], tokenizer)
 
 
-def _embedding_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> Any:
+def _start(factory: Callable[..., Serving], path: Path, tokenizer: Tokenizer, options: dict[str, Any],
+           workers: int, max_queue: int) -> Client:
+    """``factory(path, tokenizer, **options)`` started in process, or a ServingPool of ``workers``
+    processes each calling ``factory(path, **options)``."""
+    from ..serving import Serving, ServingPool
+
+    if workers > 1:
+        return ServingPool(functools.partial(factory, path, **options), workers=workers, max_queue=max_queue)
+    return Serving.start(factory(path, tokenizer, **options), max_queue=max_queue)
+
+
+def _embedding_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> ServedModel:
     """A started text-embedding client as a ServedModel (``task`` "embed", ``max_model_len`` its
     tokens per input)."""
     from ..models import text_embedding
-    from ..serving import Serving, ServingPool
     from ..tokenization import Tokenizer
     from ._models import ServedModel
 
     tokenizer = Tokenizer.from_dir(path)
     max_len = text_embedding.settings_for(path, **options).max_len  # checks the options first
-    client: Client
-    if workers > 1:
-        client = ServingPool(functools.partial(text_embedding.from_mlx4bit, path, **options),
-                             workers=workers, max_queue=max_queue)
-    else:
-        client = Serving.start(text_embedding.from_mlx4bit(path, tokenizer, **options), max_queue=max_queue)
+    client = _start(text_embedding.from_mlx4bit, path, tokenizer, options, workers, max_queue)
     return ServedModel(client, max_len, tokenizer, task="embed")
 
 
