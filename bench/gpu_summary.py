@@ -1,4 +1,5 @@
-"""Issue 17's targets from one GPU session's JSON files: value, target, met, and the bandwidth floor.
+"""Issues 17's and 28's targets from one GPU session's JSON files: value, target, met, and the
+bandwidth floor.
 
 Reads the files ``bash bench/gpu_session.sh all`` leaves in a folder (any missing file leaves its
 targets with ``met`` null and is listed under ``missing``):
@@ -10,6 +11,8 @@ targets with ``met`` null and is listed under ``missing``):
 - ``gpu_mixed.json`` (ragged workload; per-request ``prompt_lens`` / ``new_lens``);
 - ``prefix_cache_0.6b.json`` (prefix caching on vs off);
 - ``gpu_arrivals.json`` (Poisson arrivals per rate);
+- ``gpu_llamacpp_tools.json`` and ``gpu_llamacpp_server.json`` (bench/gpu_llamacpp.py: llama-bench,
+  llama-batched-bench, llama-server vs ``mlx-serving serve``; issue 28's rows);
 - ``gpu_tests.log`` (the CUDA kernel tests' pytest tail) and ``parts.tsv`` (each part's exit status
   and wall seconds), when there.
 
@@ -48,6 +51,10 @@ PREFIX_RATIO = 0.25  # TTFT p50 with prefix caching / without, 128 requests x 2,
 ARRIVAL_ITL_P99_MS, ARRIVAL_TTFT_P99_MS, ARRIVAL_RATES = 25.0, 300.0, (8.0, 16.0)
 ONE_ROW_1500_MS = 1.0  # one row at position 1,500: decode step under 1 ms
 ROWS_256_1500_OVER_FLOOR = 1.3  # 256 rows at position 1,500: within 1.3x of the floor
+# issue 28's targets beside llama.cpp's CUDA build (bench/gpu_llamacpp.py)
+OVER_LLAMA_TG128 = 1.0  # one stream: Serving.stream decode tok/s / llama-bench tg128, same (bf16) weights
+OVER_LLAMA_SERVER_128 = 1.5  # 128 clients: mlx-serving serve / llama-server --parallel 128, output tok/s
+GOODPUT_RATE, GOODPUT_FRACTION = 64.0, 0.9  # arrivals: at 64 req/s, >= 90% of requests meet the SLOs
 
 
 def step_floor_ms(weight_bytes: float, kv_token_bytes: float, cached_tokens: float, gbs: float) -> float:
@@ -202,6 +209,39 @@ def arrival_targets(doc: dict[str, Any] | None, fl: Floor) -> list[dict[str, Any
     return rows
 
 
+def llamacpp_targets(tools: dict[str, Any] | None, srv: dict[str, Any] | None, thr: dict[str, Any] | None,
+                     fl: Floor) -> list[dict[str, Any]]:
+    """Ours beside llama.cpp: one stream vs llama-bench tg128 (bf16), 128 clients vs llama-server."""
+    tg = {fmt: next((r["avg_ts"] for r in rows if r.get("n_gen") == 128), None)
+          for fmt, rows in (_get(tools, "llama_bench") or {}).items()}
+    serving = _get(thr, "single", "ours_serving", "decode_tok_s")
+    engine4 = _get(thr, "single", "ours_engine_4bit", "decode_tok_s")
+    p, n = _get(thr, "prompt_len"), _get(thr, "new_tokens")
+    one_floor = 1e3 / fl.step_ms("dequantized", p + n / 2) if p is not None and fl.ok("dequantized") else None
+    level = _get(srv, "levels", "128") or {}
+    ours, llama = _get(level, "ours", "tok_s"), _get(level, "llama_server", "tok_s")
+    prompt, new = _get(srv, "prompt_tokens") or 128, _get(srv, "new_tokens") or 128
+    uni = fl.workload("dequantized", [prompt] * 128, [new] * 128, 128)
+    return [
+        target("one stream: Serving.stream / llama-bench tg128, bf16 weights (decode tok/s)",
+               _ratio(serving, tg.get("bf16")), ">=", OVER_LLAMA_TG128, "x", "gpu_llamacpp_tools.json", one_floor,
+               serving, "tok/s", note=f"llama.cpp tg128 tok/s: {', '.join(f'{k} {_fmt(v)}' for k, v in tg.items())}; "
+                                      f"our 4-bit engine {_fmt(engine4)} = {_fmt(_ratio(engine4, tg.get('q4_0')))}x q4_0"),
+        target("128 clients over HTTP: mlx-serving serve / llama-server --parallel 128 (output tok/s)",
+               _get(level, "ours_over_llama_server"), ">=", OVER_LLAMA_SERVER_128, "x", "gpu_llamacpp_server.json",
+               uni and uni["tok_s"], ours, "tok/s",
+               note=f"ours {_fmt(ours)} vs llama-server {_fmt(llama)} tok/s; TTFT p50 {_fmt(_get(level, 'ours', 'ttft_ms_p50'))}"
+                    f" vs {_fmt(_get(level, 'llama_server', 'ttft_ms_p50'))} ms; floor: the bf16 weights"),
+    ]
+
+
+def goodput_target(doc: dict[str, Any] | None) -> dict[str, Any]:
+    run = next((r for r in (_get(doc, "runs") or []) if r["rate"] == GOODPUT_RATE), None)
+    return target(f"arrivals {GOODPUT_RATE:g} req/s: goodput (TTFT <= 1 s and ITL p99 <= 50 ms)",
+                  _get(run, "goodput"), ">=", GOODPUT_FRACTION, "fraction", "gpu_arrivals.json",
+                  note=f"ITL p99 {_fmt(_get(run, 'itl_ms', 'p99'))} ms, TTFT p99 {_fmt(_get(run, 'ttft_ms', 'p99'))} ms")
+
+
 def step_targets(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
     src = "gpu_step.json"
     ctx = {(r["batch"], r["pos"]): r for r in (_get(doc, "context") or [])}
@@ -239,14 +279,17 @@ def weights_info(doc: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def summarize(folder: Path) -> dict[str, Any]:
-    """Every target of issue 17 from the JSON files in ``folder`` (see the module docstring)."""
-    names = ("gpu_step.json", "gpu_throughput.json", "gpu_mixed.json", "prefix_cache_0.6b.json", "gpu_arrivals.json")
+    """Every target of issues 17 and 28 from the JSON files in ``folder`` (see the module docstring)."""
+    names = ("gpu_step.json", "gpu_throughput.json", "gpu_mixed.json", "prefix_cache_0.6b.json", "gpu_arrivals.json",
+             "gpu_llamacpp_tools.json", "gpu_llamacpp_server.json")
     docs = {n: json.loads((folder / n).read_text()) if (folder / n).is_file() else None for n in names}
     log = (folder / "gpu_tests.log").read_text() if (folder / "gpu_tests.log").is_file() else None
     fl = Floor(docs["gpu_step.json"])
     targets = (throughput_targets(docs["gpu_throughput.json"], fl) + mixed_targets(docs["gpu_mixed.json"], fl)
                + prefix_targets(docs["prefix_cache_0.6b.json"]) + arrival_targets(docs["gpu_arrivals.json"], fl)
-               + step_targets(docs["gpu_step.json"]) + [tests_target(log)])
+               + step_targets(docs["gpu_step.json"]) + [tests_target(log)]
+               + llamacpp_targets(docs["gpu_llamacpp_tools.json"], docs["gpu_llamacpp_server.json"],
+                                  docs["gpu_throughput.json"], fl) + [goodput_target(docs["gpu_arrivals.json"])])
     arrivals = docs["gpu_arrivals.json"] or {}
     parts = []
     if (folder / "parts.tsv").is_file():
