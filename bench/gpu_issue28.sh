@@ -54,8 +54,16 @@ case "${1:-}" in
     part throughput 300 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
       --out "$OUT/gpu_throughput.json"
     part arrivals 110 python3 bench/gpu_arrivals.py --rates 64 --duration 10 --search-steps 0 --out "$OUT/gpu_arrivals.json" ;;
+  rest)  # a second lease (the first went back before "ours" and "server"): one call, most needed first
+    part weights 90 python3 bench/gpu_llamacpp.py weights --work "$work" --formats bf16
+    part step 90 python3 bench/gpu_step.py --batches 1 --variants compiled-fused --steps 20 --no-parity \
+      --no-mlx-lm --context 1,256:1500 --out "$OUT/gpu_step.json"
+    part throughput 250 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
+      --out "$OUT/gpu_throughput.json"
+    part server 300 python3 bench/gpu_llamacpp.py server --work "$work" --levels 128,1 --rounds 3 \
+      --out "$OUT/gpu_llamacpp_server.json" ;;
   server)
     part server 560 python3 bench/gpu_llamacpp.py server --work "$work" --levels 1,32,128 --rounds 3 \
       --out "$OUT/gpu_llamacpp_server.json" ;;
-  *) echo "usage: $0 stage | llamacpp | ours | server"; exit 2 ;;
+  *) echo "usage: $0 stage | llamacpp | ours | server | rest"; exit 2 ;;
 esac

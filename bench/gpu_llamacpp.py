@@ -88,15 +88,15 @@ def start_build(src: Path, work: Path, jobs: int) -> None:
                      stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def write_weights(work: Path) -> None:
-    """The dense bf16 checkpoint in ``work/hf`` and its bf16 / q8_0 GGUF conversions."""
+def write_weights(work: Path, formats: list[str]) -> None:
+    """The dense bf16 checkpoint in ``work/hf`` and its GGUF conversions (``formats``: bf16, q8_0)."""
     from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
     hf = work / "hf"
     if not (hf / "model.safetensors").is_file():
         write_checkpoint(hf, "0.6b", seed=0, quantized=False, dtype="bfloat16")
     env = {**os.environ, "PYTHONPATH": f"{work / 'llama.cpp' / 'gguf-py'}:{os.environ.get('PYTHONPATH', '')}"}
-    for fmt in ("bf16", "q8_0"):
+    for fmt in formats:
         if not gguf(work, fmt).is_file():
             subprocess.run([sys.executable, str(work / "llama.cpp" / "convert_hf_to_gguf.py"), str(hf), "--outtype",
                             fmt, "--outfile", str(gguf(work, fmt))], env=env, check=True,
@@ -334,6 +334,7 @@ def main() -> None:
         p.add_argument("--work", type=Path, required=True)
         if name in ("tools", "server"):
             p.add_argument("--out", type=Path, required=True)
+    sub.choices["weights"].add_argument("--formats", default="bf16,q8_0", help="GGUF conversions (comma-separated)")
     srv = sub.choices["server"]
     srv.add_argument("--levels", default="1,32,128", help="parallel slots = clients, comma-separated")
     srv.add_argument("--rounds", type=int, default=3)
@@ -343,7 +344,7 @@ def main() -> None:
     if args.cmd == "build":
         start_build(args.src, args.work, args.jobs)
     elif args.cmd == "weights":
-        write_weights(args.work)
+        write_weights(args.work, args.formats.split(","))
     elif args.cmd == "tools":
         tools(args.work, args.out)
     else:

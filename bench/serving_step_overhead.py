@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -58,9 +59,12 @@ class ZeroCostEngine:
     def __init__(self, state: Any, max_batch: int, max_len: int, *args: Any, **kwargs: Any):
         self._seqs: dict[int, list[int]] = {}
         self._max_batch = max_batch
+        self.runner = SimpleNamespace(one_row_shapes=0, warm_shapes_left=0)  # no shapes to build
+        self.iteration_tokens = SimpleNamespace(stats=dict)
 
-    def warm_up(self) -> None:
-        """Nothing to warm."""
+    def warm_up(self, limit: int | None = None) -> int:
+        """Nothing to warm: 0 shapes left."""
+        return 0
 
     def close(self) -> None:
         """Nothing to release."""
