@@ -7,13 +7,18 @@
 #   mkdir -p $HOME/gpu && cp .gpuA/part_aa $HOME/gpu/ &&
 #   python3 bench/gpu_llamacpp.py build --src .lcpp/llamacpp-src.tgz --work $HOME/lcpp --jobs 14
 # then, the machine still warm, one call per part (carry .gpuB on the first): install (once), then
-#   llamacpp  write the weights and GGUF files; bench/gpu_mixed.py at
-#             batch 256 beside batch_generate while it builds; then llama-bench / llama-batched-bench
-#   ours      bench/gpu_step.py (the copy bandwidth and the floor inputs, paged steps at position
-#             1,500), bench/gpu_throughput.py at 1 and 128 beside generate_step / batch_generate,
-#             bench/gpu_arrivals.py at 64 req/s
-#   server    llama-server vs mlx-serving serve at 1, 32 and 128 parallel slots (same HTTP load)
-# Each bench runs under `timeout` at its cap and what is left of 575 s; JSON and logs go to $OUT.
+#   llamacpp    the weights and GGUF files, llama-bench / llama-batched-bench, bench/gpu_step.py (the
+#               copy bandwidth and the floor inputs, paged steps at position 1,500)
+#   throughput  bench/gpu_throughput.py at 1 and 128 beside generate_step / batch_generate
+#   mixed       bench/gpu_mixed.py at batch 256 beside batch_generate
+#   arrivals    bench/gpu_arrivals.py at 64 req/s
+#   server      llama-server (as shipped, and with --backend-sampling) vs mlx-serving serve at 128,
+#               1 and 32 parallel slots under one HTTP load
+# One call each (what 2026-12-03's lease 3 measured: gpu_throughput.py's one-stream part alone
+# took ~250 s on a fresh lease, mixed's batch_generate peer more than 170 s). Measured on
+# 2026-12-03 with the parts then named "llamacpp" (weights, mixed, tools) and "rest" (weights,
+# step, throughput, server): bench/results/gpu_issue28/parts_by_lease.txt.
+# Each bench runs under `timeout` at its cap and what is left of 580 s; JSON and logs go to $OUT.
 # bench/gpu_summary.py FOLDER (here, no MLX needed) makes the table from the parts' files.
 set -euo pipefail
 if [ "${1:-}" = stage ]; then  # here: the wheels the device lacks (the server extra, httpx, mlx-lm)
@@ -34,7 +39,7 @@ work=$HOME/lcpp
 part() {  # part NAME CAP_S COMMAND...: under a timeout, output in $OUT/NAME.log, a row in $OUT/parts.tsv
   local name=$1 cap=$2 rc=0 t0=$SECONDS
   shift 2
-  local left=$(( 575 - SECONDS ))
+  local left=$(( 580 - SECONDS ))
   (( left < cap )) && cap=$left
   if (( cap < 10 )); then echo "== $name: skipped, no time left"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"; return 0; fi
   echo "== $name (at ${SECONDS} s, cap ${cap} s)"
@@ -45,25 +50,18 @@ part() {  # part NAME CAP_S COMMAND...: under a timeout, output in $OUT/NAME.log
 case "${1:-}" in
   llamacpp)
     part weights 150 python3 bench/gpu_llamacpp.py weights --work "$work"
-    part mixed 260 python3 bench/gpu_mixed.py --peer batch_generate --batches 256 --out "$OUT/gpu_mixed.json"
     part tools 400 python3 bench/gpu_llamacpp.py tools --work "$work" --out "$OUT/gpu_llamacpp_tools.json"
-    tail -3 "$work/build.log" || true ;;
-  ours)
     part step 150 python3 bench/gpu_step.py --batches 1,128 --variants compiled-fused --steps 30 --no-parity \
-      --no-mlx-lm --context 1,256:1500 --out "$OUT/gpu_step.json"
-    part throughput 300 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
-      --out "$OUT/gpu_throughput.json"
-    part arrivals 110 python3 bench/gpu_arrivals.py --rates 64 --duration 10 --search-steps 0 --out "$OUT/gpu_arrivals.json" ;;
-  rest)  # a second lease (the first went back before "ours" and "server"): one call, most needed first
-    part weights 90 python3 bench/gpu_llamacpp.py weights --work "$work" --formats bf16
-    part step 90 python3 bench/gpu_step.py --batches 1 --variants compiled-fused --steps 20 --no-parity \
-      --no-mlx-lm --context 1,256:1500 --out "$OUT/gpu_step.json"
-    part throughput 250 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
-      --out "$OUT/gpu_throughput.json"
-    part server 300 python3 bench/gpu_llamacpp.py server --work "$work" --levels 128,1 --rounds 3 \
-      --out "$OUT/gpu_llamacpp_server.json" ;;
+      --no-mlx-lm --context 1,256:1500 --out "$OUT/gpu_step.json" ;;
+  throughput)
+    part throughput 570 python3 bench/gpu_throughput.py --concurrency 1,128 --peer-concurrency 1,128 --load-streams 0 \
+      --out "$OUT/gpu_throughput.json" ;;
+  mixed)
+    part mixed 570 python3 bench/gpu_mixed.py --peer batch_generate --batches 256 --out "$OUT/gpu_mixed.json" ;;
+  arrivals)
+    part arrivals 200 python3 bench/gpu_arrivals.py --rates 64 --duration 10 --search-steps 0 --out "$OUT/gpu_arrivals.json" ;;
   server)
-    part server 560 python3 bench/gpu_llamacpp.py server --work "$work" --levels 1,32,128 --rounds 3 \
+    part server 570 python3 bench/gpu_llamacpp.py server --work "$work" --levels 128,1,32 --rounds 3 \
       --out "$OUT/gpu_llamacpp_server.json" ;;
-  *) echo "usage: $0 stage | llamacpp | ours | server | rest"; exit 2 ;;
+  *) echo "usage: $0 stage | llamacpp | throughput | mixed | arrivals | server"; exit 2 ;;
 esac

@@ -19,14 +19,15 @@ Steps (each a subcommand; ``WORK`` holds the build, the checkpoint and the GGUF 
   ``llama-batched-bench`` (128 prompt / 128 generated tokens at 1, 32 and 128 parallel sequences)
   on bf16 and Q4_0; records their own figures (tok/s).
 - ``server --work WORK --out JSON``: ``llama-server`` (bf16 GGUF, ``--parallel N`` slots,
-  continuous batching, flash attention) and ``mlx-serving serve`` (the same weights' directory,
-  ``--max-batch N``), both up at once; per N a warm-up round on each, then ``--rounds`` rounds
-  alternating the two. A round is N clients at once, each streaming one ``POST /v1/completions``
+  continuous batching, flash attention; as it ships, and with its experimental
+  ``--backend-sampling``) and ``mlx-serving serve`` (the same weights' directory, ``--max-batch
+  N``), all up at once; per N a warm-up round on each, then ``--rounds`` rounds, the order rotated
+  each round. A round is N clients at once, each streaming one ``POST /v1/completions``
   (a 128-token prompt of one-token words, distinct per client, greedy, ``ignore_eos``,
   ``max_tokens`` 128) with httpx. Per round: output tok/s (completion tokens / wall from the first
   send to the last end), TTFT p50 / p99 (send -> first text), ITL p50 / p99 (gaps between a
-  stream's text chunks, all streams pooled); each side's median round, and ours / llama-server
-  taken within each round, then the median.
+  stream's text chunks, all streams pooled); each side's median round, and ours / each llama-server
+  variant taken within each round, then the median (the target row uses the fastest variant).
 
 Run on the GPU machine (bench/gpu_issue28.sh calls these in order); writes JSON as it goes.
 """
@@ -270,32 +271,49 @@ def running(command: list[str], port: int, log: Path) -> Iterator[str]:
             process.wait()
 
 
-def server_commands(work: Path, n: int, ctx: int, new: int, logs: Path) -> dict[str, tuple[list[str], int, Path]]:
-    """Both servers' command lines at ``n`` slots of ``ctx`` positions each: name -> (argv, port, log)."""
-    lp, op = free_port(), free_port()
-    llama = [str(bin_dir(work) / "llama-server"), "-m", str(gguf(work, "bf16")), "--host", "127.0.0.1", "--port",
-             str(lp), "-ngl", "99", "-fa", "on", "--parallel", str(n), "-c", str(n * ctx), "-b", "2048", "-ub", "512",
-             "--cont-batching", "--no-webui", "--alias", "q06"]
+#: llama-server variants: name -> extra arguments. ``backend_sampling``: its experimental
+#: ``--backend-sampling`` (sampling on the GPU instead of per slot on the CPU).
+LLAMA_VARIANTS = {"llama_server": [], "llama_server_backend_sampling": ["--backend-sampling"]}
+
+
+def server_commands(work: Path, n: int, ctx: int, new: int, logs: Path,
+                    variants: list[str]) -> dict[str, tuple[list[str], int, Path]]:
+    """The servers' command lines at ``n`` slots of ``ctx`` positions each, ours and each llama-server
+    variant of :data:`LLAMA_VARIANTS` named in ``variants``: name -> (argv, port, log)."""
+    out = {}
+    for name in variants:
+        port = free_port()
+        argv = [str(bin_dir(work) / "llama-server"), "-m", str(gguf(work, "bf16")), "--host", "127.0.0.1", "--port",
+                str(port), "-ngl", "99", "-fa", "on", "--parallel", str(n), "-c", str(n * ctx), "-b", "2048",
+                "-ub", "512", "--cont-batching", "--no-webui", "--alias", "q06", *LLAMA_VARIANTS[name]]
+        out[name] = (argv, port, logs / f"{name}_{n}.log")
+    port = free_port()
     ours = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(work / "hf"), "--served-model-name", "q06",
-            "--port", str(op), "--max-batch", str(n), "--max-len", str(ctx), "--max-queue", str(4 * n + 64), "--max-new-tokens", str(new),
-            "--log-level", "warning"]
-    return {"llama_server": (llama, lp, logs / f"llama_server_{n}.log"), "ours": (ours, op, logs / f"ours_{n}.log")}
+            "--port", str(port), "--max-batch", str(n), "--max-len", str(ctx), "--max-queue", str(4 * n + 64),
+            "--max-new-tokens", str(new), "--log-level", "warning"]
+    return out | {"ours": (ours, port, logs / f"ours_{n}.log")}
 
 
-def serve_level(work: Path, n: int, rounds: int, prompt_len: int, new: int, logs: Path) -> JSON:
+def serve_level(work: Path, n: int, rounds: int, prompt_len: int, new: int, logs: Path, variants: list[str]) -> JSON:
+    """Every server up at once; a warm-up round each, then ``rounds`` rounds, the order rotated each
+    round. ``ours_over``: ours / each llama-server variant, per round, then the median;
+    ``ours_over_llama_server``: that ratio against the fastest variant (by median tok/s)."""
     texts = prompts(work / "hf", n, prompt_len)
     with ExitStack() as stack:
         urls = {name: stack.enter_context(running(argv, port, log))
-                for name, (argv, port, log) in server_commands(work, n, prompt_len + new + 64, new, logs).items()}
+                for name, (argv, port, log) in server_commands(work, n, prompt_len + new + 64, new, logs,
+                                                               variants).items()}
         warm = {name: asyncio.run(load_round(url, "q06", texts, new)) for name, url in urls.items()}
         runs: dict[str, list[JSON]] = {name: [] for name in urls}
+        names = list(urls)
         for r in range(rounds):
-            for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 runs[name].append(asyncio.run(load_round(urls[name], "q06", texts, new)))
     med = {name: median_round(rs) for name, rs in runs.items()}
-    ratio = statistics.median(o["tok_s"] / lc["tok_s"] for o, lc in zip(runs["ours"], runs["llama_server"]))
-    return {"clients": n, "warm_up": warm, **med, "ours_over_llama_server": ratio,
-            "runs_tok_s": {name: [r["tok_s"] for r in rs] for name, rs in runs.items()}}
+    over = {v: statistics.median(o["tok_s"] / lc["tok_s"] for o, lc in zip(runs["ours"], runs[v])) for v in variants}
+    best = max(variants, key=lambda v: med[v]["tok_s"])
+    return {"clients": n, "warm_up": warm, **med, "ours_over": over, "fastest_llama_server": best,
+            "ours_over_llama_server": over[best], "runs_tok_s": {name: [r["tok_s"] for r in rs] for name, rs in runs.items()}}
 
 
 def median_round(rounds: list[JSON]) -> JSON:
@@ -303,17 +321,18 @@ def median_round(rounds: list[JSON]) -> JSON:
     return sorted(rounds, key=lambda r: r["tok_s"])[(len(rounds) - 1) // 2]
 
 
-def server(work: Path, out: Path, levels: list[int], rounds: int, prompt_len: int, new: int) -> None:
+def server(work: Path, out: Path, levels: list[int], rounds: int, prompt_len: int, new: int,
+           variants: list[str]) -> None:
     wait_build(work, 900)
     doc: JSON = {"prompt_tokens": prompt_len, "new_tokens": new, "rounds": rounds, "weights": "bf16 (same values)",
                  "levels": {}}
     for n in levels:
-        row = serve_level(work, n, rounds, prompt_len, new, out.parent)
+        row = serve_level(work, n, rounds, prompt_len, new, out.parent, variants)
         doc["levels"][str(n)] = row
         save(out, doc)
-        o, lc = row["ours"], row["llama_server"]
+        o, lc = row["ours"], row[row["fastest_llama_server"]]
         print(f"{n:>4} clients: ours {o['tok_s']:8.0f} tok/s (TTFT p50 {o['ttft_ms_p50']:.0f} ms, ITL p99 "
-              f"{o['itl_ms_p99']:.1f} ms) | llama-server {lc['tok_s']:8.0f} tok/s (TTFT p50 "
+              f"{o['itl_ms_p99']:.1f} ms) | {row['fastest_llama_server']} {lc['tok_s']:8.0f} tok/s (TTFT p50 "
               f"{lc['ttft_ms_p50']:.0f} ms, ITL p99 {lc['itl_ms_p99']:.1f} ms) | ratio "
               f"{row['ours_over_llama_server']:.2f}x", flush=True)
 
@@ -340,6 +359,8 @@ def main() -> None:
     srv.add_argument("--rounds", type=int, default=3)
     srv.add_argument("--prompt-len", type=int, default=128)
     srv.add_argument("--new", type=int, default=128)
+    srv.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS),
+                     help=f"llama-server variants, comma-separated (of {', '.join(LLAMA_VARIANTS)})")
     args = ap.parse_args()
     if args.cmd == "build":
         start_build(args.src, args.work, args.jobs)
@@ -348,7 +369,8 @@ def main() -> None:
     elif args.cmd == "tools":
         tools(args.work, args.out)
     else:
-        server(args.work, args.out, [int(x) for x in args.levels.split(",")], args.rounds, args.prompt_len, args.new)
+        server(args.work, args.out, [int(x) for x in args.levels.split(",")], args.rounds, args.prompt_len, args.new,
+               args.llama_variants.split(","))
 
 
 if __name__ == "__main__":
