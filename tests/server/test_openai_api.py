@@ -155,9 +155,10 @@ def test_bad_input_is_400_naming_the_field(server: Server, request_: dict, param
 def test_openai_client_raises_typed_errors(client: openai.OpenAI, server: Server):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="max_new_tokens must be") as bad:  # the serving's InvalidInput
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be") as bad:  # the serving's InvalidInput,
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=0)  # named as the client did
     assert bad.value.status_code == 400 and bad.value.body["param"] == "max_tokens"
+    assert "max_new_tokens" not in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="exceeds max_len") as bad:  # the prompt fits a smaller one
         client.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
     assert bad.value.body["param"] == "max_tokens"

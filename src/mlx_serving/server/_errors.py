@@ -3,13 +3,15 @@
 The serving's errors map to statuses in :func:`from_exception`: ``InvalidInput`` (bad input, raised
 by the serving's client preprocessing; its ``param`` names the input key at fault) 400 with that key
 as ``param``, spelled as in the OpenAI request (``max_new_tokens`` -> ``max_tokens``, ``text`` ->
-``prompt``, ``enable_thinking`` -> ``chat_template_kwargs``); any other ``ValueError`` 400 with
+``prompt``, ``enable_thinking`` -> ``chat_template_kwargs``), and that key in the message spelled
+the same way; any other ``ValueError`` 400 with
 ``param`` null; ``ServingOverloaded`` 503 with ``Retry-After``; ``DeadlineExceeded`` 504;
 ``ServingStopped`` 503; anything else 500.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..serving import DeadlineExceeded, InvalidInput, ServingOverloaded, ServingStopped
@@ -50,8 +52,10 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidInput):
-        param = None if exc.param is None else _OPENAI_NAMES.get(exc.param, exc.param)
-        return APIError(400, str(exc), param=param)
+        if exc.param is None:
+            return APIError(400, str(exc))
+        param = _OPENAI_NAMES.get(exc.param, exc.param)
+        return APIError(400, re.sub(rf"\b{re.escape(exc.param)}\b", param, str(exc)), param=param)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     if isinstance(exc, ServingOverloaded):
