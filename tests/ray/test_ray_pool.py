@@ -214,15 +214,19 @@ def test_bad_arguments(ray_cluster):
         ServingPool("pool_servings:double", backend="ray", batch_sise=3)
 
 
-def test_a_pool_shuts_down_only_the_ray_it_started():
-    """Without ray.init, the pools start one connection, shared, shut down with the last pool; a
-    connection the caller made stays up. A fresh interpreter, so the module's cluster is not seen."""
+def test_a_pool_shuts_down_only_the_ray_it_started(ray_cluster):
+    """Without ray.init, the pools start one connection (a local cluster of their own), shared,
+    shut down with the last pool; a connection the caller made stays up. A fresh interpreter, so
+    the module's cluster is not seen by the pools' ray.init(); the caller's own connection joins
+    it (ray.init(address=...), as a caller joins a running cluster) rather than start a second
+    local cluster."""
     import subprocess
     import sys
     import textwrap
     from pathlib import Path
 
     pool_tests = str(Path(__file__).resolve().parent.parent / "pool")
+    address = ray_cluster.get_runtime_context().gcs_address
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {pool_tests!r})
@@ -235,7 +239,7 @@ def test_a_pool_shuts_down_only_the_ray_it_started():
         assert ray.is_initialized() and b.run(1)["rows"] == 1
         b.close()
         assert not ray.is_initialized()
-        ray.init(num_cpus=1, include_dashboard=False)
+        ray.init(address={address!r}, _node_ip_address="127.0.0.1")
         with ServingPool("pool_servings:probe", backend="ray", ray_actor_options=light) as c:
             assert c.run(2)["rows"] == 1
         assert ray.is_initialized()

@@ -25,6 +25,10 @@ pytestmark = pytest.mark.timeout(120)
 POOL_TESTS = str(Path(__file__).resolve().parent.parent / "pool")
 # replicas import pool_servings through the runtime_env, as a cluster deployment ships its code
 LIGHT = {"num_cpus": 0, "runtime_env": {"env_vars": {"PYTHONPATH": POOL_TESTS}}}
+# serve.delete waits for each replica's graceful shutdown, which polls for in-flight requests every
+# graceful_shutdown_wait_loop_s (2 s by default, slept once even when none is left); nothing is in
+# flight when these tests delete their apps, so a short poll only shortens the wait
+QUICK_DELETE = {"graceful_shutdown_wait_loop_s": 0.1}
 
 
 def free_port() -> int:
@@ -46,7 +50,7 @@ def serve_instance(ray_cluster):
 
 def test_run_stream_stats_and_batching(serve_instance):
     app = serving_app("pool_servings:sleeper", process_options={"batch_size": 4, "batch_timeout": 0.05},
-                      ray_actor_options=LIGHT, name="sleeper")
+                      ray_actor_options=LIGHT, name="sleeper", **QUICK_DELETE)
     handle = serve.run(app, name="sleeper", route_prefix=None)
     responses = [handle.run.remote((0.2, i, None)) for i in range(8)]
     assert [r.result(timeout_s=60)["tag"] for r in responses] == list(range(8))
@@ -56,7 +60,7 @@ def test_run_stream_stats_and_batching(serve_instance):
         handle.run.remote((1.0, "late", None), deadline=0.2).result(timeout_s=30)
     serve.delete("sleeper")
 
-    counter = serve.run(ServingDeployment.options(ray_actor_options=LIGHT, name="counter").bind(
+    counter = serve.run(ServingDeployment.options(ray_actor_options=LIGHT, name="counter", **QUICK_DELETE).bind(
         "pool_servings:counter", {"batch_size": 4, "batch_timeout": 0.01}), name="counter", route_prefix=None)
     items = list(counter.options(stream=True).stream.remote(4))
     assert items == [(0, n) for n in range(1, 5)]
@@ -73,7 +77,7 @@ def test_200_concurrent_calls_through_a_handle_and_http(serve_instance):
     """2 replicas: every call answered, both replicas used, requests batched inside a replica."""
     httpx = pytest.importorskip("httpx")
     app = serving_app("pool_servings:probe", process_options={"batch_size": 16, "batch_timeout": 0.02},
-                      num_replicas=2, ray_actor_options=LIGHT, name="probe")
+                      num_replicas=2, ray_actor_options=LIGHT, name="probe", **QUICK_DELETE)
     handle = serve.run(app, name="probe", route_prefix="/probe")
     by_handle = [response.result(timeout_s=60) for response in [handle.run.remote(i) for i in range(200)]]
 
@@ -147,7 +151,7 @@ def test_openai_server_as_the_serve_ingress(serve_instance, tiny_ckpt, tiny_serv
 
     factory = functools.partial(text_generation.from_mlx4bit, str(tiny_ckpt), **OPTIONS)
     app = openai_app(factory, model=MODEL, process_options={"max_queue": 256}, num_replicas=2,
-                     ray_actor_options={"num_cpus": 0}, name="openai")
+                     ray_actor_options={"num_cpus": 0}, name="openai", **QUICK_DELETE)
     assert app._bound_deployment.max_ongoing_requests == 256
     handle = serve.run(app, name="openai", route_prefix="/")
     client = openai.OpenAI(base_url=f"{serve_instance}/v1", api_key="unused", max_retries=0, timeout=60)

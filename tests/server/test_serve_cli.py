@@ -129,12 +129,10 @@ def test_policy_option_reaches_the_serving_options():
         _parser().parse_args(["serve", "--policy", "lifo"])
 
 
-def test_serve_with_no_model_serves_smollm2(smollm2_gguf: Path, tmp_path: Path):
+def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):
     """``mlx-serving serve`` alone: the default model, SmolLM2-135M-Instruct, under its name,
     answering an unmodified OpenAI client with real text (streamed and not)."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "packages").symlink_to(smollm2_gguf.parent.parent)  # fetched once; converted anew here
+    cache = private_cache(tmp_path / "cache")  # fetched once, converted anew here; the built kernels
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "mlx_serving", "serve", "--port", str(port), "--max-len", "256", "--max-new-tokens", "32",
                                 "--max-batch", "2", "--log-level", "warning"],
