@@ -39,20 +39,19 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 # bench/ holds scripts named like the packages (bench/tokenization.py): keep it off sys.path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.http_load: its server start-up, free ports
 
 import numpy as np  # noqa: E402
 
@@ -234,43 +233,6 @@ async def load_round(url: str, model: str, texts: list[str], new: int) -> JSON:
             "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99))}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def running(command: list[str], port: int, log: Path) -> Iterator[str]:
-    """Start a server, wait until ``GET /health`` answers 200 (300 s at most); yields its URL."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    try:
-        end = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {process.returncode}: {log.read_text()[-1500:]}")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > end:
-                raise TimeoutError(f"{command[0]} not ready after 300 s")
-            time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 #: llama-server variants: name -> extra arguments. ``backend_sampling``: its experimental
 #: ``--backend-sampling`` (sampling on the GPU instead of per slot on the CPU).
 LLAMA_VARIANTS = {"llama_server": [], "llama_server_backend_sampling": ["--backend-sampling"]}
@@ -280,6 +242,8 @@ def server_commands(work: Path, n: int, ctx: int, new: int, logs: Path,
                     variants: list[str]) -> dict[str, tuple[list[str], int, Path]]:
     """The servers' command lines at ``n`` slots of ``ctx`` positions each, ours and each llama-server
     variant of :data:`LLAMA_VARIANTS` named in ``variants``: name -> (argv, port, log)."""
+    from bench.http_load import _free_port as free_port
+
     out = {}
     for name in variants:
         port = free_port()
@@ -298,9 +262,11 @@ def serve_level(work: Path, n: int, rounds: int, prompt_len: int, new: int, logs
     """Every server up at once; a warm-up round each, then ``rounds`` rounds, the order rotated each
     round. ``ours_over``: ours / each llama-server variant, per round, then the median;
     ``ours_over_llama_server``: that ratio against the fastest variant (by median tok/s)."""
+    from bench.http_load import subprocess_server  # MLX and httpx: needed from here on only
+
     texts = prompts(work / "hf", n, prompt_len)
     with ExitStack() as stack:
-        urls = {name: stack.enter_context(running(argv, port, log))
+        urls = {name: stack.enter_context(subprocess_server(argv, port, "/health", log))
                 for name, (argv, port, log) in server_commands(work, n, prompt_len + new + 64, new, logs,
                                                                variants).items()}
         warm = {name: asyncio.run(load_round(url, "q06", texts, new)) for name, url in urls.items()}

@@ -201,15 +201,18 @@ def _free_port() -> int:
 
 
 @contextmanager
-def subprocess_server(command: list[str], port: int, ready_path: str) -> Iterator[str]:
-    """Start a server command, wait until ``GET ready_path`` answers 200; yields its URL."""
+def subprocess_server(command: list[str], port: int, ready_path: str, log: Path | None = None) -> Iterator[str]:
+    """Start a server command, wait until ``GET ready_path`` answers 200 (300 s at most); yields its
+    URL. ``log``: a file for its stdout and stderr (whose tail an early exit's error quotes)."""
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(log or os.devnull, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         end = time.monotonic() + 300
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"{command[:4]} exited with {process.returncode}")
+                tail = log.read_text()[-1500:] if log else ""
+                raise RuntimeError(f"{command[:4]} exited with {process.returncode}: {tail}")
             try:
                 if httpx.get(url + ready_path, timeout=5).status_code == 200:
                     break
