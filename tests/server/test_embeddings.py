@@ -103,6 +103,7 @@ def test_concurrent_requests_are_batched_and_equal_solo(url: str, emb_serving: S
     ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "dimensions": 10_000}, "dimensions"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"), ({"input": "x", "colour": 1}, "colour"),
     ({"input": "x", "prompt_name": "nope"}, "prompt_name"), ({"input": "x", "truncate": "yes"}, "truncate"),
+    ({"input": ["x"] * 65}, "input"),  # more inputs than the serving queues at once (max_queue 64)
 ])
 def test_bad_requests_are_400_naming_the_field(client: openai.OpenAI, body: dict, param: str):
     with pytest.raises(openai.BadRequestError) as info:

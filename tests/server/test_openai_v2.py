@@ -272,7 +272,10 @@ def test_small_defects_each_answer_400_naming_the_field(client: openai.OpenAI) -
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:  # more rows than the queue ever holds: not a 503
         client.completions.create(model=MODEL, prompt=["hi"] * 1025, max_tokens=1)
-    assert "max_queue" in info.value.body["message"]
+    assert "max_queue" in info.value.body["message"] and info.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:  # the same, streamed
+        client.completions.create(model=MODEL, prompt=["hi"] * 1025, max_tokens=1, stream=True)
+    assert "max_queue" in info.value.body["message"] and info.value.body["param"] == "prompt"
     with pytest.raises(openai.BadRequestError) as info:  # the prompt is at fault, not max_tokens
         client.completions.create(model=MODEL, prompt="word " * 2_000_000, max_tokens=1)
     assert info.value.body["param"] == "prompt"

@@ -19,8 +19,8 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from importlib import resources
 from typing import Any
 
@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
-from ..serving import AsyncStream, Client, InvalidInput, ServingError, ServingStats
+from ..serving import AsyncStream, Client, InvalidInput, RequestTooLarge, ServingError, ServingStats
 from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
 from ._embeddings import embedding_call, embedding_response, input_error
 from ._errors import RETRY_AFTER_S, APIError, from_exception
@@ -201,6 +201,16 @@ class _CORS(CORSMiddleware):
         return JSONResponse(error.body(), 400, headers)
 
 
+@contextmanager
+def _rows_named(param: str) -> Iterator[None]:
+    """A RequestTooLarge (more rows than the serving queues at once) as a 400 naming ``param``, the
+    request field that made the rows (a list of prompts or inputs, ``n``)."""
+    try:
+        yield
+    except RequestTooLarge as exc:
+        raise APIError(400, str(exc), param=param) from None
+
+
 def _error_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> Response:
         error = from_exception(exc)
@@ -246,11 +256,13 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         deadline = call.deadline if call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, call, arrival)
         if call.stream:
-            stream = await client.stream_async(call.input, deadline=deadline)
+            with _rows_named("prompt" if call.prompts > 1 else "n"):
+                stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
             return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n", shutdown_event=drain,
                                        shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
-        result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
+        with _rows_named("prompt" if call.prompts > 1 else "n"):
+            result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
         if result is _GONE:
             record.aborted()
             return Response(status_code=499)
@@ -327,8 +339,9 @@ def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, requ
         name, model = served.pick(body.get("model"), "embed")
         call = embedding_call(body)
         try:
-            result = await _unless_disconnected(
-                request, lambda: model.client.run_async(call.inputs, deadline=request_timeout))
+            with _rows_named("input"):
+                result = await _unless_disconnected(
+                    request, lambda: model.client.run_async(call.inputs, deadline=request_timeout))
         except InvalidInput as exc:
             raise input_error(exc) from None
         if result is _GONE:

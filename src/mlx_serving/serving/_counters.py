@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import DeadlineExceeded, RequestCancelled
+from ._errors import DeadlineExceeded, RequestCancelled, RequestTooLarge
 from ._telemetry import ServingStats
 
 
@@ -55,9 +55,10 @@ class Counters:
 
 
 def too_big(rows: int, max_queue: int | None, counters: Counters) -> None:
-    """ValueError (counted as rejected) for a request of more ``rows`` than ``max_queue``: it could
-    never be queued, so it is bad input, not an overload to retry (``ServingOverloaded``)."""
+    """RequestTooLarge (a ValueError, counted as rejected) for a request of more ``rows`` than
+    ``max_queue``: it could never be queued, so it is bad input, not an overload to retry
+    (``ServingOverloaded``)."""
     if max_queue is not None and rows > max_queue:
         counters.rejected += 1
-        raise ValueError(f"the request has {rows} rows, more than the serving queues at once (max_queue "
-                         f"{max_queue}): split it")
+        raise RequestTooLarge(f"the request has {rows} rows, more than the serving queues at once (max_queue "
+                              f"{max_queue}): split it", rows=rows, max_queue=max_queue)

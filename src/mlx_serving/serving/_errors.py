@@ -15,8 +15,10 @@
 
     ValueError
     └── InvalidInput        a request's input is refused by the serving's client preprocessing;
-                            ``param`` names the input key at fault (not a ServingError: bad
-                            input is the caller's ValueError)
+        │                   ``param`` names the input key at fault (not a ServingError: bad
+        │                   input is the caller's ValueError)
+        └── RequestTooLarge a request of more rows than ``max_queue``: it could never be
+                            queued (split it; not an overload to retry)
 """
 
 from __future__ import annotations
@@ -109,3 +111,14 @@ class InvalidInput(ValueError):
 
     def __reduce__(self) -> tuple[type[InvalidInput], tuple[str, str | None], dict[str, object]]:
         return type(self), (str(self.args[0]) if self.args else "", self.param), self.__dict__
+
+
+class RequestTooLarge(InvalidInput):
+    """A request of more rows (``rows``) than the serving queues at once (``max_queue``): it could
+    never be enqueued, so it is refused as bad input, not as an overload to retry
+    (:class:`ServingOverloaded`). ``param`` is None: which field made the rows (a list of prompts,
+    ``n``, a list of embedding inputs) is the front end's to say."""
+
+    def __init__(self, message: str, param: str | None = None, *, rows: int = 0, max_queue: int = 0) -> None:
+        super().__init__(message, param)
+        self.rows, self.max_queue = rows, max_queue
