@@ -47,13 +47,16 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # bench/ holds scripts named like the packages (bench/tokenization.py): keep it off sys.path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.http_load: its server start-up, free ports
 
 import numpy as np  # noqa: E402
+
+if TYPE_CHECKING:
+    import httpx
 
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 CMAKE = ("-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DGGML_NATIVE=OFF", "-DLLAMA_BUILD_TESTS=OFF",
@@ -177,27 +180,19 @@ class Stream:
 
 
 def prompts(hf: Path, n: int, length: int) -> list[str]:
-    """``n`` distinct texts of ``length`` one-token words (the tokenizer of ``hf``), checked to
-    encode to exactly ``length`` ids."""
+    """``n`` texts of ``length`` one-token words (bench/gpu_throughput.py's ``word_prompts`` with
+    the tokenizer of ``hf``), checked to encode to exactly ``length`` ids."""
     import tokenizers
 
+    from bench.gpu_throughput import word_prompts
+
     tok = tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json"))
-    vocab = tok.get_vocab()
-    words = sorted(w for w in vocab if w.startswith("Ġ") and w[1:].isalpha() and w[1:].islower() and len(w) > 3)
-    rng = np.random.default_rng(0)
-    texts = []
-    for _ in range(n):
-        ids = [vocab[w] for w in rng.choice(words, size=length)]
-        text = tok.decode(ids)
-        assert len(tok.encode(text, add_special_tokens=False).ids) == length, text
-        texts.append(text)
+    texts = [tok.decode(ids) for ids in word_prompts(tok, n, length, seed=0)]
+    assert all(len(tok.encode(t, add_special_tokens=False).ids) == length for t in texts)
     return texts
 
 
-async def stream_one(client: object, model: str, text: str, new: int) -> Stream:
-    import httpx
-
-    assert isinstance(client, httpx.AsyncClient)
+async def stream_one(client: httpx.AsyncClient, model: str, text: str, new: int) -> Stream:
     body = {"model": model, "prompt": text, "max_tokens": new, "temperature": 0.0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     s, t0 = Stream(), time.perf_counter()

@@ -255,13 +255,14 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         call = chat_call(body) if kind == "chat" else completion_call(body)
         deadline = call.deadline if call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, call, arrival)
+        rows_field = "prompt" if call.prompts > 1 else "n"  # what made more rows than the queue holds
         if call.stream:
-            with _rows_named("prompt" if call.prompts > 1 else "n"):
+            with _rows_named(rows_field):
                 stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
             return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n", shutdown_event=drain,
                                        shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
-        with _rows_named("prompt" if call.prompts > 1 else "n"):
+        with _rows_named(rows_field):
             result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
         if result is _GONE:
             record.aborted()
