@@ -6,7 +6,8 @@
 # call 1 (carry .gpuA and .lcpp) copies .gpuA/part_aa to $HOME/gpu and starts the llama.cpp build:
 #   mkdir -p $HOME/gpu && cp .gpuA/part_aa $HOME/gpu/ &&
 #   python3 bench/gpu_llamacpp.py build --src .lcpp/llamacpp-src.tgz --work $HOME/lcpp --jobs 14
-# then, the machine still warm, one call per part (carry .gpuB on the first): install (once), then
+# then, the machine still warm, one call per part (carry .gpuB on the first; each part installs the
+# wheels into $HOME/gpu/site when they are not there yet):
 #   llamacpp    the weights and GGUF files, llama-bench / llama-batched-bench, bench/gpu_step.py (the
 #               copy bandwidth and the floor inputs, paged steps at position 1,500)
 #   throughput  bench/gpu_throughput.py at 1 and 128 beside generate_step / batch_generate

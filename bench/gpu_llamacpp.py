@@ -6,6 +6,11 @@ with llama.cpp's own ``convert_hf_to_gguf.py`` to GGUF bf16 and q8_0, and Q4_0 w
 ``llama-quantize``. llama.cpp is the tree vendored by the llama-cpp-python 0.3.36 sdist
 (ggml-org/llama.cpp@0c1e57098, bench/llamacpp.py), built with ``-DGGML_CUDA=ON`` for sm_90.
 
+The source .tgz (``.lcpp/llamacpp-src.tgz``, 11 MB): ``pip download --no-deps --no-binary :all:
+llama-cpp-python==0.3.36``, then from the sdist's ``vendor/`` folder ``tar -czf
+llamacpp-src.tgz --exclude=llama.cpp/models --exclude=llama.cpp/docs --exclude=llama.cpp/tests
+--exclude=llama.cpp/media --exclude=llama.cpp/build --exclude=llama.cpp/benches llama.cpp``.
+
 Steps (each a subcommand; ``WORK`` holds the build, the checkpoint and the GGUF files):
 
 - ``build --src TGZ --work WORK``: unpack the trimmed source (a .tgz whose top folder is

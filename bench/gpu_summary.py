@@ -341,7 +341,7 @@ def print_table(s: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("folder", type=Path, help="where gpu_session.sh all wrote its JSON ($OUT)")
     ap.add_argument("--out", type=Path, default=None, help="default FOLDER/gpu_all.json")
     args = ap.parse_args()

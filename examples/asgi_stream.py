@@ -17,7 +17,7 @@ slot is freed.
 
 Status codes: 400 bad input, 503 queue full (``max_queue``; retry later), 504 deadline passed
 before the response started (a deadline passing mid-stream ends the stream early).
-Without ``CHECKPOINT_DIR`` it serves the embedded random-weights checkpoint (meaningless text).
+Without ``CHECKPOINT_DIR`` it serves the default model (SmolLM2-135M-Instruct, ``default_checkpoint()``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     from mlx_serving import default_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", nargs="?", help="MLX Qwen3 checkpoint directory (default: embedded random one)")
+    parser.add_argument("checkpoint", nargs="?", help="checkpoint directory (default: the default model, SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-batch", type=int, default=32, help="sequences decoding at once")

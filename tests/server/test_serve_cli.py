@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_serving.server._cli import API_KEY_ENV, _generation_options, _model_specs
+from mlx_serving.server._cli import API_KEY_ENV, _embedding_options, _generation_options, _model_specs
 
 from server_helpers import wait_for
 
@@ -127,6 +127,18 @@ def test_policy_option_reaches_the_serving_options():
     assert _generation_options(_parser().parse_args(["serve"]))["policy"] == "fcfs"
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--policy", "lifo"])
+
+
+def test_a_small_max_queue_needs_no_embedding_flag():
+    """--embedding-batch's default follows a smaller --max-queue (serving no embedding model needs
+    no embedding flag); a --embedding-batch given above --max-queue is refused."""
+    from mlx_serving.cli import _parser
+
+    args = _parser().parse_args(["serve", "--max-batch", "2", "--max-queue", "2"])
+    assert _embedding_options(args)["batch_size"] == 2 and _generation_options(args)["max_batch"] == 2
+    assert _embedding_options(_parser().parse_args(["serve"]))["batch_size"] == 32
+    with pytest.raises(ValueError, match="--embedding-batch"):
+        _embedding_options(_parser().parse_args(["serve", "--max-queue", "4", "--embedding-batch", "8"]))
 
 
 def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):

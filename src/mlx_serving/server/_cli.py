@@ -53,8 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
     p.add_argument("--embedding-max-len", type=int, default=None, metavar="TOKENS",
                    help="tokens per input of an embedding model (one that ships sentence-transformers' "
                         "1_Pooling/config.json; default: its max_seq_length, else 512)")
-    p.add_argument("--embedding-batch", type=int, default=32, metavar="N",
-                   help="most inputs per forward of an embedding model (per worker)")
+    p.add_argument("--embedding-batch", type=int, default=None, metavar="N",
+                   help="most inputs per forward of an embedding model (per worker) (default: 32, or --max-queue "
+                        "when smaller)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--workers", type=int, default=1,
@@ -207,17 +208,21 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+_EMBEDDING_BATCH = 32  # --embedding-batch's default (capped at --max-queue)
+
+
 def _embedding_options(args: argparse.Namespace) -> dict[str, Any]:
     """The text-embedding options of ``--embedding-max-len`` / ``--embedding-batch`` (checked
     before the server starts)."""
     from ..models.text_embedding import EmbeddingOptions
 
-    options: dict[str, Any] = {"batch_size": args.embedding_batch}
+    if args.embedding_batch is not None and args.max_queue < args.embedding_batch:
+        raise ValueError(f"--max-queue ({args.max_queue}) must be >= --embedding-batch ({args.embedding_batch})")
+    batch = args.embedding_batch if args.embedding_batch is not None else min(_EMBEDDING_BATCH, args.max_queue)
+    options: dict[str, Any] = {"batch_size": batch}
     if args.embedding_max_len is not None:
         options["max_len"] = args.embedding_max_len
     EmbeddingOptions(**options)
-    if args.max_queue < args.embedding_batch:
-        raise ValueError(f"--max-queue ({args.max_queue}) must be >= --embedding-batch ({args.embedding_batch})")
     return options
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "InvalidInput",
     "RemoteError",
     "RequestCancelled",
+    "RequestTooLarge",
     "ServingError",
     "ServingOverloaded",
     "ServingStopped",
