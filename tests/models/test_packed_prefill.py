@@ -119,8 +119,10 @@ def test_engine_packs_multi_row_prefill(tiny32, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("bucket", [False, True])
 def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest.MonkeyPatch, bucket: bool) -> None:
     """Six 30-token prompts arriving one per step with 4-token chunks: a prefill step holds rows at
-    up to six starts, so the engine builds 2-4 causal groups (bucketed: padding rows join the
-    last), then past four starts one boolean-masked call; tokens equal each prompt alone."""
+    up to six starts, so the engine builds 2-4 causal groups, then past four starts one
+    boolean-masked call; bucketed (the warmed shapes): first chunks as one group of a power-of-two
+    row count, each later chunk a one-row group, never a masked call, trailing padding rows in no
+    group; tokens equal each prompt alone."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 151000, 30).tolist() for _ in range(6)]
     solo = [_greedy(tiny32, [p], False)[0] for p in prompts]
@@ -144,7 +146,16 @@ def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest
         step += 1
     assert [out[i] for i in range(6)] == solo
     grouped = [g for _, _, g in calls if g is not None and len(g) >= 2]
-    assert grouped and max(len(g) for g in grouped) == 4, calls
-    assert any(g is None and b > 1 for b, _, g in calls), calls  # five or more starts: one masked call
-    if bucket:  # e.g. 3 rows padded to 4: the padding row joins the last group
-        assert any(real < b and g[-1][1] == b for b, real, g in calls if g is not None and len(g) >= 2), calls
+    if not bucket:
+        assert grouped and max(len(g) for g in grouped) == 4, calls
+        assert any(g is None and b > 1 for b, _, g in calls), calls  # five or more starts: one masked call
+        return
+    assert grouped and max(len(g) for g in grouped) >= 5, calls  # up to six starts, each its group
+    for b, _, g in calls:
+        assert b & (b - 1) == 0, calls
+        if g is None:  # one dense row
+            assert b == 1, calls
+            continue
+        assert all(hi - lo == 1 for lo, hi, start in g if start > 0), calls  # later chunks: one row each
+        assert all(hi - lo & (hi - lo - 1) == 0 for lo, hi, start in g if start == 0), calls
+    assert any(g is not None and g[-1][1] < b for b, _, g in calls), calls  # trailing padding rows, no group

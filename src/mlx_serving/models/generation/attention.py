@@ -54,7 +54,8 @@ class Rows:
     padding costs attention work only. :func:`packing` builds both.
 
     ``causal_groups``: ``(lo, hi, start)`` ranges of rows, in order, covering
-    every row, whose rows all start at ``start`` (padding rows: n_valid 0, any start). Each group
+    every real row, whose rows all start at ``start`` (padding rows: n_valid 0, any start; padding
+    rows after the last group attend to nothing: their output is zero). Each group
     then attends with the ``"causal"`` mask over ``start + T`` gathered positions instead of a
     boolean mask over ``kv_len``: exact for every real token (query ``j`` sees positions
     ``<= start + j``; positions past a row's end are seen only by its padding queries), and on
@@ -222,6 +223,9 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     if step.groups is not None:
         outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
                                                      mask="causal") for lo, hi, read in step.groups]
+        covered = step.groups[-1][1]
+        if covered < b:  # trailing padding rows outside every group
+            outs.append(mx.zeros((b - covered, h, t, d), dtype=q.dtype))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     else:
         out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)

@@ -26,14 +26,24 @@ by its data dependence on the kernel's output.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import math
 from functools import cache
 
 import mlx.core as mx
 
+from .cuda_build import CudaKernel
+
 __all__ = ["add_rms_norm", "decode_attention", "kernels_available", "split_count", "supports", "swiglu"]
 
-_BLOCK_REDUCE = r"""
+# Every kernel's source starts with this prelude: the element type T behind ld()/st() (bfloat16 and
+# float16 as raw 16-bit values converted in registers, so no CUDA header is needed and NVRTC compiles
+# in a fraction of a second), u64 offsets and a block-wide sum.
+_PRELUDE = r"""
+typedef unsigned long long u64;
+#define INF __int_as_float(0x7f800000)
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 template <int NW>
 __device__ float block_sum(float v, float* scratch) {
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
@@ -46,8 +56,29 @@ __device__ float block_sum(float v, float* scratch) {
 }
 """
 
+_DTYPES = {
+    "float32": "typedef float T;\n"
+               "__device__ __forceinline__ float ld(T x) { return x; }\n"
+               "__device__ __forceinline__ T st(float x) { return x; }\n",
+    # bfloat16: the high half of a float32; rounding to nearest even, NaN kept quiet
+    "bfloat16": "typedef unsigned short T;\n"
+                "__device__ __forceinline__ float ld(T x) { return __uint_as_float(((unsigned int)x) << 16); }\n"
+                "__device__ __forceinline__ T st(float x) {\n"
+                "    unsigned int u = __float_as_uint(x);\n"
+                "    if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40u);\n"
+                "    return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);\n"
+                "}\n",
+    "float16": "typedef unsigned short T;\n"
+               "__device__ __forceinline__ float ld(T x) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(x)); return f; }\n"
+               "__device__ __forceinline__ T st(float x) { T r; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(r) : \"f\"(x)); return r; }\n",
+}
+
+_ATTENTION_SIGNATURE = ("const T* qkv, const T* q_w, const T* k_w, const int* start, const int* n_valid, T* keys, "
+                        "T* values, const int* table")
+
 _ATTENTION = r"""
-    // block (g, b): threads = D; W = D / 32 warps; lane handles E = D / 32 dims of a head.
+    // block (g, b, split): threads = D; W = D / 32 warps; lane handles E = D / 32 dims of a head.
+    // L: block-table width; splits_max: blocks sharing a row's keys; min_split: fewest keys each.
     constexpr int W = D / 32;
     constexpr int E = D / 32;
     constexpr int HALF = D / 2;
@@ -57,19 +88,18 @@ _ATTENTION = r"""
     const int t = threadIdx.x;
     const int warp = t / 32;
     const int lane = t % 32;
-    const int L = meta[0];  // block-table width
     const int pos = start[b];
     const bool real = n_valid[b] > 0;
     const int n = pos + (real ? 1 : 0);
     // element offset of position j's head-g vector in the cache (blocks * BS, HKV, D), through
-    // row b's block table (b, L); the row's block ids are staged in shared memory first, so that
-    // the key loop's address needs no dependent global load per key
-    __shared__ int tab[TW];
-    const int nb = min((n + BS - 1) / BS, L);
-    for (int i = t; i < nb; i += D) tab[i] = table[(size_t)b * L + i];
+    // row b's block table (b, L); the row's block ids are staged in (dynamic) shared memory first,
+    // so that the key loop's address needs no dependent global load per key
+    extern __shared__ int tab[];
+    const int nb = imin((n + BS - 1) / BS, L);
+    for (int i = t; i < nb; i += D) tab[i] = table[(u64)b * L + i];
     __syncthreads();
-    auto kv_at = [&](int j) -> size_t {
-        return (((size_t)tab[j / BS] * BS + j % BS) * HKV + g) * D;
+    auto kv_at = [&](int j) -> u64 {
+        return (((u64)tab[j / BS] * BS + j % BS) * HKV + g) * D;
     };
     __shared__ float red[W];
     __shared__ float rot[D];
@@ -78,34 +108,34 @@ _ATTENTION = r"""
     __shared__ float vself[D];
 
     // q/k heads: RMSNorm (weight; QKN 0: none), then RoPE (split halves) at position pos.
-    const T* row = qkv + (size_t)b * (H + 2 * HKV) * D;
+    const T* row = qkv + (u64)b * (H + 2 * HKV) * D;
     const float freq = exp2f(-(float)(2 * (t % HALF)) / (float)D * LOG2_BASE);
     float sn, cs;
     sincosf((float)pos * freq, &sn, &cs);
     for (int j = 0; j <= G; ++j) {
         const bool is_k = j == G;
-        const float x = static_cast<float>(row[(is_k ? H + g : g * G + j) * D + t]);
+        const float x = ld(row[(is_k ? H + g : g * G + j) * D + t]);
         float nv = x;
         if (QKN) {
             const float inv = rsqrtf(block_sum<W>(x * x, red) / (float)D + EPS);
-            const float wt = static_cast<float>((is_k ? k_w : q_w)[t]);
-            nv = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(x * inv)) * wt));
+            const float wt = ld((is_k ? k_w : q_w)[t]);
+            nv = ld(st(ld(st(x * inv)) * wt));
         }
         rot[t] = nv;
         __syncthreads();
         const float other = rot[t < HALF ? t + HALF : t - HALF];
-        const float o = static_cast<float>(static_cast<T>(t < HALF ? nv * cs - other * sn : nv * cs + other * sn));
+        const float o = ld(st(t < HALF ? nv * cs - other * sn : nv * cs + other * sn));
         __syncthreads();
         if (!is_k) {
             qs[j][t] = o;
         } else {
-            kself[t] = static_cast<float>(static_cast<T>(o));
-            if (real && split == 0) const_cast<T*>(keys)[kv_at(pos) + t] = static_cast<T>(o);
+            kself[t] = ld(st(o));
+            if (real && split == 0) keys[kv_at(pos) + t] = st(o);
         }
     }
-    vself[t] = static_cast<float>(row[(H + HKV + g) * D + t]);
+    vself[t] = ld(row[(H + HKV + g) * D + t]);
     if (real && split == 0) {
-        const_cast<T*>(values)[kv_at(pos) + t] = row[(H + HKV + g) * D + t];
+        values[kv_at(pos) + t] = row[(H + HKV + g) * D + t];
     }
     __syncthreads();
 
@@ -113,7 +143,7 @@ _ATTENTION = r"""
     const float scale = rsqrtf((float)D);
     float m[G], l[G], acc[G][E];
     for (int h = 0; h < G; ++h) {
-        m[h] = -INFINITY;
+        m[h] = -INF;
         l[h] = 0.f;
         for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
     }
@@ -132,17 +162,17 @@ _ATTENTION = r"""
         }
     };
     // keys before pos come from the cache: this block's share of them (split-K over blockIdx.z,
-    // flash-decoding; at most one split per MIN_SPLIT keys); the new key (pos) from registers
-    const int splits = min(SPLITS, max(1, (pos + MIN_SPLIT - 1) / MIN_SPLIT));
+    // flash-decoding; at most one split per min_split keys); the new key (pos) from registers
+    const int splits = imin(splits_max, imax(1, (pos + min_split - 1) / min_split));
     const int per = (pos + splits - 1) / splits;
     const int lo = split * per;
-    const int hi = split < splits ? min(pos, lo + per) : lo;
+    const int hi = split < splits ? imin(pos, lo + per) : lo;
     for (int j = lo + warp; j < hi; j += W) {
-        const size_t at = kv_at(j) + lane * E;
+        const u64 at = kv_at(j) + lane * E;
         const T* kr = keys + at;
         const T* vr = values + at;
         float kf[E], vf[E];
-        for (int e = 0; e < E; ++e) { kf[e] = static_cast<float>(kr[e]); vf[e] = static_cast<float>(vr[e]); }
+        for (int e = 0; e < E; ++e) { kf[e] = ld(kr[e]); vf[e] = ld(vr[e]); }
         visit(kf, vf);
     }
     if (real && split == 0 && warp == (pos % W)) {
@@ -159,46 +189,46 @@ _ATTENTION = r"""
     }
     __syncthreads();
     for (int h = 0; h < G; ++h) {
-        float top = -INFINITY;
+        float top = -INF;
         for (int w = 0; w < W; ++w) top = fmaxf(top, sm_m[w][h]);
         float den = 0.f, num = 0.f;
-        if (top > -INFINITY) {
+        if (top > -INF) {
             for (int w = 0; w < W; ++w) {
                 const float c = expf(sm_m[w][h] - top);
                 den += sm_l[w][h] * c;
                 num += sm_acc[w][h][t] * c;
             }
         }
-        out[((size_t)b * H + g * G + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);
+        out[((u64)b * H + g * G + h) * D + t] = st(den > 0.f ? num / den : 0.f);
     }
 """
 
 # the split-K variant writes each split's unnormalized partial (running max, sum, weighted values)
 _ATTENTION_SPLIT = _ATTENTION.replace(
-    "        out[((size_t)b * H + g * G + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);",
-    """        const size_t slot = ((size_t)b * H + g * G + h) * SPLITS + split;
+    "        out[((u64)b * H + g * G + h) * D + t] = st(den > 0.f ? num / den : 0.f);",
+    """        const u64 slot = ((u64)b * H + g * G + h) * splits_max + split;
         part_acc[slot * D + t] = num;
         if (t == 0) { part_ml[slot * 2] = top; part_ml[slot * 2 + 1] = den; }""")
 
 _COMBINE = r"""
-    // block (h, b): threads D; merge the SPLITS partials of query head h of row b.
+    // block (h, b): threads D; merge the splits partials of query head h of row b.
     const int h = blockIdx.x;
     const int b = blockIdx.y;
     const int t = threadIdx.x;
-    const size_t base = ((size_t)b * H + h) * SPLITS;
-    float top = -INFINITY;
-    for (int s = 0; s < SPLITS; ++s) top = fmaxf(top, part_ml[(base + s) * 2]);
+    const u64 base = ((u64)b * H + h) * splits;
+    float top = -INF;
+    for (int s = 0; s < splits; ++s) top = fmaxf(top, part_ml[(base + s) * 2]);
     float den = 0.f, num = 0.f;
-    if (top > -INFINITY) {
-        for (int s = 0; s < SPLITS; ++s) {
+    if (top > -INF) {
+        for (int s = 0; s < splits; ++s) {
             const float m = part_ml[(base + s) * 2];
-            if (m == -INFINITY) continue;
+            if (m == -INF) continue;
             const float c = expf(m - top);
             den += part_ml[(base + s) * 2 + 1] * c;
             num += part_acc[(base + s) * D + t] * c;
         }
     }
-    out[((size_t)b * H + h) * D + t] = static_cast<T>(den > 0.f ? num / den : 0.f);
+    out[((u64)b * H + h) * D + t] = st(den > 0.f ? num / den : 0.f);
 """
 
 _ADD_RMS_NORM = r"""
@@ -209,82 +239,58 @@ _ADD_RMS_NORM = r"""
     float vals[PER];
     float ss = 0.f;
     for (int k = 0; k < PER; ++k) {
-        const size_t i = (size_t)r * N + threadIdx.x + k * BLK;
-        const T s = static_cast<T>(static_cast<float>(h[i]) + static_cast<float>(delta[i]));
+        const u64 i = (u64)r * N + threadIdx.x + k * BLK;
+        const T s = st(ld(h[i]) + ld(delta[i]));
         h_out[i] = s;
-        vals[k] = static_cast<float>(s);
+        vals[k] = ld(s);
         ss += vals[k] * vals[k];
     }
     const float inv = rsqrtf(block_sum<BLK / 32>(ss, red) / (float)N + EPS);
     for (int k = 0; k < PER; ++k) {
         const int c = threadIdx.x + k * BLK;
-        const float nv = static_cast<float>(static_cast<T>(vals[k] * inv));
-        x_out[(size_t)r * N + c] = static_cast<T>(nv * static_cast<float>(w[c]));
+        const float nv = ld(st(vals[k] * inv));
+        x_out[(u64)r * N + c] = st(nv * ld(w[c]));
     }
 """
 
-
 _SWIGLU = r"""
-    // one thread per output element; gu row = [gate (I) | up (I)].
-    const size_t idx = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (size_t)ROWS * I) return;
-    const size_t r = idx / I, c = idx % I;
-    const float g = static_cast<float>(gu[r * 2 * I + c]);
-    const float u = static_cast<float>(gu[r * 2 * I + I + c]);
-    out[idx] = static_cast<T>(g / (1.f + expf(-g)) * u);
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)rows * I) return;
+    const u64 r = idx / I, c = idx % I;
+    const float g = ld(gu[r * 2 * I + c]);
+    const float u = ld(gu[r * 2 * I + I + c]);
+    out[idx] = st(g / (1.f + expf(-g)) * u);
 """
 
 
-def _literals(source: str, eps: float, rope_theta: float | None = None) -> str:
-    source = source.replace("EPS", f"{eps!r}f")
-    if rope_theta is not None:
-        source = source.replace("LOG2_BASE", f"{math.log2(rope_theta)!r}f")
-    return source
+def _float(x: float) -> str:
+    """A float32 literal of ``x`` for CUDA C++."""
+    return f"{float(x)!r}f"
 
 
 @cache
-def _attention_kernel(eps: float, rope_theta: float) -> object:
-    return mx.fast.cuda_kernel(
-        name=f"qwen3_decode_attention_{abs(hash((eps, rope_theta)))}",
-        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "table", "meta"],
-        output_names=["out"], source=_literals(_ATTENTION, eps, rope_theta), header=_BLOCK_REDUCE)
+def _kernel(name: str, dtype: mx.Dtype, constants: tuple[tuple[str, int | float], ...], signature: str,
+            body: str) -> CudaKernel:
+    """``extern "C" __global__ void <name>_<digest>(signature) { body }`` with ``constants`` as
+    ``constexpr`` values and ``T`` the element type of ``dtype``: one cubin per distinct source
+    (cuda_build.py), whatever the shapes of a call."""
+    consts = "".join(f"constexpr {'float' if isinstance(v, float) else 'int'} {k} = "
+                     f"{_float(v) if isinstance(v, float) else v};\n" for k, v in constants)
+    dtype_name = str(dtype).split(".")[-1]
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"the decode kernels take float32, bfloat16 or float16, got {dtype_name}")
+    head = _DTYPES[dtype_name] + _PRELUDE + consts
+    digest = hashlib.sha256((head + signature + body).encode()).hexdigest()[:12]
+    symbol = f"mlxs_{name}_{digest}"
+    source = f'{head}\nextern "C" __global__ void {symbol}({signature}) {{\n{body}\n}}\n'
+    return CudaKernel(symbol, source)
 
 
-@cache
-def _attention_split_kernel(eps: float, rope_theta: float) -> object:
-    return mx.fast.cuda_kernel(
-        name=f"qwen3_decode_attention_split_{abs(hash((eps, rope_theta)))}",
-        input_names=["qkv", "q_w", "k_w", "start", "n_valid", "keys", "values", "table", "meta"],
-        output_names=["part_acc", "part_ml"], source=_literals(_ATTENTION_SPLIT, eps, rope_theta),
-        header=_BLOCK_REDUCE)
-
-
-@cache
-def _combine_kernel() -> object:
-    return mx.fast.cuda_kernel(name="qwen3_decode_attention_combine", input_names=["part_acc", "part_ml"],
-                               output_names=["out"], source=_COMBINE)
-
-
-@cache
-def _add_rms_norm_kernel(eps: float) -> object:
-    return mx.fast.cuda_kernel(name=f"qwen3_add_rms_norm_{abs(hash(eps))}", input_names=["h", "delta", "w"],
-                               output_names=["h_out", "x_out"], source=_literals(_ADD_RMS_NORM, eps),
-                               header=_BLOCK_REDUCE)
-
-
-@cache
-def _swiglu_kernel() -> object:
-    return mx.fast.cuda_kernel(name="qwen3_swiglu", input_names=["gu"], output_names=["out"], source=_SWIGLU)
-
-
-@cache
-def _meta(length: int) -> mx.array:
-    return mx.array([length], dtype=mx.int32)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (few distinct shared-memory table sizes, few kernel builds)."""
-    return 1 << max(0, n - 1).bit_length()
+def _attention_kernel(dtype: mx.Dtype, split: bool, consts: tuple[tuple[str, int | float], ...]) -> CudaKernel:
+    outs = "float* part_acc, float* part_ml" if split else "T* out"
+    return _kernel("decode_attention_split" if split else "decode_attention", dtype, consts,
+                   f"{_ATTENTION_SIGNATURE}, {outs}, int L, int splits_max, int min_split",
+                   _ATTENTION_SPLIT if split else _ATTENTION)
 
 
 #: Streaming multiprocessors assumed when the CUDA driver cannot be asked (an H100 / H200's 132).
@@ -349,21 +355,28 @@ def decode_attention(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | 
         raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
     if splits is None:
         splits = split_count(b, hkv)
-    norms = [q_norm, k_norm] if qkn else [_NO_NORM, _NO_NORM]
-    inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, table, _meta(length)]
-    template = [("T", qkv.dtype), ("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
-                ("TW", _pow2(length)), ("SPLITS", splits), ("QKN", int(qkn))]
+    if keys.dtype != qkv.dtype or values.dtype != qkv.dtype:
+        raise ValueError(f"decode_attention: qkv {qkv.dtype}, cache {keys.dtype}/{values.dtype}: one dtype")
+    norms = [_as(q_norm, qkv.dtype), _as(k_norm, qkv.dtype)] if qkn else [_NO_NORM, _NO_NORM]
+    inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, table]
+    consts = (("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size), ("QKN", int(qkn)),
+              ("EPS", float(eps)), ("LOG2_BASE", math.log2(rope_theta)))
+    shared = 4 * length  # the row's block ids (dynamic shared memory)
     if splits == 1:
-        return _attention_kernel(float(eps), float(rope_theta))(
-            inputs=inputs, template=[*template, ("MIN_SPLIT", 1)], grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
-            output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype])[0]
-    part_acc, part_ml = _attention_split_kernel(float(eps), float(rope_theta))(
-        inputs=inputs, template=[*template, ("MIN_SPLIT", MIN_SPLIT_KEYS)], grid=(hkv * d, b, splits),
-        threadgroup=(d, 1, 1), output_shapes=[(b * heads * splits * d,), (b * heads * splits * 2,)],
-        output_dtypes=[mx.float32, mx.float32])
-    return _combine_kernel()(
-        inputs=[part_acc, part_ml], template=[("T", qkv.dtype), ("H", heads), ("D", d), ("SPLITS", splits)],
-        grid=(heads * d, b, 1), threadgroup=(d, 1, 1), output_shapes=[(b, heads * d)], output_dtypes=[qkv.dtype])[0]
+        return _attention_kernel(qkv.dtype, False, consts)(
+            inputs, [(b, heads * d)], [qkv.dtype], [length, 1, 1], grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
+            shared_memory=shared)[0]
+    part_acc, part_ml = _attention_kernel(qkv.dtype, True, consts)(
+        inputs, [(b * heads * splits * d,), (b * heads * splits * 2,)], [mx.float32, mx.float32],
+        [length, splits, MIN_SPLIT_KEYS], grid=(hkv * d, b, splits), threadgroup=(d, 1, 1), shared_memory=shared)
+    combine = _kernel("decode_attention_combine", qkv.dtype, (("H", heads), ("D", d)),
+                      "const float* part_acc, const float* part_ml, T* out, int splits", _COMBINE)
+    return combine([part_acc, part_ml], [(b, heads * d)], [qkv.dtype], [splits], grid=(heads * d, b, 1),
+                   threadgroup=(d, 1, 1))[0]
+
+
+def _as(a: mx.array, dtype: mx.Dtype) -> mx.array:
+    return a if a.dtype == dtype else a.astype(dtype)
 
 
 def split_count(rows: int, kv_heads: int) -> int:
@@ -402,11 +415,10 @@ def add_rms_norm(h: mx.array, delta: mx.array, weight: mx.array, eps: float) -> 
     blk = math.gcd(n, 256)
     if delta.shape != h.shape or weight.shape != (n,) or blk % 32:
         raise ValueError(f"add_rms_norm: h {h.shape}, delta {delta.shape}, weight {weight.shape}")
-    h_out, x_out = _add_rms_norm_kernel(float(eps))(
-        inputs=[h, delta, weight], template=[("T", h.dtype), ("N", n), ("BLK", blk)],
-        grid=(b * blk, 1, 1), threadgroup=(blk, 1, 1),
-        output_shapes=[(b, n), (b, n)], output_dtypes=[h.dtype, h.dtype],
-    )
+    kernel = _kernel("add_rms_norm", h.dtype, (("N", n), ("BLK", blk), ("EPS", float(eps))),
+                     "const T* h, const T* delta, const T* w, T* h_out, T* x_out", _ADD_RMS_NORM)
+    h_out, x_out = kernel([h, _as(delta, h.dtype), _as(weight, h.dtype)], [(b, n), (b, n)], [h.dtype, h.dtype], [],
+                          grid=(b * blk, 1, 1), threadgroup=(blk, 1, 1))
     return h_out, x_out
 
 
@@ -419,8 +431,6 @@ def swiglu(gate_up: mx.array) -> mx.array:
         raise ValueError(f"swiglu: last axis {width} is not [gate | up]")
     i = width // 2
     threads = 256
-    return _swiglu_kernel()(
-        inputs=[gate_up], template=[("T", gate_up.dtype), ("ROWS", b), ("I", i)],
-        grid=(-(-b * i // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(b, i)], output_dtypes=[gate_up.dtype],
-    )[0]
+    kernel = _kernel("swiglu", gate_up.dtype, (("I", i),), "const T* gu, T* out, int rows", _SWIGLU)
+    return kernel([gate_up], [(b, i)], [gate_up.dtype], [b], grid=(-(-b * i // threads) * threads, 1, 1),
+                  threadgroup=(threads, 1, 1))[0]

@@ -60,7 +60,8 @@ class Engine:
     lower first) orders the waiting sequences and picks who is preempted. ``max_step_tokens``: a
     per-step token budget shared by the decode rows (one token each, always scheduled) and the
     prefill chunks (given in start order from what is left); None (default): every prefilling
-    sequence gets its ``prefill_chunk``.
+    sequence gets its ``prefill_chunk``. With shape bucketing the budget never cuts a chunk short
+    (a chunk waits for a step with room; the oldest prefilling sequence always gets its chunk).
 
     ``decode_path``: how one-token rows attend (:func:`~.decode_backends.decode_backend`: "fused",
     "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they run and fit,
@@ -98,8 +99,9 @@ class Engine:
         self.decode_backend: DecodeBackend = decode_backend(state, decode_path)
         blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
         kv = KVCacheManager(blocks, block_size, prefix_caching)
-        self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens)
         bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
+        self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
+                                   whole_chunks=bucket)  # chunk starts stay on the warmed shapes
         compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode
         self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
                                   prefill_chunk, self.decode_backend, compile_decode=compile_decode,

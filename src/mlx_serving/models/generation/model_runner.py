@@ -40,7 +40,7 @@ from .request import Request
 from .sampling import greedy
 from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput
 
-__all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner"]
+__all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner", "shape_keys"]
 
 #: Compiled decode: attention span granularity (tokens).
 KV_BUCKET = 256
@@ -93,6 +93,11 @@ class ModelRunner:
         self._table = np.zeros((rows, -(-max_len // cache.block_size)), dtype=np.int32)  # decode rows' blocks
         self._table_n = [0] * rows
         self._warm: deque[Callable[[], None]] = deque(self.warm_shapes() if bucket_shapes else ())  # yet to build
+        self._built: set[tuple] = set()  # shape parts (:func:`shape_keys`) that have run once
+        self._warming = False
+        #: forwards whose shape had never run before, outside :meth:`warm_up`: builds that landed on
+        #: a request's path (counted only with shape bucketing, where the shapes are a known set)
+        self.cold_shapes = 0
 
     # ---- a step ------------------------------------------------------------------------
 
@@ -135,35 +140,54 @@ class ModelRunner:
     # ---- prefill -----------------------------------------------------------------------
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], flight: Flight) -> None:
-        chunks = tuple(sorted(chunks, key=lambda c: c.start))  # rows of one start are adjacent (causal groups)
-        t, b = max(len(c.tokens) for c in chunks), len(chunks)
+        t = max(len(c.tokens) for c in chunks)
         if self.bucket:  # padding rows/tokens write the null block only
-            t, b = self._prefill_width(t), pow2(b)
-        dense = b == 1 and len(chunks[0].tokens) == t
-        tokens = np.zeros((b, t), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tokens[i, : len(c.tokens)] = c.tokens
-        start, n_valid = np.full(b, chunks[-1].start, dtype=np.int32), np.zeros(b, dtype=np.int32)
-        start[:len(chunks)] = [c.start for c in chunks]
-        n_valid[:len(chunks)] = [len(c.tokens) for c in chunks]
-        groups = None if dense else self._causal_groups(start)
+            t = self._prefill_width(t)
+            order, groups = self._bucketed_rows(chunks)
+        else:
+            order, groups = sorted(chunks, key=lambda c: c.start), None  # rows of one start adjacent
+        b = len(order)
+        real = [(i, c) for i, c in enumerate(order) if c is not None]
+        dense = b == 1 and len(order[0].tokens) == t
+        tokens, start, n_valid = np.zeros((b, t), dtype=np.int32), np.zeros(b, dtype=np.int32), np.zeros(b, dtype=np.int32)
+        for i, c in real:
+            tokens[i, : len(c.tokens)], start[i], n_valid[i] = c.tokens, c.start, len(c.tokens)
+        if not self.bucket and not dense:
+            groups = self._causal_groups(start)
+        if dense:
+            groups = None
         if groups is not None:  # each group attends over its start + t positions
-            span = int(start.max()) + t
+            span = max(g[2] for g in groups) + t
         else:
             kv_len = int((start + n_valid).max())
             span = self._span(kv_len) if self.bucket and not dense else kv_len
         packed = unpacked = None
         if not dense and self.pack:  # projections and MLP on the real tokens only
-            real = int(n_valid.sum())
-            packed, unpacked = packing(n_valid, t, pack_bucket(real) if self.bucket else real)
+            n = int(n_valid.sum())
+            packed, unpacked = packing(n_valid, t, pack_bucket(n) if self.bucket else n)
         rows = Rows(mx.array(tokens), mx.array(start), mx.array(n_valid), span,
-                    mx.array(np.maximum(n_valid - 1, 0)), mx.array(self._block_table(chunks, b, span)),
+                    mx.array(np.maximum(n_valid - 1, 0)), mx.array(self._block_table(real, b, span)),
                     dense=dense, packed=packed, unpacked=unpacked, causal_groups=groups)
+        self._note(*shape_keys(rows))
         logits = layers.forward(self.state, self.cache, rows)
-        done = [i for i, c in enumerate(chunks) if c.sample]
+        done = [(i, c) for i, c in real if c.sample]
         if done:
-            self._sample(logits[mx.array(done, dtype=mx.int32)], [chunks[i].request for i in done],
-                         [chunks[i].row for i in done], flight)
+            self._sample(logits[mx.array([i for i, _ in done], dtype=mx.int32)], [c.request for _, c in done],
+                         [c.row for _, c in done], flight)
+
+    def _bucketed_rows(self, chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillChunk | None],
+                                                                           tuple[tuple[int, int, int], ...]]:
+        """The rows of a bucketed prefill and their causal groups, every attention call a warmed shape:
+        first chunks (start 0) as one group padded to a power-of-two row count, then each chunk
+        that starts later as a one-row group, then padding rows up to a power of two in all, which
+        no group covers (their attention output is zero). None marks a padding row."""
+        first = [c for c in chunks if c.start == 0]
+        later = sorted((c for c in chunks if c.start > 0), key=lambda c: c.start)
+        a = pow2(len(first)) if first else 0
+        order: list[PrefillChunk | None] = [*first, *[None] * (a - len(first)), *later]
+        order += [None] * (pow2(len(order)) - len(order))
+        groups = ((0, a, 0),) if a else ()
+        return order, groups + tuple((a + i, a + i + 1, c.start) for i, c in enumerate(later))
 
     def _causal_groups(self, start: np.ndarray) -> tuple[tuple[int, int, int], ...] | None:
         """``Rows.causal_groups`` of prefill rows sorted by ``start`` (B,): one ``(lo, hi, start)``
@@ -175,11 +199,12 @@ class ModelRunner:
         bounds = [0, *cuts.tolist(), len(start)]
         return tuple((lo, hi, int(start[lo])) for lo, hi in zip(bounds, bounds[1:]))
 
-    def _block_table(self, chunks: tuple[PrefillChunk, ...], rows: int, span: int) -> np.ndarray:
-        """``(rows, width)`` block table of the prefill rows (missing rows: null block 0)."""
+    def _block_table(self, chunks: list[tuple[int, PrefillChunk]], rows: int, span: int) -> np.ndarray:
+        """``(rows, width)`` block table of the prefill rows, chunk ``c`` in row ``i`` for each
+        ``(i, c)`` of ``chunks`` (other rows: null block 0)."""
         width = self._width(span)
         table = np.zeros((rows, width), dtype=np.int32)
-        for i, c in enumerate(chunks):
+        for i, c in chunks:
             blocks = c.request.kv.blocks[:width]
             table[i, : len(blocks)] = blocks
         return table
@@ -206,6 +231,7 @@ class ModelRunner:
             table = self._decode_table(decodes, hi, kv_len)
             rows = Rows(self._tokens[:hi, None], mx.array(start), mx.array(n_valid), kv_len,
                         mx.zeros((hi,), dtype=mx.int32), mx.array(table), dense=hi == 1)
+            self._note(*shape_keys(rows))
             logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
         else:
             table = self._decode_table(decodes, hi, self._table_span(self._span(kv_len)))
@@ -229,6 +255,7 @@ class ModelRunner:
     def _decode_compiled(self, hi: int, start: np.ndarray, n_valid: np.ndarray, kv_len: int,
                          table: np.ndarray) -> mx.array:
         span = 0 if self.decode_backend.reads_own_length else self._span(kv_len)
+        self._note(("compiled", hi, span, table.shape[1]))
         fn = self._compiled.get((hi, span))
         if fn is None:
             fn = self._compiled[(hi, span)] = compiled_decode(self.state, span, self.cache.block_size,
@@ -237,6 +264,14 @@ class ModelRunner:
                                   self.cache.keys, self.cache.values)
         self.cache.keys[:], self.cache.values[:] = keys, values
         return logits
+
+    def _note(self, *keys: tuple) -> None:
+        """Record a forward's parts (:func:`shape_keys`); a part never run before counts in
+        :attr:`cold_shapes` when it runs outside the warm-up (with bucketing only)."""
+        for key in keys:
+            if key not in self._built:
+                self._built.add(key)
+                self.cold_shapes += self.bucket and not self._warming
 
     def _width(self, kv_len: int) -> int:
         """Block-table columns for an attention span of ``kv_len``."""
@@ -278,8 +313,12 @@ class ModelRunner:
         padding rows take part (``n_valid`` 0): no valid cache position changes. Builds nothing
         without shape bucketing (the CPU default), where shapes are not a small known set."""
         n = len(self._warm) if limit is None else min(limit, len(self._warm))
-        for _ in range(n):
-            self._warm.popleft()()
+        self._warming = True
+        try:
+            for _ in range(n):
+                self._warm.popleft()()
+        finally:
+            self._warming = False
         if n and not self._warm:
             mx.clear_cache()  # the warm-up's transient buffers go back to the device
         return len(self._warm)
@@ -321,6 +360,7 @@ class ModelRunner:
         else:
             rows = Rows(self._tokens[:hi, None], mx.array(zeros), mx.array(zeros), span, mx.array(zeros),
                         mx.array(table), dense=hi == 1)
+            self._note(*shape_keys(rows))
             logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
         mx.eval(greedy(logits))
 
@@ -334,6 +374,7 @@ class ModelRunner:
         rows = Rows(mx.zeros((b, t), dtype=mx.int32), mx.full((b,), start, dtype=mx.int32), z, start + t, z,
                     mx.zeros((b, self._width(start + t)), dtype=mx.int32), packed=packed, unpacked=unpacked,
                     causal_groups=((0, b, start),))
+        self._note(*shape_keys(rows))
         mx.eval(layers.forward(self.state, self.cache, rows))
 
     def close(self) -> None:
@@ -357,6 +398,22 @@ def _allowed(r: Request) -> np.ndarray | None:
         allowed = allowed.copy()
         allowed[r.chain.eos_ids] = True
     return allowed
+
+
+def shape_keys(rows: Rows) -> list[tuple]:
+    """What MLX builds per shape for a forward over ``rows`` (B, T), one key per part: the
+    projections' token count (packed or ``B * T``) and each attention call, ``(rows, T, keys)`` per
+    causal group or dense row (a one-token dense row: any length, MLX's vector kernel), or the
+    masked call's ``(B, T, span)``."""
+    b, t = rows.tokens.shape
+    keys: list[tuple] = [("tokens", b * t if rows.packed is None else rows.packed.shape[0])]
+    if rows.causal_groups is not None:
+        keys += [("causal", hi - lo, t, start + t) for lo, hi, start in rows.causal_groups]
+    elif rows.dense:
+        keys.append(("causal", 1, t, rows.kv_len if t > 1 else None))
+    else:
+        keys.append(("masked", b, t, rows.kv_len))
+    return keys
 
 
 def pack_bucket(n: int) -> int:

@@ -80,13 +80,18 @@ class Scheduler:
     ``rows``: requests running at once; ``prefill_chunk``: most prompt tokens per request per step;
     ``max_step_tokens``: the per-step token budget shared by decode rows (one each, always
     scheduled) and prefill chunks (from what is left), or None (every prefill gets its chunk).
+    ``whole_chunks``: the budget never cuts a chunk short (a chunk that does not fit waits for a
+    later step, and the oldest prefilling request always gets its chunk, so prefill progresses),
+    so chunks start only at multiples of ``prefill_chunk`` (or a prefix-cache hit): the few
+    prefill shapes a GPU warms up at start (:mod:`.model_runner`).
     """
 
     def __init__(self, rows: int, kv: KVCacheManager, policy: Policy, prefill_chunk: int,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, *, whole_chunks: bool = False):
         self.kv, self.waiting = kv, policy
         self.running: list[Request | None] = [None] * rows
         self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
+        self.whole_chunks = whole_chunks
         self._arrivals = self._starts = 0
 
     @property
@@ -170,11 +175,19 @@ class Scheduler:
         one token each, then chunks in start order from what ``max_step_tokens`` leaves."""
         budget = self.max_step_tokens if self.max_step_tokens is not None else 1 << 62
         budget -= sum(r.decoding for r in running)
-        chunks = {}
+        chunks: dict[Request, int] = {}
         for r in running:
-            if r.prefilling and budget > 0:
-                chunks[r] = min(self.prefill_chunk, r.prefill_end - r.num_computed_tokens, budget)
-                budget -= chunks[r]
+            if not r.prefilling:
+                continue
+            n = min(self.prefill_chunk, r.prefill_end - r.num_computed_tokens)
+            if self.whole_chunks and n > budget:
+                if not chunks:  # the oldest prefilling request always progresses
+                    chunks[r] = n
+                break
+            if budget <= 0:
+                break
+            chunks[r] = min(n, budget)
+            budget -= chunks[r]
         return chunks
 
     def _reserve(self, running: list[Request], chunks: dict[Request, int]) -> list[Request]:

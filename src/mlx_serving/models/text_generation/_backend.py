@@ -29,21 +29,16 @@ class GenerationBackend:
 
     def init(self, mode: str, arg: object, partitions: int) -> Engine:
         """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
-        default one; see docs/generation.md) and build the shapes a lone first request meets
-        (``Engine.warm_up(runner.one_row_shapes)``; a no-op on the CPU): the rest are built in idle
-        moments (:meth:`idle`)."""
+        default one; see docs/generation.md) and build every shape its steps can meet
+        (``Engine.warm_up()``; a no-op on the CPU) before the serving reports ready, so that no
+        request waits on a build."""
         o = self._opts
         engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
                         kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching, policy=o.policy,
-                        constraint_factory=self._constraints)
-        engine.warm_up(engine.runner.one_row_shapes)
+                        constraint_factory=self._constraints, max_step_tokens=o.step_tokens(),
+                        bucket_shapes=o.bucket_shapes)
+        engine.warm_up()
         return engine
-
-    def idle(self, engine: Engine) -> bool:
-        """Build one more warm-up shape while the serving has nothing to run (a request that
-        arrives waits for at most that one build; the serving calls it only after a 1 s quiet period,
-        so a request right after start or right after another never waits); False once every shape is built."""
-        return engine.warm_up(1) > 0
 
     def close(self, engine: Engine) -> None:
         """Release the partition's KV cache and compiled steps on its own thread (:meth:`Engine.close`)
@@ -78,7 +73,8 @@ class GenerationBackend:
         :class:`~..generation.iteration_stats.IterationTokens`) and the KV block and prefix-cache
         counters of :meth:`kv_stats`. Plain counters: safe from any thread."""
         seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting,
-                "warm_shapes_left": engine.runner.warm_shapes_left, **engine.iteration_tokens.stats()}
+                "warm_shapes_left": engine.runner.warm_shapes_left, "cold_shapes": engine.runner.cold_shapes,
+                **engine.iteration_tokens.stats()}
         kv = dataclasses.asdict(engine.kv_stats())
         return seqs | {name: value for name, value in kv.items() if name != "block_size"}
 

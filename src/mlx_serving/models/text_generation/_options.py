@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from ..generation.sampling import SamplingParams, _show
 
-__all__ = ["MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
+__all__ = ["GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
+
+#: The per-step token budget where shapes are bucketed (a GPU) and none is given: prefill chunks
+#: share each step with the decode rows, so a wave of prompts never stalls decoding for long (vLLM's
+#: ``max_num_batched_tokens`` default for chunked prefill).
+GPU_STEP_TOKENS = 2048
 
 # Stop strings are matched in the caller (in a ServingPool: on the worker's event loop, shared by
 # every request of that worker) at each token, in time ~ count x length (the held-back tail is at
@@ -39,6 +46,10 @@ class GenerationOptions:
     kv_cache_fraction: optional KV-cache budget as a fraction in (0, 1] of the device's available
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
+    max_step_tokens: the per-step token budget (decode rows one each, then whole prefill chunks;
+      docs/generation.md); None: :data:`GPU_STEP_TOKENS` where shapes are bucketed, else unbounded.
+    bucket_shapes: pad steps to the shape buckets and build every bucket at start (None: on a GPU,
+      off on the CPU; docs/generation.md).
     policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
       first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
       queue in the policy's order); the running
@@ -60,6 +71,13 @@ class GenerationOptions:
     kv_cache_fraction: float | None = None
     prefix_caching: bool = True
     policy: str = "fcfs"
+    max_step_tokens: int | None = None
+    bucket_shapes: bool | None = None
+
+    def step_tokens(self) -> int | None:
+        """The engine's ``max_step_tokens`` (see the field)."""
+        bucketed = mx.default_device() == mx.gpu if self.bucket_shapes is None else self.bucket_shapes
+        return self.max_step_tokens if self.max_step_tokens is not None else (GPU_STEP_TOKENS if bucketed else None)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
@@ -78,6 +96,11 @@ class GenerationOptions:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {_show(self.policy)}")
         if not isinstance(self.prefix_caching, bool):
             raise ValueError(f"prefix_caching must be a bool, got {_show(self.prefix_caching)}")
+        m = self.max_step_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"max_step_tokens must be None or an integer >= 1, got {_show(m)}")
+        if self.bucket_shapes is not None and not isinstance(self.bucket_shapes, bool):
+            raise ValueError(f"bucket_shapes must be None or a bool, got {_show(self.bucket_shapes)}")
 
 
 def _stop_tuple(stop: object) -> tuple[str, ...]:

@@ -1,0 +1,61 @@
+"""Issue 37: no shape is built on a request's path. With shape bucketing (the GPU default, forced on
+here on the CPU with the tiny model) a started text-generation serving has built every shape its
+steps meet before ``Serving.start`` returns; a burst of requests of new lengths (first chunks,
+later chunks, several rows at once, under a token budget) then adds no shape the runner had not
+run (``cold_shapes``, counted in the runner per forward part: projections and each attention call).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from mlx_serving.models import text_generation
+from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.layers import State
+from mlx_serving.serving import Serving
+from mlx_serving.tokenization import Tokenizer
+
+OPTS = dict(max_new_tokens=6, max_len=192, max_batch=8, prefill_chunk=32, bucket_shapes=True, max_step_tokens=64,
+            prefix_caching=False)
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "river", "stone", "cloud", "maple", "quiet", "ember", "north", "lumen", "orbit"]
+    return [" ".join(rng.choice(words, int(rng.integers(1, 150)))) for _ in range(n)]
+
+
+def test_a_started_serving_builds_no_shape_on_a_request_path(tiny32: State) -> None:
+    gen = text_generation.serving(Tokenizer.qwen3(), tiny32, **OPTS)
+    with Serving.start(gen) as handle:
+        backend = handle.stats().backend
+        assert backend["warm_shapes_left"] == 0 and backend["cold_shapes"] == 0
+        results: list[dict] = []
+
+        def ask(text: str) -> None:
+            results.append(handle.run({"text": text, "temperature": 0.7, "seed": 1}))
+
+        for wave in range(3):  # bursts of 10: several prefill rows per step, long prompts in chunks
+            threads = [threading.Thread(target=ask, args=(t,)) for t in _texts(10, wave)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        backend = handle.stats().backend
+    assert len(results) == 30 and all(r["results"][0]["num_tokens"] >= 1 for r in results)
+    assert backend["cold_shapes"] == 0
+
+
+def test_an_unwarmed_engine_counts_the_shapes_it_builds(tiny32: State) -> None:
+    """The counter can fail: the same kind of traffic on an engine that skipped its warm-up counts
+    every shape it meets as built on the path."""
+    engine = Engine(tiny32, 4, 192, 32, bucket_shapes=True, max_step_tokens=64)
+    tok = Tokenizer.qwen3()
+    for i, text in enumerate(_texts(4, 7)):
+        engine.add(i, tok.encode(text), SamplingParams(max_new_tokens=4))
+    while engine.num_active:
+        engine.step()
+    assert engine.runner.cold_shapes > 0
+    engine.close()
