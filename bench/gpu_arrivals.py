@@ -1,13 +1,20 @@
-"""Arrivals (issue 17): Poisson arrivals of long shared-prefix prompts, streamed clients, per rate.
+"""Arrivals (issues 17, 37): Poisson arrivals, streamed clients, per rate.
 
 Workload per rate r (requests/s): arrival times are a seeded Poisson process (exponential gaps of
-mean 1/r seconds) over ``--duration`` seconds; each request is plain text = a shared system part of
-``--system-tokens`` tokens (one per rate run, so each rate starts with it uncached) followed by its
-own ``--user-tokens`` unique tokens (random one-token words that round-trip through the tokenizer:
-``gpu_throughput.word_prompts``), ``--new`` greedy new tokens with EOS ignored. Each client awaits
-its arrival time, then calls ``Serving.stream_async`` on one event loop with ``deadline=--deadline``.
-Our text-generation serving: ``max_batch`` = ``--max-batch``, prefix caching on (unless
-``--no-prefix-caching``), seeded Qwen3-0.6B-shaped checkpoint, projections dequantized.
+mean 1/r seconds) over ``--duration`` seconds. ``--workload shared-prefix`` (issue 17, the
+default): each request is plain text = a shared system part of ``--system-tokens`` tokens (one per
+rate run, so each rate starts with it uncached) followed by its own ``--user-tokens`` unique tokens,
+``--new`` greedy new tokens. ``--workload chat`` (issue 37): chat-like lengths, each request's
+own prompt of P tokens and N new tokens, P and N seeded log-normal (P: median 200, sigma 0.8,
+clipped to 16-1,024; N: median 100, sigma 0.6, clipped to 16-512; means ~270 and ~115), no
+shared prefix. Prompts are random one-token words that round-trip through the tokenizer
+(``gpu_throughput.word_prompts``); EOS is ignored. Each client awaits its arrival time, then calls
+``Serving.stream_async`` on one event loop with ``deadline=--deadline``. Our text-generation
+serving: ``max_batch`` = ``--max-batch``, prefix caching on (unless ``--no-prefix-caching``),
+seeded Qwen3-0.6B-shaped checkpoint, projections dequantized, the library's step budget and
+warm-up. ``--fresh``: the first rate starts the moment ``Serving.start`` returns (no warm-up drive,
+no quiet period: what a server sees when traffic is waiting for it); the load -> ready time and the
+shapes the runner built on a request's path (``cold_shapes``) are reported.
 
 Measured per rate, all from the client's stream (times in ms):
 
@@ -140,7 +147,7 @@ async def sample_backend(handle: Any, peaks: dict[str, float], stop: anyio.Event
         await anyio.sleep(SAMPLE_S)
 
 
-async def drive(handle: Any, arrivals: list[float], texts: list[str], new: int,
+async def drive(handle: Any, arrivals: list[float], texts: list[str], news: list[int],
                 deadline: float) -> tuple[list[Client], dict[str, float]]:
     """Run every client at its arrival offset; return the clients and the sampled backend peaks."""
     start = time.perf_counter() + 0.05
@@ -150,28 +157,54 @@ async def drive(handle: Any, arrivals: list[float], texts: list[str], new: int,
     async with anyio.create_task_group() as outer:
         outer.start_soon(sample_backend, handle, peaks, stop)
         async with anyio.create_task_group() as tg:
-            for c, text in zip(clients, texts):
+            for c, text, new in zip(clients, texts, news):
                 tg.start_soon(one_client, handle, c, text, new, deadline)
         stop.set()
     return clients, peaks
 
 
+#: Chat-like lengths (``--workload chat``): log-normal medians, sigmas and clips of prompt and new tokens.
+CHAT_PROMPT = (200, 0.8, 16, 1024)
+CHAT_NEW = (100, 0.6, 16, 512)
+
+
+def chat_lengths(n: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """``n`` (prompt tokens, new tokens) pairs of the chat workload (see the module docstring)."""
+    def draw(median: float, sigma: float, lo: int, hi: int) -> list[int]:
+        return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(n))), lo, hi).astype(int).tolist()
+    return draw(*CHAT_PROMPT), draw(*CHAT_NEW)
+
+
+def requests(raw: tokenizers.Tokenizer, tok: Tokenizer, n: int, index: int,
+             args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The texts and new-token counts of one rate's ``n`` requests (see the module docstring)."""
+    if args.workload == "chat":
+        rng = np.random.default_rng(30_000 + args.seed + index)
+        lengths, news = chat_lengths(n, rng)
+        ids = [word_prompts(raw, 1, p, seed=40_000 + args.seed + 97 * index + i)[0] for i, p in enumerate(lengths)]
+    else:
+        system = word_prompts(raw, 1, args.system_tokens, seed=10_000 + args.seed + index)[0]
+        ids = [system + u for u in word_prompts(raw, n, args.user_tokens, seed=20_000 + args.seed + index)]
+        news = [args.new] * n
+    texts = [raw.decode(i) for i in ids]
+    if texts and tok.encode(texts[0]) != ids[0]:
+        raise ValueError("the prompt does not round-trip through the tokenizer")
+    return texts, news
+
+
 def run_rate(handle: Any, raw: tokenizers.Tokenizer, tok: Tokenizer, rate: float, index: int,
              args: argparse.Namespace) -> dict[str, Any]:
-    """One rate: fresh system part, Poisson arrivals, metrics (see the module docstring)."""
+    """One rate: its requests, Poisson arrivals, metrics (see the module docstring)."""
     rng = np.random.default_rng(args.seed + 1 + index)
     arrivals = poisson_arrivals(rate, args.duration, rng)
-    system = word_prompts(raw, 1, args.system_tokens, seed=10_000 + args.seed + index)[0]
-    users = word_prompts(raw, len(arrivals), args.user_tokens, seed=20_000 + args.seed + index)
-    texts = [raw.decode(system + u) for u in users]
-    if texts and tok.encode(texts[0]) != system + users[0]:
-        raise ValueError("the prompt does not round-trip through the tokenizer")
+    texts, news = requests(raw, tok, len(arrivals), index, args)
     before = handle.stats().backend
     mx.reset_peak_memory()
-    clients, peaks = anyio.run(drive, handle, arrivals, texts, args.new, args.deadline)
+    clients, peaks = anyio.run(drive, handle, arrivals, texts, news, args.deadline)
     after = handle.stats().backend
     return metrics(rate, clients, args) | {
         "peak_memory_bytes": mx.get_peak_memory(), "peaks": peaks,
+        "cold_shapes": after.get("cold_shapes", 0) - before.get("cold_shapes", 0),
         "prefix": {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}}
 
 
@@ -196,7 +229,7 @@ def warm_up(handle: Any, raw: tokenizers.Tokenizer, args: argparse.Namespace) ->
     """A few concurrent requests with another system part, so kernel builds are not timed."""
     system = word_prompts(raw, 1, args.system_tokens, seed=99_999)[0]
     texts = [raw.decode(system + u) for u in word_prompts(raw, 4, args.user_tokens, seed=99_998)]
-    anyio.run(drive, handle, [0.0] * len(texts), texts, args.new, args.deadline * 4)
+    anyio.run(drive, handle, [0.0] * len(texts), texts, [args.new] * len(texts), args.deadline * 4)
 
 
 def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -214,6 +247,9 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_checkpoint_args(ap)
     ap.add_argument("--rates", default="8,16,32", help="requests/s, comma-separated")
+    ap.add_argument("--workload", choices=("shared-prefix", "chat"), default="shared-prefix")
+    ap.add_argument("--fresh", action="store_true",
+                    help="no warm-up drive: the first rate starts the moment Serving.start returns")
     ap.add_argument("--duration", type=float, default=20.0, help="arrival window per rate, seconds")
     ap.add_argument("--system-tokens", type=int, default=1000, help="shared system part, tokens")
     ap.add_argument("--user-tokens", type=int, default=64, help="unique user part, tokens")
@@ -237,17 +273,31 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def max_len(args: argparse.Namespace) -> int:
+    """Positions per sequence the workload needs."""
+    if args.workload == "chat":
+        return CHAT_PROMPT[3] + CHAT_NEW[3] + 8
+    return args.system_tokens + args.user_tokens + args.new + 8
+
+
 def main() -> None:
     args = parse_args()
+    t0 = time.perf_counter()
     raw, tok, state = load_ours(args.ckpt, args.preset, args.weights)
-    gen = text_generation.serving(tok, state, max_new_tokens=args.new, max_batch=args.max_batch,
-                                  max_len=args.system_tokens + args.user_tokens + args.new + 8,
+    mx.eval(state.embed_tokens.weight)
+    loaded = time.perf_counter()
+    new = CHAT_NEW[3] if args.workload == "chat" else args.new
+    gen = text_generation.serving(tok, state, max_new_tokens=new, max_batch=args.max_batch, max_len=max_len(args),
                                   prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                           "runs": []}
+                           "command": " ".join(["python", "bench/gpu_arrivals.py", *sys.argv[1:]]), "runs": []}
     with Serving.start(gen, batch_timeout=0.002) as handle:
-        warm_up(handle, raw, args)
+        out["load_s"], out["start_s"] = loaded - t0, time.perf_counter() - loaded
+        out["cold_shapes_at_start"] = handle.stats().backend.get("cold_shapes", 0)
+        print(f"load {out['load_s']:.2f} s, Serving.start {out['start_s']:.2f} s", flush=True)
+        if not args.fresh:
+            warm_up(handle, raw, args)
         plan = sorted(float(r) for r in args.rates.split(","))
         print(HEADER)
         for i in range(len(plan) + args.search_steps):
@@ -274,7 +324,7 @@ def conclude(out: dict[str, Any]) -> dict[str, Any]:
 
 
 HEADER = (f"{'req/s':>7}{'reqs':>6}{'TTFT p50':>10}{'p99 ms':>9}{'ITL p50':>9}{'p99 ms':>9}{'goodput':>9}"
-          f"{'tok/s':>8}{'peak GB':>9}{'hit tok':>9}{'of':>9}{'lag p99':>9}")
+          f"{'tok/s':>8}{'peak GB':>9}{'hit tok':>9}{'of':>9}{'lag p99':>9}{'cold':>6}")
 
 
 def print_row(r: dict[str, Any]) -> None:
@@ -283,7 +333,7 @@ def print_row(r: dict[str, Any]) -> None:
     print(f"{r['rate']:>7g}{r['requests']:>6}{r['ttft_ms']['p50']:>10.0f}{r['ttft_ms']['p99']:>9.0f}"
           f"{r['itl_ms']['p50']:>9.1f}{r['itl_ms']['p99']:>9.1f}{r['goodput']:>9.2f}{r['tok_s']:>8.0f}"
           f"{r['peak_memory_bytes'] / 1e9:>9.2f}{p['prefix_hit_tokens']:>9}{p['prefix_query_tokens']:>9}"
-          f"{r['lag_ms']['p99']:>9.1f}")
+          f"{r['lag_ms']['p99']:>9.1f}{r.get('cold_shapes', 0):>6}")
 
 
 if __name__ == "__main__":

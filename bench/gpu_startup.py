@@ -8,11 +8,14 @@ spawn time): ``load_s``, ``started_s`` (``Serving.start`` returned: the essentia
 ``first_token_s`` (load -> first token = first_token_s - import_s); the first request's TTFT after
 start and a second request's; device memory in use (``nvidia-smi``, GPU 0) against weights (MLX's active
 memory after ``load``) + KV budget + 2 GB, once after the first request and once after the idle-time warm-up ended. Run 1
-uses an empty ``MLX_PTX_CACHE_DIR`` (NVRTC compiles everything), run 2 the cache run 1 left.
+uses an empty ``MLX_PTX_CACHE_DIR`` and ``MLX_SERVING_CACHE`` (NVRTC compiles everything: MLX's
+kernels and the decode kernels' cubins), run 2 the caches run 1 left.
 
 Then, in this process: the Serving vs the bare engine at 128 uniform requests (128-token prompts,
 128 new tokens, EOS ignored; gpu_throughput.py's ``serving_concurrent`` / ``engine_concurrent``),
-alternating, 3 runs each, median tok/s (target >= 0.95x).
+alternating, 3 runs each, median tok/s (target >= 0.95x); the engine with the serving's GPU step
+budget (``GPU_STEP_TOKENS``). ``--peer``: then mlx-lm's ``batch_generate`` on the same prompts
+(the checkpoint as stored, batch sizes = the concurrency), one warm-up and one timed run.
 
 Run (MLX CUDA build): ``python bench/gpu_startup.py --out bench/results/gpu_startup.json``;
 ``--quick`` on CPU (tiny preset, 8 requests) as a smoke run.
@@ -104,6 +107,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_serving.models import text_generation
     from mlx_serving.models.generation import Engine
     from mlx_serving.models.loader import load
+    from mlx_serving.models.text_generation._options import GPU_STEP_TOKENS
     from mlx_serving.serving import Serving
     from mlx_serving.tokenization import Tokenizer
 
@@ -116,7 +120,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     max_len = 128 + new + 8
     gen = text_generation.serving(tok, state, max_new_tokens=new, max_len=max_len, max_batch=n)
     runs: dict[str, list[float]] = {"serving": [], "engine": []}
-    eng = Engine(state, n, max_len)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    eng = Engine(state, n, max_len, max_step_tokens=GPU_STEP_TOKENS)  # the serving's budget
     eng.warm_up()
     engine_concurrent(eng, prompts[n:], new)
     with Serving.start(gen) as h:
@@ -126,9 +132,21 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
             runs["engine"].append(engine_concurrent(eng, prompts[:n], new)["tok_s"])
     eng.close()
     mx.clear_cache()
+    if args.peer:  # mlx-lm's batch_generate on the same prompts, as stored (4-bit), every prompt at once
+        from gpu_throughput import mlxlm_batch
+        from mlx_lm import load as mlxlm_load
+
+        model, mlxlm_tok = mlxlm_load(str(args.ckpt))
+        mlxlm_tok.eos_token_ids = set()
+        kw = {"completion_batch_size": n, "prefill_batch_size": n}
+        mlxlm_batch(model, mlxlm_tok, prompts[n:], new, **kw)  # warm-up
+        runs["mlx_lm_batch_generate"] = [mlxlm_batch(model, mlxlm_tok, prompts[:n], new, **kw)["tok_s"]]
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"concurrency": n, "new": new, "runs_tok_s": runs, "median_tok_s": med,
-            "serving_over_engine": med["serving"] / med["engine"]}
+    ratios = {"serving_over_engine": med["serving"] / med["engine"]}
+    if args.peer:
+        ratios["serving_over_batch_generate"] = med["serving"] / med["mlx_lm_batch_generate"]
+    return {"concurrency": n, "new": new, "switch_interval_s": sys.getswitchinterval(), "runs_tok_s": runs,
+            "median_tok_s": med, **ratios}
 
 
 def main() -> None:
@@ -141,6 +159,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--idle-wait", type=float, default=90.0, help="most seconds to wait for the idle warm-up")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--peer", action="store_true",
+                    help="overhead: also mlx-lm's batch_generate (completion and prefill batch = --concurrency)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="overhead: sys.setswitchinterval (seconds) before the runs (default: as is, 5 ms)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spawn", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--parts", default="startup,overhead", help="comma-separated: startup, overhead")
@@ -159,8 +181,8 @@ def main() -> None:
                         "write_checkpoint as w; w(sys.argv[1], sys.argv[2], seed=0)", str(args.ckpt), args.preset],
                        check=True, timeout=900)
     out: dict[str, Any] = {"command": " ".join(["python", "bench/gpu_startup.py", *sys.argv[1:]]), "runs": []}
-    ptx = tempfile.mkdtemp(prefix="ptx-")
-    env = {**os.environ, "MLX_PTX_CACHE_DIR": ptx}
+    ptx = tempfile.mkdtemp(prefix="ptx-")  # MLX's kernel cache and ours (the decode cubins), empty for run 1
+    env = {**os.environ, "MLX_PTX_CACHE_DIR": ptx, "MLX_SERVING_CACHE": tempfile.mkdtemp(prefix="mlxs-cache-")}
     runs = [("cold_ptx_cache", None), ("warm_ptx_cache", None)] + [(f"warm_ptx_cache_graphs_{g}", g) for g in args.graph_caches]
     for run, graphs in runs if "startup" in args.parts else ():
         env = {**env, "MLX_CUDA_GRAPH_CACHE_SIZE": str(graphs)} if graphs else env

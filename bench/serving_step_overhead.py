@@ -59,7 +59,7 @@ class ZeroCostEngine:
     def __init__(self, state: Any, max_batch: int, max_len: int, *args: Any, **kwargs: Any):
         self._seqs: dict[int, list[int]] = {}
         self._max_batch = max_batch
-        self.runner = SimpleNamespace(one_row_shapes=0, warm_shapes_left=0)  # no shapes to build
+        self.runner = SimpleNamespace(warm_shapes_left=0, cold_shapes=0)  # no shapes to build
         self.iteration_tokens = SimpleNamespace(stats=dict)
 
     def warm_up(self, limit: int | None = None) -> int:

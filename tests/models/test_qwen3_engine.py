@@ -194,9 +194,9 @@ def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo, prefil
 
 
 def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch):
-    """warm_up(limit) builds the next shapes in order and returns how many are left: the first
-    ``runner.one_row_shapes`` are one-row forwards (what a lone first request meets), and a warm-up
-    left unfinished changes no output."""
+    """warm_up(limit) builds the next shapes in order and returns how many are left: one-row
+    forwards first (a one-row decode, then every first-chunk width: what a lone first request
+    meets), and a warm-up left unfinished changes no output."""
     from mlx_serving.models import layers
 
     engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=16, bucket_shapes=True)
@@ -205,7 +205,7 @@ def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch
     monkeypatch.setattr(layers, "forward", lambda state, cache, rows, *d: rows_seen.append(rows.tokens.shape[0])
                         or forward(state, cache, rows, *d))
     total = engine.runner.warm_shapes_left
-    first = engine.runner.one_row_shapes
+    first = 2  # a one-row decode and a one-row 16-token prefill (prefill_chunk 16: the only width)
     assert engine.warm_up(first) == total - first and rows_seen == [1] * first
     assert engine.warm_up(2) == total - first - 2 and engine.runner.warm_shapes_left == total - first - 2
     for i, request in enumerate(REQUESTS):

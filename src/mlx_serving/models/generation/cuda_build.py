@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import cache
@@ -56,14 +57,17 @@ def compute_capability() -> tuple[int, int]:
 
 @cache
 def _nvrtc() -> ctypes.CDLL:
-    """NVRTC: the copy this process already loaded (MLX's CUDA build links it), else by soname."""
+    """NVRTC: the copy this process already loaded (MLX's CUDA build links it), else by soname,
+    else from an ``nvidia-cuda-nvrtc`` wheel on ``sys.path``."""
     paths = []
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if "libnvrtc.so" in line and "builtins" not in line})
     except OSError:
         pass
-    for name in [*paths, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]:
+    wheels = [str(p) for root in sys.path for p in sorted(Path(root or ".").glob("nvidia/*/lib/libnvrtc.so*"))
+              if "builtins" not in p.name]  # the nvidia-cuda-nvrtc wheels beside MLX's
+    for name in [*paths, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", *wheels]:
         try:
             lib = ctypes.CDLL(name)
         except OSError:

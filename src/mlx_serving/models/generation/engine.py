@@ -251,9 +251,8 @@ class Engine:
         """Build the next ``limit`` (None: all) of the shapes this engine's steps can meet, most
         likely first (:meth:`~.model_runner.ModelRunner.warm_shapes`: every padded decode row count,
         every first-chunk prefill, one row's later chunks), so that MLX's per-shape work happens now
-        and not inside a request's time to first token; returns how many are left. ``limit``
-        ``runner.one_row_shapes`` builds what a lone first request meets; the text-generation
-        serving builds those at start and the rest one per idle moment. Does nothing without shape
+        and not inside a request's time to first token; returns how many are left. The
+        text-generation serving builds them all before it reports ready. Does nothing without shape
         bucketing (the CPU default). Raises RuntimeError when sequences are active or after
         :meth:`close`."""
         self._check_open()

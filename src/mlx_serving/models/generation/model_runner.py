@@ -328,12 +328,6 @@ class ModelRunner:
         """Shapes :meth:`warm_up` has yet to build (a plain counter: safe from any thread)."""
         return len(self._warm)
 
-    @property
-    def one_row_shapes(self) -> int:
-        """How many of :meth:`warm_shapes` come first as one-row shapes (a one-row decode and
-        every one-row first-chunk prefill): what a lone first request meets."""
-        return 1 + len(self._widths(self.max_len))
-
     def warm_shapes(self) -> list[Callable[[], None]]:
         """Every shape a step can meet that MLX builds per shape (kernel builds, traces of the
         compiled decode; seconds each on MLX's CUDA build), most likely first: a one-row decode,
