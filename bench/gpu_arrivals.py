@@ -181,7 +181,8 @@ def requests(raw: tokenizers.Tokenizer, tok: Tokenizer, n: int, index: int,
     if args.workload == "chat":
         rng = np.random.default_rng(30_000 + args.seed + index)
         lengths, news = chat_lengths(n, rng)
-        ids = [word_prompts(raw, 1, p, seed=40_000 + args.seed + 97 * index + i)[0] for i, p in enumerate(lengths)]
+        ids = [word_prompts(raw, 1, p, seed=10**6 * (index + 1) + args.seed * 10**4 + i)[0]  # no shared prefixes
+               for i, p in enumerate(lengths)]
     else:
         system = word_prompts(raw, 1, args.system_tokens, seed=10_000 + args.seed + index)[0]
         ids = [system + u for u in word_prompts(raw, n, args.user_tokens, seed=20_000 + args.seed + index)]

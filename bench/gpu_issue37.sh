@@ -9,6 +9,9 @@
 #   serve   bench/gpu_arrivals.py --workload chat --fresh at 16/32/64/128 req/s, then
 #           bench/gpu_startup.py --parts overhead --peer (Serving vs engine vs batch_generate at 128)
 #   mixed   bench/gpu_mixed.py at batch 256 beside batch_generate
+#   final   bench/gpu_kernel_ab.py (needs bench/_old_cuda_kernels.py, untracked: git show
+#           5507cc4:src/mlx_serving/models/generation/cuda_kernels.py), arrivals at 64 and 128 req/s,
+#           the Serving vs the engine at 128
 # Each bench runs under `timeout` at its cap and what is left of 580 s; JSON and logs go to $OUT.
 set -euo pipefail
 test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
@@ -41,7 +44,12 @@ case "${1:-}" in
     part arrivals 200 python3 bench/gpu_arrivals.py --workload chat --fresh --rates 16,32,64,128 --duration 10 \
       --search-steps 0 --deadline 20 --out "$OUT/gpu_arrivals.json"
     part overhead 300 python3 bench/gpu_startup.py --parts overhead --peer --out "$OUT/gpu_overhead.json" ;;
+  final)  # the second lease: kernels A/B, the two highest rates, the Serving's overhead
+    part ab 160 python3 bench/gpu_kernel_ab.py --out "$OUT/gpu_kernel_ab.json"
+    part arrivals 170 python3 bench/gpu_arrivals.py --workload chat --fresh --rates 64,128 --duration 10 \
+      --search-steps 0 --deadline 20 --out "$OUT/gpu_arrivals_64_128.json"
+    part overhead 120 python3 bench/gpu_startup.py --parts overhead --out "$OUT/gpu_overhead.json" ;;
   mixed)
     part mixed 570 python3 bench/gpu_mixed.py --peer batch_generate --batches 256 --out "$OUT/gpu_mixed.json" ;;
-  *) echo "usage: $0 check | serve | mixed"; exit 2 ;;
+  *) echo "usage: $0 check | serve | final | mixed"; exit 2 ;;
 esac

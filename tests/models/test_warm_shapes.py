@@ -59,3 +59,31 @@ def test_an_unwarmed_engine_counts_the_shapes_it_builds(tiny32: State) -> None:
         engine.step()
     assert engine.runner.cold_shapes > 0
     engine.close()
+
+
+def test_prefix_hits_start_on_warmed_shapes(tiny32: State) -> None:
+    """With bucketing a cached prefix is reused in whole prefill chunks: prompts sharing a 70-token
+    system part (chunks of 32) reuse 64 of its tokens, build no shape on the path, and give the
+    tokens they give without prefix caching."""
+    tok = Tokenizer.qwen3()
+    system = tok.encode(" ".join(["alpha river stone cloud maple quiet ember north lumen orbit"] * 8))[:70]
+    prompts = [system + tok.encode(t) for t in _texts(6, 11)]
+    outputs = {}
+    for caching in (True, False):
+        engine = Engine(tiny32, 4, 256, 32, bucket_shapes=True, max_step_tokens=64, prefix_caching=caching)
+        engine.warm_up()
+        out: dict[int, list[int]] = {}
+        for wave in (prompts[:1], prompts[1:]):  # the first one caches the system part
+            for i, p in enumerate(wave, start=len(out)):
+                engine.add(i, p, SamplingParams(max_new_tokens=4))
+                out[i] = []
+            while engine.num_active:
+                for ev in engine.step():
+                    out[ev.seq_id].append(ev.token_id)
+        stats = engine.kv_stats()
+        if caching:
+            assert stats.prefix_hit_tokens > 0 and stats.prefix_hit_tokens % 32 == 0
+        assert engine.runner.cold_shapes == 0
+        outputs[caching] = out
+        engine.close()
+    assert outputs[True] == outputs[False]

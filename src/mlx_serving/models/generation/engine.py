@@ -61,7 +61,9 @@ class Engine:
     per-step token budget shared by the decode rows (one token each, always scheduled) and the
     prefill chunks (given in start order from what is left); None (default): every prefilling
     sequence gets its ``prefill_chunk``. With shape bucketing the budget never cuts a chunk short
-    (a chunk waits for a step with room; the oldest prefilling sequence always gets its chunk).
+    (a chunk waits for a step with room; the oldest prefilling sequence always gets its chunk) and
+    a cached prefix is reused in whole ``prefill_chunk`` multiples, so every chunk starts on a
+    warmed shape.
 
     ``decode_path``: how one-token rows attend (:func:`~.decode_backends.decode_backend`: "fused",
     "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they run and fit,
@@ -98,8 +100,9 @@ class Engine:
         self.max_step_tokens = max_step_tokens
         self.decode_backend: DecodeBackend = decode_backend(state, decode_path)
         blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
-        kv = KVCacheManager(blocks, block_size, prefix_caching)
         bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
+        align = prefill_chunk if bucket and prefill_chunk % block_size == 0 else 0  # hits start on warmed shapes
+        kv = KVCacheManager(blocks, block_size, prefix_caching, prefix_align=align)
         self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
                                    whole_chunks=bucket)  # chunk starts stay on the warmed shapes
         compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode

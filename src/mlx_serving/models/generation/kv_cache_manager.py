@@ -44,11 +44,17 @@ class KVCacheManager:
     """The scheduler's one view of KV memory (vLLM v1's ``KVCacheManager``): per-request block
     tables (:class:`SeqBlocks`) over a :class:`~.block_pool.BlockPool` of ``num_blocks`` blocks of
     ``block_size`` tokens, and ``prefix``, the prefix cache (``prefix_caching`` False: a prefix
-    cache that does nothing, :class:`~.prefix_cache.NoPrefixCache`, SGLang's ``ChunkCache`` shape)."""
+    cache that does nothing, :class:`~.prefix_cache.NoPrefixCache`, SGLang's ``ChunkCache`` shape).
+    ``prefix_align``: a cached prefix is reused in whole multiples of this many tokens (a multiple
+    of ``block_size``; the GPU's ``prefill_chunk``, so that a hit's first chunk starts where the
+    warmed prefill shapes do); 0 or ``block_size``: any number of blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, prefix_align: int = 0):
+        if prefix_align % block_size:
+            raise ValueError(f"prefix_align {prefix_align} is not a multiple of block_size {block_size}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.prefix_align = max(prefix_align, block_size)
         self.prefix: PrefixCache = prefix_cache(self.pool, block_size, prefix_caching)
         self.queries = self.hits = self.query_tokens = self.hit_tokens = self.preemptions = 0
 
@@ -60,6 +66,7 @@ class KVCacheManager:
         ``first_chunk`` tokens (at most the rest of ``tokens``). Returns the number of tokens
         reused from the cache, or None (nothing taken) when the blocks are not available."""
         hit = self.prefix.lookup(sb, tokens)
+        hit = hit[: len(hit) * self.block_size // self.prefix_align * self.prefix_align // self.block_size]
         for b in hit:
             self.pool.touch(b)
         reused = len(hit) * self.block_size

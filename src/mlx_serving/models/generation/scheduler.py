@@ -148,7 +148,7 @@ class Scheduler:
             if occupant is not None:
                 continue
             r = self.waiting.peek()
-            if r.in_flight or self._prefilling_elsewhere(r):
+            if r.in_flight or (r.prefill_end > self.kv.prefix_align and self._prefilling_elsewhere(r)):
                 break  # its last token lands this step / a running request is prefilling its prefix
             tokens = r.tokens()[: r.prefill_end]
             reused = self.kv.admit(r.kv, tokens, self.prefill_chunk)
