@@ -51,10 +51,6 @@ class IterativeBackend(Protocol[State]):
     - ``cancel(state, row_ids)``: remove these rows now and free their memory; ids it does not
       hold are ignored (after an ``admit`` that raised, the scheduler cancels the whole group).
     - ``active(state)``: rows admitted and not finished.
-    - optional ``idle(state) -> bool``: a bounded piece of background work (a warm-up shape), run
-      on the partition's thread once it has had no rows and none waiting for ``idle_after_s``
-      seconds (an optional attribute, default 1.0); True while more remains. A raising ``idle`` is
-      logged and not called again.
     - optional ``waiting(state) -> int``: the backend has its own scheduler: it accepts rows it
       cannot start yet, orders them by its own policy and reports here how many it holds unstarted
       (read from any thread: a plain counter). The serving then hands it every queued row instead

@@ -40,7 +40,6 @@ from ._request import Request, reap
 from ._telemetry import ServingStats, TelemetryEvent, emit
 
 _log = logging.getLogger("mlx_serving.serving")
-IDLE_AFTER_S = 1.0  # quiet period before a backend's idle work starts (its ``idle_after_s`` overrides)
 S = TypeVar("S")  # an iterative backend's state
 
 
@@ -54,14 +53,12 @@ class _Row:
 
 
 class _Partition:
-    __slots__ = ("index", "state", "active", "to_cancel", "idle_work", "last_busy")
+    __slots__ = ("index", "state", "active", "to_cancel")
 
-    def __init__(self, index: int, state: Any, idle_work: bool):
+    def __init__(self, index: int, state: Any):
         self.index, self.state = index, state
         self.active: dict[int, _Row] = {}
         self.to_cancel: list[int] = []
-        self.idle_work = idle_work  # the backend's idle(state) may have work left
-        self.last_busy = time.monotonic()  # when the partition last had rows (or was created)
 
 
 class IterativeScheduler:
@@ -71,9 +68,7 @@ class IterativeScheduler:
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._opts, self._batch_size = backend, options, batch_size
         self._telemetry = telemetry
-        idle = callable(getattr(backend, "idle", None))
-        self._idle_after = float(getattr(backend, "idle_after_s", IDLE_AFTER_S))
-        self._parts = [_Partition(i, s, idle) for i, s in enumerate(states)]
+        self._parts = [_Partition(i, s) for i, s in enumerate(states)]
         self._cond = threading.Condition(threading.RLock())
         self.orphans: deque[Request] = deque()
         self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
@@ -204,8 +199,6 @@ class IterativeScheduler:
         reap(self.orphans)
         self._apply_cancels(part)
         active = backend.active(part.state)
-        if active == 0 and not drain and self._idle(part):
-            return True  # one piece of idle work done: look at the queue again
         free = backend.free_slots(part.state)
         room = min(self._batch_size - active, free)
         hand_off = self._queues and free <= self._batch_size - self._running(part)  # within batch_size
@@ -219,24 +212,7 @@ class IterativeScheduler:
         self._apply_cancels(part)
         if backend.active(part.state) > 0:
             self._step(part)
-            part.last_busy = time.monotonic()
-        elif not rows:
-            return True  # woke only because the quiet period ended: idle work is due
         emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, self._running(part), part.index))
-        return True
-
-    def _idle(self, part: _Partition) -> bool:
-        """Run one piece of the backend's idle work when nothing waits and the partition has been
-        quiet for ``idle_after_s`` (see the protocol)."""
-        if not part.idle_work or self._c.queued or part.to_cancel or self._stopping or part.state is None:
-            return False
-        if time.monotonic() - part.last_busy < self._idle_after:
-            return False
-        try:
-            part.idle_work = bool(self._backend.idle(part.state))
-        except Exception:
-            _log.exception("IterativeBackend.idle failed; not called again")
-            part.idle_work = False
         return True
 
     def _recover(self, part: _Partition, cause: BaseException) -> None:
@@ -289,13 +265,7 @@ class IterativeScheduler:
                     return True
                 if self._stopping or self._aborting or drain:
                     return False
-                if not part.idle_work:
-                    self._cond.wait()
-                    continue
-                due = part.last_busy + self._idle_after - time.monotonic()
-                if due <= 0:
-                    return True  # idle work is due: back to the step loop with nothing taken
-                self._cond.wait(due)
+                self._cond.wait()
             first = next(r for r in self._waiting if not r.done)
             window_end = first.request.submitted + self._opts.batch_timeout
             while self._c.queued and self._c.queued < room and not self._aborting:
