@@ -34,10 +34,10 @@ from .. import layers  # the shared decoder (models.layers imports this package:
 from .attention import Rows, compiled_decode, packing
 from .decode_backends import DecodeBackend
 from .kv_cache import PagedKVCache
-from .logits import Logprobs, RowInput, TokenHistory, sample_batch
+from .logits import Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .protocol import ModelState
 from .request import Request
-from .sampling import greedy
+from .sampling import SamplingParams, greedy
 from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput
 
 __all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner", "shape_keys"]
@@ -267,11 +267,14 @@ class ModelRunner:
 
     def _note(self, *keys: tuple) -> None:
         """Record a forward's parts (:func:`shape_keys`); a part never run before counts in
-        :attr:`cold_shapes` when it runs outside the warm-up (with bucketing only)."""
+        :attr:`cold_shapes` when it runs outside the warm-up. Only with bucketing, where the shapes
+        are a known set (unbucketed, any length is a shape: nothing is recorded)."""
+        if not self.bucket:
+            return
         for key in keys:
             if key not in self._built:
                 self._built.add(key)
-                self.cold_shapes += self.bucket and not self._warming
+                self.cold_shapes += not self._warming
 
     def _width(self, kv_len: int) -> int:
         """Block-table columns for an attention span of ``kv_len``."""
@@ -356,7 +359,19 @@ class ModelRunner:
                         mx.array(table), dense=hi == 1)
             self._note(*shape_keys(rows))
             logits = layers.forward(self.state, self.cache, rows, self.decode_backend)
-        mx.eval(greedy(logits))
+        mx.eval(self._warm_sampling(logits))
+
+    def _warm_sampling(self, logits: mx.array) -> list[mx.array]:
+        """What a step's sampling evaluates, on ``logits`` (B, vocab) of padding rows: a gathered
+        row's argmax put into the row token array (a copy: the runner's is untouched) and every
+        row sampled at temperature 1 with top-p and top-k, so that MLX's first use of those
+        kernels falls in the warm-up too."""
+        sub = logits[mx.array([0], dtype=mx.int32)]
+        chain = make_chain(SamplingParams(max_new_tokens=1, temperature=1.0, top_p=0.9, top_k=40),
+                           self.state.config.vocab_size)
+        rng = np.random.default_rng(0)
+        out = sample_batch(logits, [RowInput(chain, i, 0, None, rng) for i in range(logits.shape[0])])
+        return [_put(self._tokens, [0], greedy(sub)), out.tokens, *out.pending]
 
     def _widths(self, room: int) -> list[int]:
         """Tokens per row of the bucketed prefills whose longest chunk holds at most ``room`` tokens."""
@@ -369,7 +384,8 @@ class ModelRunner:
                     mx.zeros((b, self._width(start + t)), dtype=mx.int32), packed=packed, unpacked=unpacked,
                     causal_groups=((0, b, start),))
         self._note(*shape_keys(rows))
-        mx.eval(layers.forward(self.state, self.cache, rows))
+        logits = layers.forward(self.state, self.cache, rows)
+        mx.eval(self._warm_sampling(logits) if start == 0 and t == self._widths(self.max_len)[0] else logits)
 
     def close(self) -> None:
         """Drop the KV cache arrays, the compiled decode steps, the penalty state and the token
