@@ -6,12 +6,7 @@
 # graph caches of 100 and 25), "overhead" (the Serving vs the bare engine at 128) or
 # "overhead_graphs N" (the same with MLX_CUDA_GRAPH_CACHE_SIZE=N). Writes into $OUT.
 set -euo pipefail
-test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
-if [ ! -d "$HOME/gpu/site/mlx" ]; then
-  cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$HOME/gpu/site" "$HOME"/gpu/*.whl .gpuB/*.whl
-fi
-export PYTHONPATH="$HOME/gpu/site:$PWD/src:$PWD" PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+source bench/gpu_lease.sh
 python3 -c 'import mlx.core as mx, mlx_serving; print(mx.default_device(), mx.__version__)'
 case "${1:-startup}" in
   startup)

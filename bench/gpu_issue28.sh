@@ -29,25 +29,9 @@ if [ "${1:-}" = stage ]; then  # here: the wheels the device lacks (the server e
     typing_extensions==4.16.0 opentelemetry-api==1.45.2 click==8.5.1 h11==0.16.0 httpx==0.29.0 httpcore==1.0.9 \
     idna==3.20 certifi
 fi
-test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
-if [ ! -d "$HOME/gpu/site/mlx" ]; then
-  cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$HOME/gpu/site" "$HOME"/gpu/*.whl .gpuB/*.whl
-fi
-export PYTHONPATH="$HOME/gpu/site:$PWD/src" PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+source bench/gpu_lease.sh
 python3 -c 'import mlx.core as mx, mlx_serving, mlx_lm, mlx_serving.server, uvicorn, httpx; print(mx.default_device(), mx.__version__)'
 work=$HOME/lcpp
-part() {  # part NAME CAP_S COMMAND...: under a timeout, output in $OUT/NAME.log, a row in $OUT/parts.tsv
-  local name=$1 cap=$2 rc=0 t0=$SECONDS
-  shift 2
-  local left=$(( 580 - SECONDS ))
-  (( left < cap )) && cap=$left
-  if (( cap < 10 )); then echo "== $name: skipped, no time left"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"; return 0; fi
-  echo "== $name (at ${SECONDS} s, cap ${cap} s)"
-  timeout -k 5 "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  tail -n 25 "$OUT/$name.log"
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/parts.tsv"
-}
 case "${1:-}" in
   llamacpp)
     part weights 150 python3 bench/gpu_llamacpp.py weights --work "$work"

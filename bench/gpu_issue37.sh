@@ -14,26 +14,10 @@
 #           the Serving vs the engine at 128
 # Each bench runs under `timeout` at its cap and what is left of 580 s; JSON and logs go to $OUT.
 set -euo pipefail
-test -f "$HOME/gpu/part_aa" || { echo "machine went cold: repeat call 1"; exit 3; }
-if [ ! -d "$HOME/gpu/site/mlx" ]; then
-  cat "$HOME/gpu/part_aa" .gpuB/part_ab > "$HOME/gpu/$(cat .gpuB/CUDA_WHEEL_NAME)"
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target "$HOME/gpu/site" "$HOME"/gpu/*.whl .gpuB/*.whl
-fi
-export PYTHONPATH="$HOME/gpu/site:$PWD/src" PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+source bench/gpu_lease.sh
 python3 -c 'import mlx.core as mx, mlx_serving, mlx_lm; print(mx.default_device(), mx.__version__)'
 test -f /tmp/qwen3-0.6b-bench/config.json || python3 -c "from mlx_serving.models.seeded_checkpoint import \
 write_checkpoint as w; w('/tmp/qwen3-0.6b-bench', '0.6b', seed=0)"
-part() {  # part NAME CAP_S COMMAND...: under a timeout, output in $OUT/NAME.log, a row in $OUT/parts.tsv
-  local name=$1 cap=$2 rc=0 t0=$SECONDS
-  shift 2
-  local left=$(( 580 - SECONDS ))
-  (( left < cap )) && cap=$left
-  if (( cap < 10 )); then echo "== $name: skipped, no time left"; printf '%s\tskipped\t0\n' "$name" >> "$OUT/parts.tsv"; return 0; fi
-  echo "== $name (at ${SECONDS} s, cap ${cap} s)"
-  timeout -k 5 "$cap" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
-  tail -n 30 "$OUT/$name.log"
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/parts.tsv"
-}
 case "${1:-}" in
   check)
     part tests 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py \
