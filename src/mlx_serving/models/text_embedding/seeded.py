@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from ...serving._json import JSONObject
-from ..seeded_checkpoint import write_checkpoint
 from ._st_config import POOLINGS, Pooling
 
 __all__ = ["QUERY_PROMPT", "write_embedding_checkpoint"]
@@ -30,6 +29,10 @@ def write_embedding_checkpoint(path: str | Path, preset: str = "tiny", seed: int
     Returns ``path``. Raises ValueError for an unknown family, preset, dtype or pooling."""
     if pooling not in POOLINGS.values():
         raise ValueError(f"pooling must be one of {sorted(POOLINGS.values())}, got {pooling!r}")
+    # imported here, not at the top: `python -m mlx_serving.models.seeded_checkpoint` must find the
+    # module unimported when the package loads (runpy warns otherwise)
+    from ..seeded_checkpoint import write_checkpoint
+
     path = write_checkpoint(path, preset, seed, family=family, quantized=quantized, dtype=dtype,
                             config_overrides=config_overrides)
     hidden = json.loads((path / "config.json").read_text())["hidden_size"]
