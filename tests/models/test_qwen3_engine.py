@@ -216,3 +216,17 @@ def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch
     assert engine.warm_up() == 0 and engine.runner.warm_shapes_left == 0
     cpu = Engine(tiny32, max_batch=2, max_len=64)  # no bucketing: nothing to build
     assert cpu.runner.warm_shapes_left == 0 and cpu.warm_up() == 0
+
+
+def test_engine_options_are_checked_by_name(tiny32):
+    """A wrong type of step budget or shape switch is refused naming the option; the fused decode
+    path by name is refused where its CUDA kernels cannot run (not at the first step)."""
+    for kw, name in ((dict(max_step_tokens="64"), "max_step_tokens"), (dict(max_step_tokens=True), "max_step_tokens"),
+                     (dict(bucket_shapes="yes"), "bucket_shapes"), (dict(compile_decode=1), "compile_decode")):
+        with pytest.raises(ValueError, match=name):
+            Engine(tiny32, max_batch=2, max_len=64, **kw)
+    from mlx_serving.models.generation.cuda_kernels import kernels_available
+
+    if not kernels_available():
+        with pytest.raises(ValueError, match="decode_path 'fused' needs MLX's CUDA build"):
+            Engine(tiny32, max_batch=2, max_len=64, decode_path="fused")

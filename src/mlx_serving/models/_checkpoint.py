@@ -27,7 +27,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeGuard, TypeVar
 
 import mlx.core as mx
 
@@ -391,6 +391,11 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def _naturals(v: object) -> TypeGuard[list[int]]:
+    """Whether ``v`` is a JSON array of non-negative integers (a shape, data offsets)."""
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
 def read_header(path: Path, f: Path) -> dict[str, TensorInfo]:
     """Parse and check the header of the safetensors file ``f`` without reading its data:
     every tensor's dtype is known, its shape non-negative integers, and its byte range
@@ -421,9 +426,7 @@ def read_header(path: Path, f: Path) -> dict[str, TensorInfo]:
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                                     for x in v)
-        if (dtype not in ST_DTYPE_BYTES or not ints(shape) or len(shape) > 8 or not ints(offsets)
+        if (dtype not in ST_DTYPE_BYTES or not _naturals(shape) or len(shape) > 8 or not _naturals(offsets)
                 or len(offsets) != 2):
             raise ValueError(f"{where}: malformed header entry for tensor {name!r}")
         begin, end = offsets
@@ -526,9 +529,12 @@ def read_tensors(path: Path, check: Callable[[dict[str, TensorInfo]], None]) -> 
     tensors: dict[str, mx.array] = {}
     for f in files:
         try:
-            tensors.update(mx.load(str(f)))
+            loaded = mx.load(str(f))
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"checkpoint {path}: weight file {f.name} could not be read: {exc}") from exc
+        if not isinstance(loaded, dict):  # a .safetensors file loads as {name: array}
+            raise ValueError(f"checkpoint {path}: weight file {f.name} did not load as named tensors")
+        tensors.update(loaded)
     return tensors
 
 

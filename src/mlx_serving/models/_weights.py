@@ -54,15 +54,21 @@ class Linear:
             self.weight_t = self.weight.T
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self.scales is None:
+        if self.weight_t is not None:  # dense: __post_init__ sets weight_t exactly when scales is None
             return x @ self.weight_t if self.bias is None else mx.addmm(self.bias, x, self.weight_t)
-        spec = self.spec
-        if self.kernel is not None:
-            y = self.kernel(x, self.weight, self.scales, self.biases, spec.group_size, spec.bits)
+        scales, spec = self._quant()
+        if self.kernel is not None and self.biases is not None:  # a kernel is only set for affine (biases)
+            y = self.kernel(x, self.weight, scales, self.biases, spec.group_size, spec.bits)
         else:
-            y = mx.quantized_matmul(x, self.weight, self.scales, self.biases, transpose=True,
+            y = mx.quantized_matmul(x, self.weight, scales, self.biases, transpose=True,
                                     group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         return y if self.bias is None else y + self.bias
+
+    def _quant(self) -> tuple[mx.array, QuantSpec]:
+        """``scales`` and ``spec`` of a quantized matrix (always set together: :meth:`Reader.linear`)."""
+        if self.scales is None or self.spec is None:
+            raise ValueError("not a quantized matrix: it needs both scales and spec")
+        return self.scales, self.spec
 
     def with_kernel(self, kernel: QuantizedMatmul) -> "Linear":
         """This matrix computed by ``kernel`` when it is quantized in a layout the native CPU kernel
@@ -76,18 +82,21 @@ class Linear:
         """This matrix with its quantization scales and biases stored as float16 when the native
         kernel computes it and float16 holds them exactly (a GGUF's or an MLX float16 checkpoint's
         always do): the same products, a sixth fewer bytes per 4-bit weight read; itself otherwise."""
-        if self.kernel is None or self.scales.dtype != mx.float32:
+        scales, biases = self.scales, self.biases
+        # with_kernel sets a kernel only on affine matrices, which have both scales and biases
+        if self.kernel is None or scales is None or biases is None or scales.dtype != mx.float32:
             return self
-        half = [a.astype(mx.float16) for a in (self.scales, self.biases)]
-        exact = all(mx.array_equal(h.astype(mx.float32), a).item() for h, a in zip(half, (self.scales, self.biases)))
+        half = [a.astype(mx.float16) for a in (scales, biases)]
+        exact = all(mx.array_equal(h.astype(mx.float32), a).item() for h, a in zip(half, (scales, biases)))
         return replace(self, scales=half[0], biases=half[1]) if exact else self
 
     def dequantized(self, dtype: mx.Dtype) -> "Linear":
         """This matrix as a dense ``(out, in)`` Linear in ``dtype`` (itself when dense)."""
         if self.scales is None:
             return self
-        return Linear(mx.dequantize(self.weight, self.scales, self.biases, group_size=self.spec.group_size,
-                                    bits=self.spec.bits, mode=self.spec.mode).astype(dtype), bias=self.bias)
+        scales, spec = self._quant()
+        return Linear(mx.dequantize(self.weight, scales, self.biases, group_size=spec.group_size,
+                                    bits=spec.bits, mode=spec.mode).astype(dtype), bias=self.bias)
 
     def rows(self, ids: mx.array) -> mx.array:
         """Embedding lookup: rows ``ids`` (any int shape) -> ``ids.shape + (in,)``.
@@ -97,9 +106,10 @@ class Linear:
         """
         if self.scales is None:
             return self.weight[ids]
+        scales, spec = self._quant()
         return mx.dequantize(
-            self.weight[ids], self.scales[ids], self.biases[ids],
-            group_size=self.spec.group_size, bits=self.spec.bits, mode=self.spec.mode,
+            self.weight[ids], scales[ids], None if self.biases is None else self.biases[ids],
+            group_size=spec.group_size, bits=spec.bits, mode=spec.mode,
         )
 
     def arrays(self) -> list[mx.array]:
@@ -125,7 +135,7 @@ class Fused:
     def __call__(self, x: mx.array) -> list[mx.array]:
         if self.merged is None:
             return [p(x) for p in self.parts]
-        return mx.split(self.merged(x), self.splits, axis=-1)
+        return mx.split(self.merged(x), self.splits, axis=-1)  # type: ignore[return-value]  # mlx's stub says array; split returns a list
 
     @classmethod
     def of(cls, parts: list[Linear]) -> "Fused":
@@ -135,10 +145,11 @@ class Fused:
                     for p in parts)
         if not alike:
             return cls(None, [], parts)
+        weight = mx.concatenate([p.weight for p in parts])
         cat = [mx.concatenate([getattr(p, f) for p in parts]) if getattr(first, f) is not None else None
-               for f in ("weight", "scales", "biases", "bias")]
+               for f in ("scales", "biases", "bias")]
         offsets = [int(x) for x in np.cumsum([p.weight.shape[0] for p in parts])[:-1]]
-        return cls(Linear(cat[0], cat[1], cat[2], first.spec, bias=cat[3]), offsets, [])
+        return cls(Linear(weight, cat[0], cat[1], first.spec, bias=cat[2]), offsets, [])
 
     def map(self, fn: Callable[[Linear], Linear]) -> "Fused":
         """The same linears, each replaced by ``fn`` of it (the merged one, or every part)."""

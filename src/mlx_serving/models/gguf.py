@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -70,6 +72,8 @@ _LAYER = {
 #: usual parameters (Llama 3.1 / 3.2 / 3.3: low 1, high 4, original context 8,192).
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+_T = TypeVar("_T")
+
 
 def hf_module(name: str, path: Path) -> tuple[str, str]:
     """``(hf module, suffix)`` for GGUF tensor ``name``: ``blk.3.attn_q.bias`` ->
@@ -84,14 +88,13 @@ def hf_module(name: str, path: Path) -> tuple[str, str]:
     raise GGUFError(f"{path}: tensor {name!r} has no Hugging Face counterpart this converter knows")
 
 
-def _meta(header: GGUFHeader, key: str, kind: type, default: object = None) -> object:
+def _meta(header: GGUFHeader, key: str, kind: type[_T], default: _T | None = None) -> _T:
     value = header.metadata.get(key, default)
-    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+        value = float(value)
     if value is None and default is None:
         raise GGUFError(f"{header.path}: missing metadata {key!r}")
-    if not ok:
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         raise GGUFError(f"{header.path}: metadata {key!r} must be {kind.__name__}, got {value!r:.80}")
     return value
 
@@ -122,26 +125,26 @@ def hf_config(header: GGUFHeader) -> dict[str, object]:
         "hidden_size": hidden, "intermediate_size": _meta(header, key("feed_forward_length"), int),
         "num_hidden_layers": _meta(header, key("block_count"), int), "num_attention_heads": heads,
         "num_key_value_heads": _meta(header, key("attention.head_count_kv"), int, heads),
-        "head_dim": _meta(header, key("attention.key_length"), int, hidden // max(heads, 1)),
+        "head_dim": (head_dim := _meta(header, key("attention.key_length"), int, hidden // max(heads, 1))),
         "rms_norm_eps": _meta(header, key("attention.layer_norm_rms_epsilon"), float),
-        "rope_theta": _meta(header, key("rope.freq_base"), float, spec.rope_theta),
+        "rope_theta": (rope_theta := _meta(header, key("rope.freq_base"), float, spec.rope_theta)),
         "max_position_embeddings": _meta(header, key("context_length"), int),
         "vocab_size": embed.shape[0], "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu", "torch_dtype": "float16",
     }
     if spec.model_type == "llama":
         cfg.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
-        cfg["rope_scaling"] = _rope_scaling(header, arch, cfg)
+        cfg["rope_scaling"] = _rope_scaling(header, arch, head_dim, rope_theta)
     if spec.model_type == "qwen2":
         cfg.update(use_sliding_window=False)
     cfg.update(_special_ids(header))
     return cfg
 
 
-def _rope_scaling(header: GGUFHeader, arch: str, cfg: dict[str, object]) -> dict[str, object] | None:
-    """The ``rope_scaling`` block: "linear" from ``{arch}.rope.scaling.*``; "llama3" recovered
-    from the ``rope_freqs.weight`` factors (checked to match the rule exactly); GGUFError for
-    YaRN or factors that match no known rule."""
+def _rope_scaling(header: GGUFHeader, arch: str, d: int, theta: float) -> dict[str, str | float] | None:
+    """The ``rope_scaling`` block (for head dimension ``d`` and RoPE base ``theta``): "linear" from
+    ``{arch}.rope.scaling.*``; "llama3" recovered from the ``rope_freqs.weight`` factors (checked to
+    match the rule exactly); GGUFError for YaRN or factors that match no known rule."""
     kind = _meta(header, f"{arch}.rope.scaling.type", str, "none")
     if kind == "linear":
         return {"type": "linear", "factor": _meta(header, f"{arch}.rope.scaling.factor", float)}
@@ -153,15 +156,14 @@ def _rope_scaling(header: GGUFHeader, arch: str, cfg: dict[str, object]) -> dict
     if entry.type not in (GGMLType.F32, GGMLType.F16):
         raise GGUFError(f"{header.path}: rope_freqs.weight has ggml type {entry.type_name}, expected F32 or F16")
     factors = _stored(header, entry).astype(np.float32)
-    d, theta = int(cfg["head_dim"]), float(cfg["rope_theta"])
-    block = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
+    block: dict[str, str | float] = {"rope_type": "llama3", "factor": float(factors.max()), **_LLAMA3_ROPE}
     if factors.shape != (d // 2,) or not np.allclose(factors, _llama3_factors(block, d, theta), rtol=1e-4):
         raise GGUFError(f"{header.path}: rope_freqs.weight matches no RoPE scaling rule this converter "
                         "knows (Llama 3's with low 1, high 4, original 8192)")
     return block
 
 
-def _llama3_factors(block: dict[str, object], dims: int, theta: float) -> np.ndarray:
+def _llama3_factors(block: Mapping[str, str | float], dims: int, theta: float) -> np.ndarray:
     """llama.cpp's ``rope_freqs`` for Llama 3 scaling (``LlamaModel.generate_extra_tensors``)."""
     factor, low, high = float(block["factor"]), float(block["low_freq_factor"]), float(block["high_freq_factor"])
     original = float(block["original_max_position_embeddings"])
@@ -202,7 +204,7 @@ def _check_types(header: GGUFHeader) -> None:
                             "(e.g. llama.cpp's llama-quantize ... Q4_0)")
 
 
-_STORED = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+_STORED: dict[int, type[np.generic]] = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
 
 
 def _stored(header: GGUFHeader, entry: TensorEntry) -> np.ndarray:
@@ -221,11 +223,15 @@ def _hf_tensors(header: GGUFHeader, cfg: dict[str, object]) -> tuple[dict[str, m
     """Every tensor under its Hugging Face name (Q/K rows restored for Llama), and each quantized
     module's ggml type."""
     permuted = ARCHITECTURES[str(cfg["model_type"])].permuted_qk
-    heads = {"self_attn.q_proj": int(cfg["num_attention_heads"]), "self_attn.k_proj": int(cfg["num_key_value_heads"])}
+    q_heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    assert isinstance(q_heads, int) and isinstance(kv_heads, int)  # hf_config read both with _meta(..., int)
+    heads = {"self_attn.q_proj": q_heads, "self_attn.k_proj": kv_heads}
     try:
         arrays = mx.load(str(header.path))
     except (RuntimeError, ValueError) as exc:
         raise GGUFError(f"{header.path}: MLX could not read the tensors: {exc}") from exc
+    if not isinstance(arrays, dict):  # a .gguf loads as {name: array} (no return_metadata)
+        raise GGUFError(f"{header.path}: MLX did not read the tensors as a mapping of names to arrays")
     out: dict[str, mx.array] = {}
     quantized: dict[str, GGMLType] = {}
     for entry in header.tensors.values():
@@ -236,7 +242,7 @@ def _hf_tensors(header: GGUFHeader, cfg: dict[str, object]) -> tuple[dict[str, m
         parts = {suffix: _bf16(header, entry) if entry.type == GGMLType.BF16 else arrays[entry.name]}
         if entry.type in QUANT_BITS:
             parts.update(scales=arrays[f"{stem}.scales"], biases=arrays[f"{stem}.biases"])
-            quantized[module] = entry.type
+            quantized[module] = GGMLType(entry.type)  # a known type: the member itself
         for part, array in parts.items():
             kind = module.rsplit(".", 1)[-1]
             if permuted and module.endswith(tuple(heads)):

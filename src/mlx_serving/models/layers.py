@@ -99,8 +99,8 @@ def _rope(state: State, start: mx.array | int) -> Callable[[mx.array], mx.array]
     kw: dict = dict(dims=c.head_dim, traditional=c.rope_traditional, offset=start)
     if state.rope_freqs is not None:
         return partial(mx.fast.rope, base=None, scale=1.0, freqs=state.rope_freqs, **kw)
-    linear = c.rope_scaling is not None and c.rope_scaling.rope_type == "linear"
-    return partial(mx.fast.rope, base=c.rope_theta, scale=1 / c.rope_scaling.factor if linear else 1.0, **kw)
+    linear = c.rope_scaling.factor if c.rope_scaling is not None and c.rope_scaling.rope_type == "linear" else None
+    return partial(mx.fast.rope, base=c.rope_theta, scale=1 / linear if linear else 1.0, **kw)
 
 
 def _heads(x: mx.array, step: Step, heads: int, d: int) -> mx.array:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 
@@ -29,6 +29,13 @@ from .native import QuantizedMatmul, paged_attention_cpu, quantized_matmul_cpu
 __all__ = ["load"]
 
 _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_M = TypeVar("_M", Linear, Fused)
+
+
+class _Prepare(Protocol):
+    """What the loader does to a projection: the same kind back (a Linear, or a Fused)."""
+
+    def __call__(self, m: _M, /) -> _M: ...
 
 
 def _bias_flag(module: str) -> str:
@@ -137,8 +144,7 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
     return state
 
 
-def _preparation(compute: mx.Dtype, dequantize: bool,
-                 kernel: QuantizedMatmul | None) -> Callable[[Linear | Fused], Linear | Fused]:
+def _preparation(compute: mx.Dtype, dequantize: bool, kernel: QuantizedMatmul | None) -> _Prepare:
     """What the loader does to each projection: dense in ``compute`` (``dequantize``), computed
     by the native CPU ``kernel`` with its scales compacted where exact, or nothing."""
     if dequantize:
@@ -148,7 +154,7 @@ def _preparation(compute: mx.Dtype, dequantize: bool,
     return lambda m: m
 
 
-def _load_layer(r: Reader, i: int, c: DecoderConfig, prepare: Callable[[Linear | Fused], Linear | Fused]) -> Layer:
+def _load_layer(r: Reader, i: int, c: DecoderConfig, prepare: _Prepare) -> Layer:
     """Layer ``i`` built, prepared and evaluated, and its stored tensors dropped from ``r``: the
     loader's peak memory is the model plus one layer's stored tensors, not twice the model."""
     layer = _layer(r, i, c)

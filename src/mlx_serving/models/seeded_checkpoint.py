@@ -93,7 +93,8 @@ def _finish(w: dict[str, mx.array], quantized: bool, dtype: mx.Dtype) -> dict[st
     for name, arr in w.items():
         if quantized and arr.ndim == 2:
             base = name[: -len(".weight")]
-            q, scales, biases = mx.quantize(arr.astype(dtype), **_QUANTIZATION)
+            q, scales, biases = mx.quantize(arr.astype(dtype), group_size=_QUANTIZATION["group_size"],
+                                            bits=_QUANTIZATION["bits"])
             out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = q, scales, biases
         else:
             out[name] = arr.astype(dtype)

@@ -20,15 +20,18 @@ if TYPE_CHECKING:
 
     from fastapi import FastAPI
 
+    from ._app import create_app  # its signature, for the type checker; at run time, the wrapper below
+
 __all__ = ["ServedModel", "client_timeout_protocol", "create_app"]
 
 
-def create_app(*args: object, **kwargs: object) -> FastAPI:
-    """The server's ASGI app: see ``mlx_serving.server._app.create_app`` (the arguments are passed
-    through)."""
-    from ._app import create_app as create
+if not TYPE_CHECKING:
+    def create_app(*args: object, **kwargs: object) -> FastAPI:
+        """The server's ASGI app: see ``mlx_serving.server._app.create_app`` (the arguments are passed
+        through)."""
+        from ._app import create_app as create
 
-    return create(*args, **kwargs)
+        return create(*args, **kwargs)
 
 
 def client_timeout_protocol(seconds: float) -> type[asyncio.Protocol]:

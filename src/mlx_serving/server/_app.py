@@ -228,7 +228,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     for exc_type in (APIError, ValueError, ServingError, Exception):
         app.add_exception_handler(exc_type, handle)
-    app.add_exception_handler(StarletteHTTPException, http_error)
+    # Starlette types a handler as taking any Exception (starlette#2417); it passes this one only HTTPExceptions
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
 
 
 def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -260,7 +261,9 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
             with _rows_named(rows_field):
                 stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
-            return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n", shutdown_event=drain,
+            # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
+            return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n",
+                                       shutdown_event=drain,  # type: ignore[arg-type]
                                        shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
         with _rows_named(rows_field):
             result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
@@ -312,8 +315,10 @@ def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, requ
         record = _Recorder(metrics, name, turn.call, arrival)
         if turn.call.stream:
             stream = await responses.stream(model.client, turn, deadline)
+            # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
             return EventSourceResponse(responses.events(stream, turn, name, record, drain), sep="\n",
-                                       shutdown_event=drain, shutdown_grace_period=drain.grace + 1)
+                                       shutdown_event=drain,  # type: ignore[arg-type]
+                                       shutdown_grace_period=drain.grace + 1)
         result = await _unless_disconnected(request, lambda: responses.run(model.client, turn, deadline))
         if result is _GONE:
             record.aborted()

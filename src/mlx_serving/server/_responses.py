@@ -15,17 +15,54 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal, NotRequired, TypeAlias, TypedDict
 
 from ..serving._json import JSON, JSONObject
 
-__all__ = ["MIN_LOGPROB", "Event", "Kind", "StreamState", "chat_logprobs", "chat_response", "completion_logprobs",
-           "completion_response", "event", "new_id", "usage"]
+__all__ = ["MIN_LOGPROB", "Entry", "Event", "Kind", "Result", "StreamDict", "StreamItem", "StreamState",
+           "chat_logprobs", "chat_response", "completion_logprobs", "completion_response", "event", "new_id", "usage"]
 
 Kind = Literal["chat", "completion"]
 #: The log-probability sent for -inf (JSON has no infinity; vLLM's value).
 MIN_LOGPROB = -9999.0
-_DELTA_KEYS = ("content", "reasoning_content", "tool_calls")
+_DELTA_KEYS: Final = ("content", "reasoning_content", "tool_calls")
+
+
+class Entry(TypedDict):
+    """One completion of a text-generation result (see the module docstring)."""
+
+    generated_text: str
+    num_tokens: int
+    finish_reason: str
+    token_summary: dict[str, int]
+    timing: NotRequired[JSONObject]
+    logprobs: NotRequired[list[dict[str, Any]]]
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[dict[str, Any]]]
+
+
+class Result(TypedDict):
+    """A (non-list) text-generation result: its ``n`` completions."""
+
+    results: list[Entry]
+
+
+class StreamDict(TypedDict, total=False):
+    """A stream's delta dict or final dict (see the module docstring)."""
+
+    index: int
+    content: str
+    reasoning_content: str
+    tool_calls: list[dict[str, Any]]
+    logprobs: list[dict[str, Any]]
+    finish_reason: str
+    num_tokens: int
+    token_summary: dict[str, int]
+    timing: JSONObject
+
+
+#: One stream item: a text piece or a dict; a list input's are ``(row, item)`` pairs.
+StreamItem: TypeAlias = str | StreamDict | tuple[int, str | StreamDict]
 
 
 def new_id(kind: Kind) -> str:
@@ -42,12 +79,17 @@ class Event:
     choice: int
     delta: dict[str, Any]
     logprobs: list[dict[str, Any]] | None
-    final: dict[str, Any] | None
+    final: StreamDict | None
 
 
-def event(item: str | JSONObject | tuple[int, str | JSONObject], is_list: bool, n: int) -> Event:
+def event(item: StreamItem, is_list: bool, n: int) -> Event:
     """Normalize one stream item (see the module docstring)."""
-    row, value = item if is_list else (0, item)
+    if is_list:
+        assert isinstance(item, tuple)  # a list input's items are (row, item) pairs
+        row, value = item
+    else:
+        assert not isinstance(item, tuple)  # a single input's items: text pieces and dicts
+        row, value = 0, item
     if isinstance(value, str):
         return Event(row * n, {"content": value}, None, None)
     index = value.get("index", 0)
@@ -147,7 +189,7 @@ class StreamState:
     choices: int
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    finals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finals: dict[int, StreamDict] = field(default_factory=dict)
     _calls: dict[int, int] = field(default_factory=dict)
     _offsets: dict[int, int] = field(default_factory=dict)
 
@@ -201,7 +243,7 @@ class StreamState:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def _chunk(self, choice: int, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None,
-               final: dict[str, Any] | None) -> str:
+               final: StreamDict | None) -> str:
         finish = None if final is None else final["finish_reason"]
         if self.kind == "chat":
             lp: dict[str, Any] | None = None if logprobs is None else {"content": chat_logprobs(logprobs)}

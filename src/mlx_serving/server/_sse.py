@@ -10,13 +10,22 @@ events, outside the scope.
 
 from __future__ import annotations
 
+import enum
+from typing import Final
+
 from ..serving import AsyncStream
 from ._errors import APIError
+from ._responses import StreamItem
 from ._shutdown import Drain
 
 __all__ = ["ShuttingDown", "joined", "next_items"]
 
-_END = object()
+
+class _End(enum.Enum):
+    END = enum.auto()
+
+
+_END: Final = _End.END  # what ``anext`` gives at the stream's end (no stream item is it)
 
 
 class ShuttingDown(Exception):
@@ -30,10 +39,10 @@ class ShuttingDown(Exception):
         return APIError(503, str(self), "server_error", code="shutting_down")
 
 
-async def next_items(stream: AsyncStream, drain: Drain) -> list[object]:
+async def next_items(stream: AsyncStream[StreamItem], drain: Drain) -> list[StreamItem]:
     """The next item of ``stream`` (awaited under ``drain.scope()``), then those already waiting, joined;
     ``[]`` once the stream ended. Raises :class:`ShuttingDown`, or what the stream raises."""
-    item: object = _END
+    item: StreamItem | _End = _END
     with drain.scope() as waiting:
         item = await anext(stream, _END)
     if waiting.cancelled_caught:
@@ -43,10 +52,10 @@ async def next_items(stream: AsyncStream, drain: Drain) -> list[object]:
     return joined([item, *stream.take_ready()])  # what waits goes out together
 
 
-def joined(items: list[object]) -> list[object]:
+def joined(items: list[StreamItem]) -> list[StreamItem]:
     """``items`` with each run of consecutive text pieces joined into one: a stream that fell behind
     the engine (several tokens waiting) is sent as one content chunk instead of one per token."""
-    out: list[object] = []
+    out: list[StreamItem] = []
     for item in items:
         if isinstance(item, str) and out and isinstance(out[-1], str):
             out[-1] += item

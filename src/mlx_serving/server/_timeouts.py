@@ -27,7 +27,7 @@ class _HeadDeadline:
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 

@@ -19,7 +19,7 @@ replica's request, and the server withdraws its rows from the serving.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, TypedDict
 
 import ray
 from ray import serve
@@ -35,6 +35,14 @@ if inspect.signature(serve.ingress).parameters["app"].default is not None:  # an
                       f"(tested with 2.60)")
 
 
+class _AppOptions(TypedDict):
+    """The ``create_app`` options a replica passes on."""
+
+    api_key: str | None
+    request_timeout: float | None
+    stuck_after: float
+
+
 class _OpenAIReplica(Replica):
     """One replica: a started Serving and the server's app over it (see the module docstring)."""
 
@@ -43,7 +51,8 @@ class _OpenAIReplica(Replica):
                  stuck_after: float = 60.0) -> None:
         _check_model(model)
         super().__init__(factory, process_options, stuck_after=stuck_after)
-        self._app_options = {"api_key": api_key, "request_timeout": request_timeout, "stuck_after": stuck_after}
+        self._app_options: _AppOptions = {"api_key": api_key, "request_timeout": request_timeout,
+                                           "stuck_after": stuck_after}
         self._model = model
 
     def __serve_build_asgi_app__(self) -> Any:

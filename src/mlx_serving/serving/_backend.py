@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeGuard, TypeVar, runtime_checkable
 
 from ._batch import Batch
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["Backend", "IterativeBackend", "FunctionBackend", "Mode", "is_iterative"]
 
@@ -78,9 +81,27 @@ class IterativeBackend(Protocol[State]):
     def active(self, state: State) -> int: ...
 
 
-def is_iterative(backend: object) -> TypeGuard[IterativeBackend[Any]]:
+class QueueingBackend(IterativeBackend[State], Protocol[State]):
+    """An ``IterativeBackend`` with the optional ``waiting(state)`` (it orders its own queue)."""
+
+    def waiting(self, state: State) -> int: ...
+
+
+def is_iterative(backend: object) -> TypeIs[IterativeBackend[Any]]:
     """True for an object implementing the iterative protocol (it has ``admit`` and ``step``)."""
     return callable(getattr(backend, "admit", None)) and callable(getattr(backend, "step", None))
+
+
+def is_backend(obj: object) -> TypeGuard[Backend[Any] | IterativeBackend[Any]]:
+    """True for a ``Backend`` (``init`` and ``handle_batch``) or an ``IterativeBackend``."""
+    return callable(getattr(obj, "init", None)) and (
+        is_iterative(obj) or callable(getattr(obj, "handle_batch", None))
+    )
+
+
+def is_queueing(backend: IterativeBackend[State]) -> TypeGuard[QueueingBackend[State]]:
+    """True for an iterative backend with its own scheduler (a ``waiting`` method)."""
+    return callable(getattr(backend, "waiting", None))
 
 
 class FunctionBackend(Generic[R]):

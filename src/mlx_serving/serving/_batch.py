@@ -8,7 +8,7 @@ A batch is lazy: pieces are kept as given and joined only when ``data`` is read.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, Union
+from typing import Any, Protocol, TypeGuard, Union
 
 import numpy as np
 
@@ -21,11 +21,23 @@ _ROWS = "rows"  # template of a batch of plain Python rows
 Template = Union[str, tuple[str, str, tuple[int, ...]], dict[Hashable, "Template"]]
 
 
+class _Array(Protocol):
+    """What this package reads of a numpy or MLX array."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def __getitem__(self, index: Any, /) -> Any: ...
+
+
 def _is_mlx(x: Any) -> bool:
     return type(x).__module__.startswith("mlx.")
 
 
-def _is_array(x: Any) -> bool:
+def _is_array(x: object) -> TypeGuard[_Array]:
     return isinstance(x, np.ndarray) or (_is_mlx(x) and hasattr(x, "shape"))
 
 

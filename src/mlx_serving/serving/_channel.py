@@ -26,7 +26,7 @@ import sniffio
 END: Any = object()  # returned by get/aget after the last message of a normally closed channel
 
 
-RunSoon = Callable[[Callable[[], None]], None]  # an event loop's thread-safe "call soon"
+RunSoon = Callable[[Callable[[], None]], object]  # an event loop's thread-safe "call soon" (result unused)
 Waker = tuple[RunSoon, Callable[[], None]]  # (the reader's loop, the callback that wakes it)
 M = TypeVar("M")  # a message
 

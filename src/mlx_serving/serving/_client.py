@@ -17,7 +17,7 @@ import anyio
 from ._batch import Batch
 from ._channel import END
 from ._messages import Part, RowEvent
-from ._output import concat_outputs, slice_output
+from ._output import Output, concat_outputs, slice_output
 from ._request import Request, check_deadline
 from ._telemetry import ServingStats, timed
 
@@ -82,7 +82,7 @@ class StaticConsumer:
     live = True
 
     def __init__(self) -> None:
-        self._parts: list[tuple[int, object, object]] = []
+        self._parts: list[tuple[int, Output, object]] = []
 
     def on_message(self, message: object) -> list[tuple[object, object]]:
         message = cast(Part, message)
@@ -371,6 +371,12 @@ class LocalClient(Generic[In, Out]):
     def _check(self, batch: Batch) -> None:
         """Refuse a batch this runtime cannot take (e.g. an unknown batch key)."""
 
+    def stats(self) -> ServingStats:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
     def _prepare(self, input: In, deadline: float | None) -> tuple[Batch, object]:
         check_deadline(deadline)  # before preprocessing: a bad deadline wastes no tokenization
         prepared = self._serving._preprocess(input)
@@ -406,13 +412,13 @@ class LocalClient(Generic[In, Out]):
 
     async def aclose(self) -> None:
         """``close`` off the event loop."""
-        await anyio.to_thread.run_sync(self.close)  # type: ignore[attr-defined]
+        await anyio.to_thread.run_sync(self.close)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
 
     async def __aenter__(self) -> Self:
         return self

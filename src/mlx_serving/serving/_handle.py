@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import wait
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._backend import is_iterative
@@ -72,7 +73,7 @@ class ServingHandle(LocalClient[In, Out]):
             self._unregister()
             raise
         for i, executor in enumerate(self._executors):
-            executor.submit(lambda i=i: self._run_partition(i))
+            executor.submit(partial(self._run_partition, i))
         _live.add(self)
 
     def _run_partition(self, index: int) -> None:
@@ -100,21 +101,22 @@ class ServingHandle(LocalClient[In, Out]):
     def _init_scheduler(self) -> StaticScheduler | IterativeScheduler:
         s, opts = self._serving, self._options
         n, size = opts.partitions, opts.batch_size or 1
+        backend = s._backend
 
         def init() -> Any:
-            return s._backend.init("process", s._arg, n)
+            return backend.init("process", s._arg, n)
 
-        if is_iterative(s._backend):  # one state per partition, built on its own thread
+        if is_iterative(backend):  # one state per partition, built on its own thread
             futures = [ex.submit(init) for ex in self._executors]
             wait(futures)
-            failed = [f.exception() for f in futures if f.exception() is not None]
+            failed = [e for f in futures if (e := f.exception()) is not None]
             if failed:  # release the partitions that did build, each on its own thread, then raise
                 for ex, f in zip(self._executors, futures):
                     if f.exception() is None:
-                        ex.submit(lambda state=f.result(): close_state(s._backend, state))
+                        ex.submit(partial(close_state, backend, f.result()))
                 raise failed[0]
-            return IterativeScheduler(s._backend, [f.result() for f in futures], opts, size, s._telemetry)
-        return StaticScheduler(s._backend, self._executors[0].submit(init).result(), opts, size, s._telemetry)
+            return IterativeScheduler(backend, [f.result() for f in futures], opts, size, s._telemetry)
+        return StaticScheduler(backend, self._executors[0].submit(init).result(), opts, size, s._telemetry)
 
     @property
     def name(self) -> str | None:

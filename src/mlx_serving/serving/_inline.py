@@ -58,13 +58,14 @@ class InlineRuntime:
                 return
             self._closed = True
             if self._executor is not None:
-                if is_iterative(self._backend):
-                    self._executor.submit(self._release)
+                backend = self._backend
+                if is_iterative(backend):
+                    self._executor.submit(lambda: self._release(backend))
                 self._executor.close()
 
-    def _release(self) -> None:
+    def _release(self, backend: IterativeBackend) -> None:
         if self._state is not _UNSET:
-            close_state(self._backend, self._state)
+            close_state(backend, self._state)
 
     def stats(self) -> ServingStats:
         total = Counters()
@@ -92,12 +93,13 @@ class InlineRuntime:
                     self._live.add(scheduler)
                 executor.submit(job)
             return
+        backend = self._backend  # a static Backend: not is_iterative
         with self._lock:
             executor = self._open_executor()
             request.owner = self
             with self._cond:
                 self._c.queued += batch.size
-            executor.submit(lambda: self._run_static(request, batch))
+            executor.submit(lambda: self._run_static(request, batch, backend))
 
     def _open_executor(self) -> Executor:
         if self._closed:
@@ -134,12 +136,12 @@ class InlineRuntime:
                 self._live.discard(scheduler)
                 scheduler.add_counts_to(self._c)
 
-    def _run_static(self, request: Request, batch: Batch) -> None:
+    def _run_static(self, request: Request, batch: Batch, backend: Backend) -> None:
         with self._cond:
             self._c.queued -= batch.size
             self._c.running += batch.size
         try:
-            self._run_chunks(request, batch)
+            self._run_chunks(request, batch, backend)
         except BaseException as exc:
             request.fail(_backend_error(exc))
         else:
@@ -150,14 +152,15 @@ class InlineRuntime:
             with self._cond:
                 self._c.running -= batch.size
 
-    def _run_chunks(self, request: Request, batch: Batch) -> None:
-        offset, rest = 0, batch
+    def _run_chunks(self, request: Request, batch: Batch, backend: Backend) -> None:
+        offset = 0
+        rest: Batch | None = batch
         state = self._get_state()
         while rest is not None and not request.done:
             limit = self._batch_size or rest.size
             chunk, rest = (rest, None) if rest.size <= limit else rest.split(limit)
             with timed(self._telemetry, "execute", chunk.size, partition=0, batch_key=chunk.batch_key):
-                output, metadata = self._backend.handle_batch(chunk, 0, state)
+                output, metadata = backend.handle_batch(chunk, 0, state)
             if output_rows(output) < chunk.size:
                 raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {chunk.size}")
             with self._cond:

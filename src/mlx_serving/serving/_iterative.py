@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._backend import IterativeBackend
+from ._backend import IterativeBackend, QueueingBackend, is_queueing
 from ._batch import Batch
 from ._channel import Waker, wake
 from ._counters import Counters, too_big
@@ -77,7 +77,8 @@ class IterativeScheduler:
         self._stopping = False
         self._aborting = False
         self._c = Counters()
-        self._queues = callable(getattr(backend, "waiting", None))  # the backend orders its own queue
+        # the backend when it orders its own queue (it has ``waiting``), else None
+        self._queueing: QueueingBackend | None = backend if is_queueing(backend) else None
 
     def bind_state(self, index: int, state: object) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
@@ -151,9 +152,10 @@ class IterativeScheduler:
     def _backend_waiting(self) -> int:
         """Rows a queueing backend holds and has not started, over every partition (0 for others).
         Its ``waiting(state)`` reads a plain counter: safe from any thread."""
-        if not self._queues:
+        queueing = self._queueing
+        if queueing is None:
             return 0
-        return sum(self._backend.waiting(p.state) for p in self._parts if p.state is not None)
+        return sum(queueing.waiting(p.state) for p in self._parts if p.state is not None)
 
     def add_counts_to(self, total: Counters) -> None:
         """Add this scheduler's counters into ``total`` (the inline runtime's sum)."""
@@ -201,7 +203,7 @@ class IterativeScheduler:
         active = backend.active(part.state)
         free = backend.free_slots(part.state)
         room = min(self._batch_size - active, free)
-        hand_off = self._queues and free <= self._batch_size - self._running(part)  # within batch_size
+        hand_off = self._queueing is not None and free <= self._batch_size - self._running(part)  # within batch_size
         rows = self._take(part, active, max(room, 1) if active == 0 else room, drain, free if hand_off else None)
         if rows is None:
             return False
@@ -349,7 +351,8 @@ class IterativeScheduler:
 
     def _running(self, part: _Partition) -> int:
         """Rows of the partition the backend has started (a queueing backend's waiting ones left out)."""
-        return len(part.active) - (self._backend.waiting(part.state) if self._queues else 0)
+        queueing = self._queueing
+        return len(part.active) - (queueing.waiting(part.state) if queueing is not None else 0)
 
     def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:
         """A backend call raised: fail the requests of these rows, cancel what it still holds."""

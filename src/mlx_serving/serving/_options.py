@@ -50,6 +50,8 @@ class ProcessOptions:
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
-    def merge(self, **overrides: object) -> ProcessOptions:
-        """A copy with ``overrides`` applied (unknown names raise ``TypeError``)."""
+    def merge(self, **overrides: Any) -> ProcessOptions:
+        """A copy with ``overrides`` applied (unknown names raise ``TypeError``).
+
+        Any: callers forward options given by name at run time; ``__post_init__`` checks them."""
         return replace(self, **overrides)

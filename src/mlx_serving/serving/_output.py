@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, Union, cast
 
 import numpy as np
 
-from ._batch import _is_array, _is_mlx
+from ._batch import _Array, _is_array, _is_mlx
 
-O = TypeVar("O")  # a backend output: an array, a dict or tuple of them, or a list of rows
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+# A backend output (as ``output_rows`` accepts it): an array, a list of rows, or a dict or tuple of
+# outputs.
+Output: TypeAlias = Union[_Array, list[Any], dict[Any, "Output"], tuple["Output", ...]]
 
 
 def output_rows(output: object) -> int:
@@ -28,7 +33,7 @@ def output_rows(output: object) -> int:
     )
 
 
-def slice_output(output: O, start: int, size: int) -> O:
+def slice_output(output: Output, start: int, size: int) -> Output:
     """Rows ``[start, start + size)`` of every leaf."""
     if isinstance(output, dict):
         return {k: slice_output(v, start, size) for k, v in output.items()}
@@ -37,8 +42,10 @@ def slice_output(output: O, start: int, size: int) -> O:
     return output[start : start + size]
 
 
-def concat_outputs(parts: list[O]) -> O:
-    """Join per-chunk outputs of one caller in order (the inverse of splitting)."""
+def concat_outputs(parts: list[Output]) -> Output:
+    """Join per-chunk outputs of one caller in order (the inverse of splitting).
+
+    Every part has the kind of the first (slices of one backend's outputs)."""
     first = parts[0]
     if len(parts) == 1:
         return first
@@ -47,9 +54,9 @@ def concat_outputs(parts: list[O]) -> O:
     if isinstance(first, tuple):
         return tuple(concat_outputs([p[i] for p in parts]) for i in range(len(first)))
     if isinstance(first, list):
-        return [row for part in parts for row in part]
+        return [row for part in cast("list[list[Any]]", parts) for row in part]  # all lists, as the first
     if _is_mlx(first):
         import mlx.core as mx
 
-        return mx.concatenate(parts, axis=0)
-    return np.concatenate(parts, axis=0)
+        return mx.concatenate(cast("list[mx.array]", parts), axis=0)  # all MLX arrays, as the first
+    return np.concatenate(cast("list[np.ndarray[Any, Any]]", parts), axis=0)  # all numpy arrays

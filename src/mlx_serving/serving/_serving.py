@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypedDict, TypeVar, Unpack, overload
 
 import anyio
 import anyio.lowlevel
 
-from ._backend import Backend, FunctionBackend, IterativeBackend, is_iterative
+from ._backend import Backend, FunctionBackend, IterativeBackend, is_backend, is_iterative
 from ._batch import Batch
 from ._client import AsyncStream, EventTransducer, LocalClient, Stream, Transducer
 from ._contract import Client
@@ -34,6 +34,18 @@ def _default_preprocessing(input: object) -> tuple[Batch, None]:
 
 def _default_postprocessing(result: tuple[Any, object], info: object) -> Any:
     return result[0]
+
+
+class _Settings(TypedDict, total=False):
+    """The keyword arguments of ``Serving.__init__`` that the builders change."""
+
+    preprocessing: Callable[[Any], tuple[Batch, Any]]
+    postprocessing: Callable[[tuple[Any, Any], Any], Any]
+    batch_size: int | None
+    options: ProcessOptions
+    factory: Callable[[Any], Transducer[Any]] | None
+    telemetry: Callback | None
+    offload: Callable[[Any], bool] | None
 
 
 class Serving(Generic[In, Out]):
@@ -66,14 +78,12 @@ class Serving(Generic[In, Out]):
         weakref.finalize(self, runtime.close)  # a backstop only: close() (or ``with``) is the way
 
     @classmethod
-    def new(cls: type[Serving[Batch, Any]], fn_or_backend: Callable[[Batch], object] | Backend | IterativeBackend,
+    def new(cls: type[Serving[Any, Any]], fn_or_backend: Callable[[Batch], object] | Backend | IterativeBackend,
             arg: object = None) -> Serving[Batch, Any]:
         """``new(fn)``: ``fn(batch)`` returns one leading entry per row (array/dict/tuple or a list).
         ``new(backend, arg)``: a ``Backend`` or ``IterativeBackend``; ``arg`` goes to its ``init``.
         Raises ``TypeError`` for anything else."""
-        if callable(getattr(fn_or_backend, "init", None)) and (
-            is_iterative(fn_or_backend) or callable(getattr(fn_or_backend, "handle_batch", None))
-        ):
+        if is_backend(fn_or_backend):
             return cls(fn_or_backend, arg)
         if callable(fn_or_backend):
             if arg is not None:
@@ -81,10 +91,10 @@ class Serving(Generic[In, Out]):
             return cls(FunctionBackend(fn_or_backend))
         raise TypeError(f"expected a function or a Backend, got {type(fn_or_backend).__name__}")
 
-    def _replace(self, **changes: Any) -> Serving[Any, Any]:
-        fields = dict(preprocessing=self._pre, postprocessing=self._post, batch_size=self._batch_size,
-                      options=self._options, factory=self._factory, telemetry=self._telemetry,
-                      offload=self._offload_fn)
+    def _replace(self, **changes: Unpack[_Settings]) -> Serving[Any, Any]:
+        fields = _Settings(preprocessing=self._pre, postprocessing=self._post, batch_size=self._batch_size,
+                           options=self._options, factory=self._factory, telemetry=self._telemetry,
+                           offload=self._offload_fn)
         fields.update(changes)
         return Serving(self._backend, self._arg, **fields)
 
@@ -215,7 +225,7 @@ class Serving(Generic[In, Out]):
         """
         given = dict(batch_size=batch_size, batch_timeout=batch_timeout, batch_keys=batch_keys,
                      partitions=partitions, shutdown_timeout=shutdown_timeout)
-        overrides = {k: v for k, v in given.items() if v is not None}
+        overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
         if max_queue is not _UNSET:
             overrides["max_queue"] = max_queue
         opts = self._options.merge(**overrides)

@@ -37,7 +37,8 @@ class _Stack:
     __slots__ = ("key", "entries", "rows", "ready_at")
 
     def __init__(self, key: Any, ready_at: float):
-        self.key, self.entries, self.rows, self.ready_at = key, [], 0, ready_at
+        self.key, self.rows, self.ready_at = key, 0, ready_at
+        self.entries: list[_Entry] = []
 
 
 class StaticScheduler:
@@ -73,7 +74,8 @@ class StaticScheduler:
             self._cond.notify_all()
 
     def _push(self, request: Request, batch: Batch) -> None:
-        offset, rest, now = 0, batch, time.monotonic()
+        offset, now = 0, time.monotonic()
+        rest: Batch | None = batch
         while rest is not None:
             stack = self._open.get(batch.batch_key)
             if stack is not None and not stack.entries[0].batch.compatible(rest):

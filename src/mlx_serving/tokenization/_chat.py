@@ -252,7 +252,8 @@ def _check_call(obj: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> t
             _size(n * max(tab, 1))
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], type(owner)) and isinstance(args[1], type(owner)):
         count = args[2] if len(args) > 2 else kwargs.get("count", -1)
-        k = owner.count(args[0]) if args[0] else n + 1
+        old: Any = args[0]  # owner's own type (checked above), which mypy cannot tie to owner's
+        k = owner.count(old) if old else n + 1
         if isinstance(count, int) and count >= 0:
             k = min(k, count)
         _size(n + k * len(args[1]))
@@ -513,7 +514,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         return _GuardNodes().visit(super()._parse(source, name, filename))
 
-    def concat(self, parts: Iterable[str]) -> str:  # type: ignore[override]
+    def concat(self, parts: Iterable[str]) -> str:
         """Joins captured output ({% set %} blocks, macros, caller(), filter blocks)."""
         parts = list(parts)
         _size(sum(map(len, parts)), "captured output")
@@ -682,5 +683,5 @@ class ChatTemplate:
         except Exception as exc:  # noqa: BLE001 - untrusted code: any failure is the template's
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         finally:
-            stream.close()
+            stream.close()  # type: ignore[attr-defined]  # jinja2 types generate() as Iterator; it is a generator
             _BUDGET.reset(token)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -301,13 +301,21 @@ def _derived_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tupl
     if work > MAX_MERGE_WORK:
         raise GGUFMetadataError("tokenizer.ggml.tokens", f"tokens too long to derive merges ({work} > {MAX_MERGE_WORK})")
     vocab = {t: i for i, t in enumerate(tokens)}
-    ranked = []
+    ranked: list[tuple[float, int, int, str, str]] = []  # (score, len(left), len(right), left, right)
     for token, score in zip(tokens, scores):
         splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         ranked.extend((score, len(left), len(right), left, right) for left, right in splits)
     ranked.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
     return [(left, right) for _, _, _, left, right in ranked]
+
+
+@overload
+def _token_id(metadata: Mapping[str, object], key: str, count: int, default: int) -> int: ...
+
+
+@overload
+def _token_id(metadata: Mapping[str, object], key: str, count: int, default: None = None) -> int | None: ...
 
 
 def _token_id(metadata: Mapping[str, object], key: str, count: int, default: int | None = None) -> int | None:

@@ -101,7 +101,8 @@ def _step_kind(step: Mapping[str, Any]) -> str:
         return "space" if step.get("prepend_scheme") == "never" else "metaspace"
     if kind == "Strip" and step.get("content") == " " and step.get("stop") == 0:
         return "strip"
-    return {"ByteFallback": "bytes", "Fuse": "fuse"}.get(kind, "")
+    simple: dict[object, str] = {"ByteFallback": "bytes", "Fuse": "fuse"}  # ``kind``: any JSON value
+    return simple.get(kind, "")
 
 
 def sentencepiece_chain(state: Mapping[str, Any]) -> _Chain | None:
@@ -175,8 +176,8 @@ class ByteTable:
                 pieces[i], texts[i] = bytes([int(match[1], 16)]), None
                 byte_ids.add(i)
             else:
-                texts[i] = _spm_text(token, first=False)
-                pieces[i] = texts[i].encode("utf-8") if i not in added else texts[i]
+                text = texts[i] = _spm_text(token, first=False)
+                pieces[i] = text.encode("utf-8") if i not in added else text
         firsts = ({i: _spm_text(t, first=True) for i, (t, _) in strings.items() if _SPACE in t}
                   if chain.metaspace_first else {})
         rules = SentencePieceDecoding(frozenset(byte_ids), chain.strip, firsts)
@@ -185,7 +186,7 @@ class ByteTable:
 
 def _own_text(piece: bytes | str | None) -> str | None:
     """A piece's text when it stands on its own (see ``ByteTable.texts``), else None."""
-    if type(piece) is bytes:
+    if isinstance(piece, bytes):
         try:
             return piece.decode("utf-8")
         except UnicodeDecodeError:
@@ -271,7 +272,7 @@ class StreamingDetokenizer:
         piece = self._pieces[i] if i < len(self._pieces) else b""
         if self._spm is not None:
             return self._add_sentencepiece(i, piece)
-        if type(piece) is bytes:
+        if isinstance(piece, bytes):
             return self._decode(piece, final=False)
         if piece is None:
             if i not in self._specials:

@@ -233,8 +233,8 @@ class Tokenizer:
                      "generation_config.json: eos_token_id"),
         }
         eos_text = variables["eos_token"]
-        if eos_text is not None and backend.token_to_id(eos_text) is not None:
-            eos.add(backend.token_to_id(eos_text))
+        if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
+            eos.add(eos_id)
         return cls(backend, eos, _template_source(root, config), variables)
 
     @staticmethod

@@ -31,7 +31,7 @@ class Family(Protocol):
     #: seeded-checkpoint shapes by preset name (``hidden_size``, ``num_hidden_layers``, ...)
     PRESETS: Mapping[str, Mapping[str, Any]]
 
-    def config_from_dict(self, raw: Mapping[str, JSON], generation: Mapping[str, JSON] | None = None,
+    def config_from_dict(self, raw: JSONObject, generation: Mapping[str, JSON] | None = None,
                          where: str = "config.json") -> DecoderConfig:
         """The checked config (ValueError / MissingFieldError naming ``where`` and the field)."""
 
@@ -44,7 +44,7 @@ def family(name: str) -> Family:
     types when there is none)."""
     if name not in FAMILIES:
         raise ValueError(f"model_type {show(name)} is not supported (supported: {', '.join(sorted(FAMILIES))})")
-    return importlib.import_module(f"{__name__}.{FAMILIES[name]}")  # type: ignore[return-value]
+    return importlib.import_module(f"{__name__}.{FAMILIES[name]}")
 
 
 def _json_object(raw: JSON, where: str) -> JSONObject:

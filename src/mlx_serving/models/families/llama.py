@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ...serving._json import JSON, JSONObject
 from .._checkpoint import bool_field, decoder_fields, int_field, optional
 from ..config import DecoderConfig, check_architecture, check_full_attention, rope_config
 
@@ -34,7 +35,7 @@ LLAMA3_ROPE_SCALING: dict[str, Any] = {"factor": 32.0, "high_freq_factor": 4.0, 
                                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
-def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
+def config_from_dict(raw: JSONObject, generation: Mapping[str, JSON] | None = None,
                      where: str = "config.json") -> DecoderConfig:
     """A :class:`DecoderConfig` from parsed config.json (and generation_config.json).
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ...serving._json import JSON, JSONObject
 from .._checkpoint import bool_field, decoder_fields, optional
 from ..config import DecoderConfig, check_architecture, check_full_attention, rope_config
 
@@ -31,7 +32,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
+def config_from_dict(raw: JSONObject, generation: Mapping[str, JSON] | None = None,
                      where: str = "config.json") -> DecoderConfig:
     """A :class:`DecoderConfig` (``attention_bias`` on q/k/v only) from parsed config.json (and
     generation_config.json).

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from ...serving._json import JSON, JSONObject
 from .._checkpoint import bool_field, decoder_fields, optional, show
 from ..config import DecoderConfig, check_architecture, rope_config
 from ...tokenization import data_path
@@ -32,7 +33,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def config_from_dict(raw: Mapping[str, Any], generation: Mapping[str, Any] | None = None,
+def config_from_dict(raw: JSONObject, generation: Mapping[str, JSON] | None = None,
                      where: str = "config.json") -> DecoderConfig:
     """A :class:`DecoderConfig` (``qk_norm`` on) from parsed config.json (and generation_config.json).
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from ..native import PagedAttention
 from .kv_cache import PagedKVCache
-from .protocol import ModelState
 
 if TYPE_CHECKING:
+    from ..layers import State  # which imports this module
     from .decode_backends import DecodeBackend  # which imports this module
 
 __all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "last_hidden", "make_step", "packing", "token_ids"]
@@ -100,7 +100,7 @@ def last_hidden(h: mx.array, rows: Rows) -> mx.array:
     """Hidden states ``(B, F)`` at each row's ``rows.last`` token, from the layers' output
     ``h`` (``(N, F)`` packed, ``(B * T, F)`` padded)."""
     b, t = rows.tokens.shape
-    if rows.packed is not None:
+    if rows.unpacked is not None:  # packed (``packed`` and ``unpacked`` are set together)
         return h[mx.take_along_axis(rows.unpacked.reshape(b, t), rows.last[:, None], axis=1)[:, 0]]
     if t == 1:
         return h
@@ -227,12 +227,14 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
         if covered < b:  # trailing padding rows outside every group
             outs.append(mx.zeros((b - covered, h, t, d), dtype=q.dtype))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
-    else:
+    elif step.read_idx is not None:  # make_step sets it whenever there are no groups
         out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
+    else:
+        raise RuntimeError("attend: a step with neither causal groups nor read indices")
     return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
-def compiled_decode(state: ModelState, kv_len: int, block_size: int,
+def compiled_decode(state: State, kv_len: int, block_size: int,
                     decode: DecodeBackend | None = None) -> Callable[..., tuple]:
     """An ``mx.compile``d one-token decode of B rows through the ``decode`` backend
     (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a

@@ -66,7 +66,9 @@ class BlockPool:
                 b = self._plain.pop()
             else:
                 b, _ = self._lru.popitem(last=False)
-                del self._by_hash[self._hash[b]]  # type: ignore[index]
+                h = self._hash[b]
+                if h is not None:  # a cached block always has its hash
+                    del self._by_hash[h]
                 self._hash[b] = None
                 self.evictions += 1
             self._ref[b] = 1

@@ -357,7 +357,7 @@ def decode_attention(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | 
         splits = split_count(b, hkv)
     if keys.dtype != qkv.dtype or values.dtype != qkv.dtype:
         raise ValueError(f"decode_attention: qkv {qkv.dtype}, cache {keys.dtype}/{values.dtype}: one dtype")
-    norms = [_as(q_norm, qkv.dtype), _as(k_norm, qkv.dtype)] if qkn else [_NO_NORM, _NO_NORM]
+    norms = [_NO_NORM, _NO_NORM] if q_norm is None or k_norm is None else [_as(q_norm, qkv.dtype), _as(k_norm, qkv.dtype)]
     inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, table]
     consts = (("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size), ("QKN", int(qkn)),
               ("EPS", float(eps)), ("LOG2_BASE", math.log2(rope_theta)))

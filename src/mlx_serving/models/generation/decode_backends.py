@@ -35,14 +35,19 @@ DECODE_PATHS = ("fused", "matmul", "sdpa")
 
 
 class DecodeBackend(Protocol):
-    """What the engine and the decoder ask of a decode backend."""
+    """What the engine and the decoder ask of a decode backend (read-only attributes)."""
 
-    #: "fused", "matmul" or "sdpa"
-    name: str
-    #: one-token masked rows through ``mx.fast.scaled_dot_product_attention`` (the generic path)
-    sdpa: bool
-    #: each row reads its own length: a compiled decode spans ``max_len``, one graph per row count
-    reads_own_length: bool
+    @property
+    def name(self) -> str:
+        """"fused", "matmul" or "sdpa"."""
+
+    @property
+    def sdpa(self) -> bool:
+        """One-token masked rows through ``mx.fast.scaled_dot_product_attention`` (the generic path)."""
+
+    @property
+    def reads_own_length(self) -> bool:
+        """Each row reads its own length: a compiled decode spans ``max_len``, one graph per row count."""
 
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """Logits ``(B, vocab)`` of one-token rows from their embeddings ``h`` ``(B, hidden)``, the

@@ -26,7 +26,8 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from .decode_backends import DecodeBackend, decode_backend
+from . import cuda_kernels
+from .decode_backends import DecodeBackend, FusedDecode, decode_backend
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
 from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
@@ -92,13 +93,24 @@ class Engine:
         if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
             raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
                              f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
-        if max_step_tokens is not None and max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be None or >= 1, got {max_step_tokens}")
+        if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int)
+                                            or max_step_tokens < 1):
+            raise ValueError(f"max_step_tokens must be None or an integer >= 1, got {max_step_tokens!r}")
+        for name, flag in (("bucket_shapes", bucket_shapes), ("compile_decode", compile_decode),
+                           ("pack_prefill", pack_prefill)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ValueError(f"{name} must be None or a bool, got {flag!r}")
         if buffer_cache_bytes is not None:
             mx.set_cache_limit(buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.max_len, self.prefill_chunk = state, max_len, prefill_chunk
         self.max_step_tokens = max_step_tokens
-        self.decode_backend: DecodeBackend = decode_backend(state, decode_path)
+        # the decoder's State at run time: models.loader.load's (the seam's two types become one when the
+        # decoder moves below generation/, issue 38)
+        self.decode_backend: DecodeBackend = decode_backend(state, decode_path)  # type: ignore[arg-type]
+        if isinstance(self.decode_backend, FusedDecode) and self.decode_backend.attention is cuda_kernels.decode_attention \
+                and not cuda_kernels.kernels_available():
+            raise ValueError("decode_path 'fused' needs MLX's CUDA build and a GPU (the CUDA kernels); "
+                             "use 'matmul' or None here")
         blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
         bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
         align = prefill_chunk if bucket and prefill_chunk % block_size == 0 else 0  # hits start on warmed shapes
@@ -106,7 +118,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
                                    whole_chunks=bucket)  # chunk starts stay on the warmed shapes
         compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode
-        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
+        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,  # type: ignore[arg-type]  # as above
                                   prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=pack_prefill,
                                   max_causal_groups=max_causal_groups)
@@ -224,6 +236,8 @@ class Engine:
         return events
 
     def _land(self) -> list[SeqEvent]:
+        if self._flight is None:
+            return []
         landed = self.runner.land(self._flight)
         self._flight = None
         now = time.perf_counter()

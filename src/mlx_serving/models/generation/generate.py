@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from .engine import Engine
 from .events import FinishReason
@@ -46,7 +46,10 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     bad options or a prompt that does not fit (prompt length + max_new_tokens > max_len).
     """
     batch = _is_batch(input_ids)
-    prompts = [list(p) for p in input_ids] if batch else [list(input_ids)]
+    if batch:
+        prompts = [list(p) for p in cast(Sequence[Sequence[int]], input_ids)]
+    else:  # one prompt: a sequence of ids (the engine checks each is an integer)
+        prompts = [list(cast(Sequence[int], input_ids))]
     eos = tuple(state.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     first = SamplingParams(max_new_tokens, temperature, top_p, seed, eos)  # validates
     params = [first if seed is None else replace(first, seed=seed + i) for i in range(len(prompts))]

@@ -167,7 +167,22 @@ def _min_tokens(x: mx.array, rows: Sequence[RowInput], history: TokenHistory | N
     return _scatter_add(x, use, cols, [np.full(len(c), _NEG_INF, dtype=np.float32) for c in cols])
 
 
+def _needed(history: TokenHistory | None) -> TokenHistory:
+    """The penalty state a penalized row needs (the runner makes it for the first such request)."""
+    if history is None:
+        raise RuntimeError("a penalized row was sampled without a TokenHistory")
+    return history
+
+
+def _rng(row: RowInput) -> np.random.Generator:
+    """A sampled row's generator (every request has one: ``Engine.add`` seeds it)."""
+    if row.rng is None:
+        raise RuntimeError("a sampled row has no random generator")
+    return row.rng
+
+
 def _penalties(x: mx.array, rows: Sequence[RowInput], history: TokenHistory | None) -> mx.array:
+    history = _needed(history)
     use = [i for i, r in enumerate(rows) if r.chain.penalized]
     params = [rows[i].chain.params for i in use]
     engine_rows = mx.array([rows[i].row for i in use], dtype=mx.int32)
@@ -190,7 +205,7 @@ def _constraint_mask(x: mx.array, rows: Sequence[RowInput], history: TokenHistor
     if not use:
         return x
     idx = mx.array(use, dtype=mx.int32)
-    mask = mx.array(np.stack([rows[i].allowed for i in use]))
+    mask = mx.array(np.stack([a for i in use if (a := rows[i].allowed) is not None]))
     x[idx] = mx.where(mask, x[idx], _NEG_INF)
     return x
 
@@ -278,7 +293,7 @@ def sample(x: mx.array, rows: Sequence[RowInput], u: np.ndarray | None = None) -
     if not sampled:
         return tokens
     if u is None:
-        u = np.array([rows[i].rng.random() for i in sampled])
+        u = np.array([_rng(rows[i]).random() for i in sampled])
     draws = dict(zip(sampled, np.asarray(u, dtype=np.float64).tolist()))
     groups: dict[tuple, list[int]] = {}
     for i in sampled:
@@ -335,8 +350,8 @@ def _logprobs(x: mx.array, rows: Sequence[RowInput], tokens: mx.array) -> Logpro
     out = Logprobs(use, mx.take_along_axis(lp, tokens[idx][:, None], axis=-1)[:, 0])
     by_n: dict[int, list[int]] = {}
     for j, i in enumerate(use):
-        if rows[i].chain.params.logprobs:
-            by_n.setdefault(rows[i].chain.params.logprobs, []).append(j)
+        if n := rows[i].chain.params.logprobs:
+            by_n.setdefault(n, []).append(j)
     for n, members in by_n.items():  # one call per N: a row's top-N never depends on its batchmates
         out.tops.append((members, *_top_n(lp[mx.array(members, dtype=mx.int32)], n)))
     return out
@@ -363,7 +378,7 @@ def sample_batch(logits: mx.array, rows: Sequence[RowInput], history: TokenHisto
     out = BatchOutput(tokens, _logprobs(x, rows, tokens))
     penalized = [i for i, r in enumerate(rows) if r.chain.penalized]
     if penalized:
-        history.record(mx.array([rows[i].row for i in penalized], dtype=mx.int32),
+        _needed(history).record(mx.array([rows[i].row for i in penalized], dtype=mx.int32),
                        tokens[mx.array(penalized, dtype=mx.int32)])
     if out.logprobs is not None:
         out.pending += out.logprobs.arrays()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -35,7 +36,6 @@ from .attention import Rows, compiled_decode, packing
 from .decode_backends import DecodeBackend
 from .kv_cache import PagedKVCache
 from .logits import Logprobs, RowInput, TokenHistory, make_chain, sample_batch
-from .protocol import ModelState
 from .request import Request
 from .sampling import SamplingParams, greedy
 from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput
@@ -68,7 +68,7 @@ class Landed:
     request: Request
     token: int
     logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
+    top: tuple[tuple[int, float], ...] | None = None
 
 
 class ModelRunner:
@@ -79,7 +79,7 @@ class ModelRunner:
     the module docstring; ``pack_prefill``: pack multi-row prefills (None: when not bucketing);
     ``max_causal_groups``: most distinct starts a prefill attends as causal groups."""
 
-    def __init__(self, state: ModelState, cache: PagedKVCache, rows: int, max_len: int, prefill_chunk: int,
+    def __init__(self, state: layers.State, cache: PagedKVCache, rows: int, max_len: int, prefill_chunk: int,
                  decode: DecodeBackend, *, compile_decode: bool, bucket_shapes: bool,
                  pack_prefill: bool | None = None, max_causal_groups: int = 4):
         self.state, self.cache, self.decode_backend = state, cache, decode
@@ -141,14 +141,16 @@ class ModelRunner:
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...], flight: Flight) -> None:
         t = max(len(c.tokens) for c in chunks)
+        order: list[PrefillChunk | None]
+        groups: tuple[tuple[int, int, int], ...] | None
         if self.bucket:  # padding rows/tokens write the null block only
             t = self._prefill_width(t)
             order, groups = self._bucketed_rows(chunks)
         else:
-            order, groups = sorted(chunks, key=lambda c: c.start), None  # rows of one start adjacent
+            order, groups = [*sorted(chunks, key=_start)], None  # rows of one start adjacent
         b = len(order)
         real = [(i, c) for i, c in enumerate(order) if c is not None]
-        dense = b == 1 and len(order[0].tokens) == t
+        dense = b == 1 and len(real[0][1].tokens) == t
         tokens, start, n_valid = np.zeros((b, t), dtype=np.int32), np.zeros(b, dtype=np.int32), np.zeros(b, dtype=np.int32)
         for i, c in real:
             tokens[i, : len(c.tokens)], start[i], n_valid[i] = c.tokens, c.start, len(c.tokens)
@@ -182,7 +184,7 @@ class ModelRunner:
         that starts later as a one-row group, then padding rows up to a power of two in all, which
         no group covers (their attention output is zero). None marks a padding row."""
         first = [c for c in chunks if c.start == 0]
-        later = sorted((c for c in chunks if c.start > 0), key=lambda c: c.start)
+        later = sorted((c for c in chunks if c.start > 0), key=_start)
         a = pow2(len(first)) if first else 0
         order: list[PrefillChunk | None] = [*first, *[None] * (a - len(first)), *later]
         order += [None] * (pow2(len(order)) - len(order))
@@ -256,6 +258,8 @@ class ModelRunner:
                          table: np.ndarray) -> mx.array:
         span = 0 if self.decode_backend.reads_own_length else self._span(kv_len)
         self._note(("compiled", hi, span, table.shape[1]))
+        if self._compiled is None:
+            raise RuntimeError("a compiled decode on a runner built without compile_decode")
         fn = self._compiled.get((hi, span))
         if fn is None:
             fn = self._compiled[(hi, span)] = compiled_decode(self.state, span, self.cache.block_size,
@@ -335,17 +339,18 @@ class ModelRunner:
         """Every shape a step can meet that MLX builds per shape (kernel builds, traces of the
         compiled decode; seconds each on MLX's CUDA build), most likely first: a one-row decode,
         one-row first-chunk prefills, every padded decode row count, multi-row first chunks, then
-        one row's later chunks below ``_WARM_LATER_CHUNKS_BELOW``. Group spans follow each start
-        exactly, so other starts (a prefix-cache hit, a chunk cut by ``max_step_tokens``) and
-        groups of several rows at a later start still build their shape on first use."""
+        one row's later chunks below ``_WARM_LATER_CHUNKS_BELOW``: with bucketing a prefill's
+        attention calls are only these (:meth:`_bucketed_rows`; chunks start at multiples of
+        ``prefill_chunk``: the scheduler's whole chunks and aligned prefix hits)."""
         decodes = sorted({min(self.rows, pow2(k)) for k in range(1, self.rows + 1)})
         batches = sorted({pow2(k) for k in range(1, self.rows + 1)})
         widths = self._widths(self.max_len)
-        shapes = [lambda: self._warm_decode(1)] + [lambda t=t: self._warm_prefill_shape(1, t, 0) for t in widths]
-        shapes += [lambda hi=hi: self._warm_decode(hi) for hi in decodes[1:]]
-        shapes += [lambda b=b, t=t: self._warm_prefill_shape(b, t, 0) for b in batches[1:] for t in widths]
+        shapes: list[Callable[[], None]] = [partial(self._warm_decode, 1)]
+        shapes += [partial(self._warm_prefill_shape, 1, t, 0) for t in widths]
+        shapes += [partial(self._warm_decode, hi) for hi in decodes[1:]]
+        shapes += [partial(self._warm_prefill_shape, b, t, 0) for b in batches[1:] for t in widths]
         for start in range(self.prefill_chunk, min(self.max_len, _WARM_LATER_CHUNKS_BELOW), self.prefill_chunk):
-            shapes += [lambda s=start, t=t: self._warm_prefill_shape(1, t, s) for t in self._widths(self.max_len - start)]
+            shapes += [partial(self._warm_prefill_shape, 1, t, start) for t in self._widths(self.max_len - start)]
         return shapes
 
     def _warm_decode(self, hi: int) -> None:
@@ -396,6 +401,10 @@ class ModelRunner:
         self.cache = replace(self.cache, keys=[], values=[])
         self._tokens = mx.zeros((0,), dtype=mx.int32)
         self._warm = deque()
+
+
+def _start(c: PrefillChunk) -> int:
+    return c.start
 
 
 def _allowed(r: Request) -> np.ndarray | None:

@@ -25,6 +25,7 @@ class ModelConfig(Protocol):
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
+    eos_token_ids: tuple[int, ...]
 
 
 class ModelState(Protocol):

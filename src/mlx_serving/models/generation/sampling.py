@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -143,13 +143,13 @@ def _real(name: str, value: object, lo: float, hi: float, what: str) -> float:
 
 
 def _token_ids(name: str, value: object) -> tuple[int, ...]:
-    try:
-        items = tuple(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"{name} must be a sequence of integer token ids, got {_show(value)}") from None
-    if not all(_is_int(t) and t >= 0 for t in items):
+    if not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a sequence of integer token ids, got {_show(value)}")
+    items = tuple(value)
+    ids = [int(t) for t in items if isinstance(t, numbers.Integral) and not isinstance(t, bool) and int(t) >= 0]
+    if len(ids) != len(items):
         raise ValueError(f"{name} must hold integer token ids >= 0, got {_show(value)}")
-    return tuple(int(t) for t in items)
+    return tuple(ids)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -158,7 +158,7 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
         pairs = list(value.items())
     else:
         try:
-            pairs = [tuple(p) for p in value]  # type: ignore[union-attr]
+            pairs = [tuple(p) for p in value]  # type: ignore[attr-defined]  # any iterable of pairs; TypeError below
         except TypeError:
             raise ValueError(f"logit_bias must be a mapping of token id -> bias, got {_show(value)}") from None
     out: dict[int, float] = {}

@@ -134,8 +134,8 @@ class Scheduler:
                 start, n = r.num_computed_tokens, chunks[r]
                 sample = start + n == r.prefill_end and r.num_sampled == 0  # a resumed one decodes next
                 prefills.append(PrefillChunk(r, r.row, start, r.tokens()[start : start + n], sample))
-        started = tuple(r for r in started if not r.finished and r.row >= 0)
-        return SchedulerOutput(tuple(prefills), tuple(decodes), started, tuple(preempted))
+        live = tuple(r for r in started if not r.finished and r.row >= 0)
+        return SchedulerOutput(tuple(prefills), tuple(decodes), live, tuple(preempted))
 
     def _by_order(self) -> list[Request]:
         return sorted((r for r in self.running if r is not None), key=lambda r: r.order)

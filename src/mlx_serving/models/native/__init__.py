@@ -102,7 +102,7 @@ def _load() -> ModuleType | None:
 def _key() -> str:
     import nanobind
 
-    parts = [*((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h")), mx.__version__.encode(), nanobind.__version__.encode(),
+    parts = [*((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h")), mx.__version__.encode(), nanobind.__version__.encode(),  # type: ignore[attr-defined]  # mlx stubs omit __version__
              (sysconfig.get_config_var("EXT_SUFFIX") or "").encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
+
 from ...serving import Serving
 from ...tokenization import Tokenizer
 from ..layers import State
@@ -114,7 +116,7 @@ def _check_option_names(options: dict[str, object]) -> None:
         raise TypeError(f"unknown text-embedding options {unknown} (known: {sorted(known)})")
 
 
-def _postprocess(result: tuple[object, object], info: RequestInfo) -> Embedding | list[Embedding]:
+def _postprocess(result: tuple[np.ndarray, object], info: RequestInfo) -> Embedding | list[Embedding]:
     vectors = result[0]
     out: list[Embedding] = [
         {"embedding": finish(vectors[i], info.dimensions[i], info.normalize), "num_tokens": info.num_tokens[i]}

@@ -147,7 +147,8 @@ def _around(post: JSONObject) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if kind == "Sequence":
         prefix: tuple[int, ...] = ()
         suffix: tuple[int, ...] = ()
-        for p in post.get("processors") or []:
+        processors = post.get("processors")
+        for p in processors if isinstance(processors, list) else []:
             if isinstance(p, dict):
                 before, after = _around(p)
                 prefix, suffix = prefix + before, suffix + after

@@ -24,8 +24,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ...serving import Serving
-from ...serving._json import JSONObject
+from ...serving import Batch, Serving
+from ...serving._json import JSON, JSONObject
 from ...tokenization import Tokenizer
 
 from ..generation.events import FinishReason
@@ -43,14 +43,15 @@ __all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "f
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
 
-def serving(tokenizer: Tokenizer, state: ModelState, **options: object) -> Serving:
+def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
     """A text-generation Serving over a loaded model ``state`` (any family of ``models.families``
     loads: Qwen3, Qwen2, Llama, Mistral).
 
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
-    policy="fcfs"). ``Serving.start`` defaults to ``batch_size=max_batch`` (under either policy) and a
+    policy="fcfs"; typed Any: callers forward them by name at run time and
+    :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch`` (under either policy) and a
     5 ms admission window; the serving hands every queued request to the engine's scheduler (the
     backend's ``waiting``), which holds the one queue and orders it by ``policy``. The tokenizer's
     byte table (streaming detokenization) is built here, once per tokenizer, not inside a caller's
@@ -71,9 +72,13 @@ def serving(tokenizer: Tokenizer, state: ModelState, **options: object) -> Servi
     tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
     per_token = max_bytes_per_token(tokenizer)  # prompts longer than this x max_len never fit
     constraints = _LazyConstraints(tokenizer, state.config.vocab_size)
+
+    def pre(input: JSON) -> tuple[Batch, RequestInfo]:
+        return preprocess(input, tokenizer, opts, per_token)
+
     return (
         Serving.new(GenerationBackend(state, opts, constraint_factory=constraints))
-        .client_preprocessing(lambda input: preprocess(input, tokenizer, opts, per_token), offload=needs_thread)
+        .client_preprocessing(pre, offload=needs_thread)
         .streaming(lambda info: GenerationTransducer(tokenizer, info, opts.profile_timing))
         .client_postprocessing(_postprocess)
         .process_options(batch_size=opts.max_batch, batch_timeout=_BATCH_TIMEOUT_S)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...serving import Batch, InvalidInput
-from ...serving._json import JSON
+from ...serving._json import JSON, JSONObject
 from ...tokenization import Tokenizer
 
 from ..generation.sampling import SamplingParams, _show
@@ -112,7 +112,7 @@ def preprocess(input: JSON, tokenizer: Tokenizer, opts: GenerationOptions,
     prompt came from, as for a prompt the tokenizer or chat template refuses); None when no key is
     (an empty list, an item that is not a dict)."""
     is_list = isinstance(input, list)
-    items = input if is_list else [input]
+    items = input if isinstance(input, list) else [input]
     if not items:
         raise InvalidInput("empty input list: give at least one prompt")
     rows: list[Prompt] = []
@@ -165,6 +165,8 @@ _PER_TOKEN: weakref.WeakKeyDictionary[Tokenizer, int | None] = weakref.WeakKeyDi
 
 def _max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
     backend = getattr(tokenizer, "_backend", None)  # the tokenizers.Tokenizer (no public accessor)
+    if backend is None:
+        return None
     try:
         shrink = _normalizer_shrink(backend.normalizer)
         if shrink is None or not _pre_tokenizer_keeps_text(backend.pre_tokenizer):
@@ -178,7 +180,7 @@ def _max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
         return None
     if len({p for p in pieces if type(p) is bytes and len(p) == 1}) < 256:
         return None  # some byte has no token: text could become fewer (unknown) tokens
-    longest = max((len(p) if type(p) is bytes else len(p.encode("utf-8", "surrogatepass"))
+    longest = max((len(p) if isinstance(p, bytes) else len(p.encode("utf-8", "surrogatepass"))
                    for p in pieces if p is not None), default=1)
     specials = tokenizer.special_token_strings().values()
     longest = max([longest, *(len(t.encode("utf-8", "surrogatepass")) for t in specials)])
@@ -257,7 +259,7 @@ def _encode(request: GenerationRequest, tokenizer: Tokenizer, opts: GenerationOp
         return "max_new_tokens" if blame_max else request.source
 
     if request.messages is not None:
-        return _encode_chat(request, tokenizer, limit, opts, too_long_param)
+        return _encode_chat(request, request.messages, tokenizer, limit, opts, too_long_param)
     text = request.text or ""
     if limit is not None and _longer_than(text, limit):
         raise _too_long("'text' (the prompt)", len(text), limit, opts, params, too_long_param(text))
@@ -265,12 +267,12 @@ def _encode(request: GenerationRequest, tokenizer: Tokenizer, opts: GenerationOp
         return tokenizer.encode(text)
 
 
-def _encode_chat(request: GenerationRequest, tokenizer: Tokenizer, limit: int | None, opts: GenerationOptions,
-                 too_long_param: Callable[[str], str]) -> list[int]:
-    """The chat prompt's ids; a refusal of the messages or of their rendering names
-    ``request.source`` ("messages", or "text" made into one user message by a ``chat=True``
-    serving); ``too_long_param``: the ``param`` of a rendered prompt over the byte bound."""
-    messages, tools, thinking = request.messages, request.tools, request.enable_thinking
+def _encode_chat(request: GenerationRequest, messages: list[JSONObject], tokenizer: Tokenizer, limit: int | None,
+                 opts: GenerationOptions, too_long_param: Callable[[str], str]) -> list[int]:
+    """The chat prompt's ids (``messages``: the request's); a refusal of the messages or of their
+    rendering names ``request.source`` ("messages", or "text" made into one user message by a
+    ``chat=True`` serving); ``too_long_param``: the ``param`` of a rendered prompt over the byte bound."""
+    tools, thinking = request.tools, request.enable_thinking
     with _blame(request.source):  # the template's errors (ChatTemplateError) and text it cannot encode
         if limit is not None and 4 * request.chat_chars > limit and tokenizer.chat_template is not None:
             # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.

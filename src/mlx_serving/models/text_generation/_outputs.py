@@ -28,7 +28,7 @@ class TokenTexts:
 
     def __call__(self, token_id: int) -> str:
         piece = self._pieces[token_id] if 0 <= token_id < len(self._pieces) else b""
-        if type(piece) is bytes:
+        if isinstance(piece, bytes):
             return piece.decode("utf-8", errors="replace")
         return self._specials.get(token_id, "") if piece is None else piece
 

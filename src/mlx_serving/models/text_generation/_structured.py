@@ -184,7 +184,7 @@ def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool
                            f"{{'name': str}}}}, got {choice!r:.80}", "tool_choice")
     calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
               "required": ["name", "arguments"], "additionalProperties": False} for name, params in chosen]
-    schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    schema: dict[str, object] = {"anyOf": calls} if len(calls) > 1 else calls[0]
     schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     body = json.dumps(schema, ensure_ascii=False, allow_nan=False)
     start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"
@@ -196,7 +196,7 @@ def _tool_spec(tool: object, i: int) -> tuple[str, dict[str, Any]]:
     {...}}`` or the bare function object)."""
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str) or not name:
+    if not isinstance(fn, dict) or not isinstance(name, str) or not name:
         raise InvalidInput(f"tools[{i}] needs a function name (a non-empty string) to be forced by tool_choice",
                            "tools")
     params = fn.get("parameters")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from ...serving import AsyncStream, Client
-from ...serving._json import JSONObject
+from .._responses import Result
 from .._shutdown import Drain
 from . import _output, _request, _stream
 from ._items import Json
@@ -32,7 +32,7 @@ class ResponsesAPI:
         Responses field at fault (``previous_response_id`` when that response is not stored)."""
         return _request.turn(body, self.store)
 
-    async def run(self, client: Client, turn: Turn, deadline: float | None) -> JSONObject:
+    async def run(self, client: Client, turn: Turn, deadline: float | None) -> Result:
         """``client.run_async`` of the turn; the serving's ValueError as an APIError naming the Responses field."""
         try:
             return await client.run_async(turn.call.input, deadline=deadline)
@@ -46,7 +46,7 @@ class ResponsesAPI:
         except ValueError as exc:
             raise _request.renamed(exc) from None
 
-    def response(self, turn: Turn, model: str, result: JSONObject) -> Json:
+    def response(self, turn: Turn, model: str, result: Result) -> Json:
         """The ``response`` object of a finished (non-list) result, stored when the turn asks."""
         return _output.finish(_output.response(turn, model, result), turn, self.store)
 

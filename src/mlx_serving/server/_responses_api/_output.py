@@ -16,8 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from ...serving._json import JSONObject
-from .._responses import chat_logprobs
+from .._responses import Result, chat_logprobs
 from ._items import Item, Json
 from ._request import Turn
 from ._store import ResponseStore
@@ -36,7 +35,7 @@ def envelope(rid: str, model: str, turn: Turn, status: str, created: int) -> Jso
             "incomplete_details": None, "model": model, "output": [], "usage": None, **turn.echo}
 
 
-def response(turn: Turn, model: str, result: JSONObject) -> Json:
+def response(turn: Turn, model: str, result: Result) -> Json:
     """The response object of a finished (non-list) result; not yet :func:`finish` ed."""
     e = result["results"][0]
     state, details = status(e["finish_reason"])

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import anyio
 import msgspec
@@ -49,9 +49,6 @@ from ._wire import (
     send_frame,
 )
 from ._worker import Factory, main, resolve_factory
-
-if TYPE_CHECKING:
-    from ..ray import RayServingPool
 
 __all__ = ["ServingPool", "WireConsumer"]
 
@@ -200,8 +197,11 @@ class ServingPool(PoolClient):
       ray_actor_options={...})`` returns a ``RayServingPool`` (docs/distributed.md).
     """
 
+    # Any: ServingPool | RayServingPool, which mypy refuses for a ``__new__`` (a RayServingPool is no
+    # ServingPool); a ServingPool(...) call then has mypy's type ServingPool.
     def __new__(cls, factory: Factory, workers: int = 1, *, backend: str = "process",
-                ray_actor_options: dict[str, Any] | None = None, **options: object) -> ServingPool | RayServingPool:
+                ray_actor_options: dict[str, Any] | None = None, weights: Sequence[float] | None = None,
+                start_timeout: float = 120.0, **options: object) -> Any:
         """``backend="ray"``: a ``mlx_serving.serving.ray.RayServingPool`` (Ray actors instead of
         processes, same contract; ``ray`` is imported only then), given ``ray_actor_options``,
         ``weights``, ``start_timeout`` and the process options."""
@@ -212,7 +212,8 @@ class ServingPool(PoolClient):
                                 "detects dead actors itself; place actors with ray_actor_options)")
             from ..ray import RayServingPool
 
-            return RayServingPool(factory, workers, ray_actor_options=ray_actor_options, **options)
+            return RayServingPool(factory, workers, ray_actor_options=ray_actor_options, weights=weights,
+                                  start_timeout=start_timeout, **options)
         if backend != "process":
             raise ValueError(f"backend must be 'process' or 'ray', got {backend!r}")
         if ray_actor_options is not None:

@@ -28,13 +28,16 @@ class _TrackerlessPopen(popen_spawn_posix.Popen):
     """``popen_spawn_posix.Popen`` without ``resource_tracker.getfd()`` (the rest is the stdlib's
     ``_launch``, unchanged from Python 3.10 to 3.13)."""
 
+    _fds: list[int]  # set by popen_spawn_posix.Popen.__init__ (typeshed leaves it out)
+
     def _launch(self, process_obj: Any) -> None:
         prep_data = spawn.get_preparation_data(process_obj._name)
         fp = io.BytesIO()
         context.set_spawning_popen(self)
         try:
-            context.reduction.dump(prep_data, fp)
-            context.reduction.dump(process_obj, fp)
+            # typeshed's multiprocessing.context leaves out the module's ``reduction`` global
+            context.reduction.dump(prep_data, fp)  # type: ignore[attr-defined]
+            context.reduction.dump(process_obj, fp)  # type: ignore[attr-defined]
         finally:
             context.set_spawning_popen(None)
 
@@ -44,13 +47,15 @@ class _TrackerlessPopen(popen_spawn_posix.Popen):
             child_r, parent_w = os.pipe()
             cmd = spawn.get_command_line(tracker_fd=None, pipe_handle=child_r)
             self._fds.extend([child_r, child_w])
-            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)
+            # typeshed types ``path`` as bytes; the stdlib itself passes this str
+            self.pid = util.spawnv_passfds(spawn.get_executable(), cmd, self._fds)  # type: ignore[arg-type]
             self.sentinel = parent_r
             with open(parent_w, "wb", closefd=False) as f:
                 f.write(fp.getbuffer())
         finally:
             fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
-            self.finalizer = util.Finalize(self, util.close_fds, fds_to_close)
+            # typeshed's multiprocessing.util leaves out ``close_fds``
+            self.finalizer = util.Finalize(self, util.close_fds, fds_to_close)  # type: ignore[attr-defined]
             for fd in (child_r, child_w):
                 if fd is not None:
                     os.close(fd)

@@ -279,7 +279,7 @@ def _pack_array(array: np.ndarray) -> bytes:
     # _prepare keeps the tuples of structured dtype descrs (and of the shape) as tuples
     descr = np.lib.format.dtype_to_descr(array.dtype)
     header = _payload_encoder.encode(_prepare((descr, array.shape)))
-    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # its buffer, not copied
     return b"".join((_ARRAY_HEADER.pack(len(header)), header, data))
 
 

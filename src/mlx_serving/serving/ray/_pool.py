@@ -52,7 +52,7 @@ _CRASHES = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 _remote_class: Any = None
 _RAY_LOCK = threading.Lock()
-_ray_users = 0  # pools using the Ray connection that a pool of this process started (None: not ours)
+_ray_users: int | None = 0  # pools using the Ray connection that a pool of this process started (None: not ours)
 
 
 def _join_ray() -> bool:
