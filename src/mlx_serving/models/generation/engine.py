@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +39,9 @@ from .protocol import ConstraintFactory, ModelState
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..layers import State as DecoderState  # which imports this package
 
 __all__ = ["BUFFER_CACHE_BYTES", "Engine"]
 
@@ -104,13 +107,10 @@ class Engine:
             mx.set_cache_limit(buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.max_len, self.prefill_chunk = state, max_len, prefill_chunk
         self.max_step_tokens = max_step_tokens
-        # the decoder's State at run time: models.loader.load's (the seam's two types become one when the
-        # decoder moves below generation/, issue 38)
-        self.decode_backend: DecodeBackend = decode_backend(state, decode_path)  # type: ignore[arg-type]
-        if isinstance(self.decode_backend, FusedDecode) and self.decode_backend.attention is cuda_kernels.decode_attention \
-                and not cuda_kernels.kernels_available():
-            raise ValueError("decode_path 'fused' needs MLX's CUDA build and a GPU (the CUDA kernels); "
-                             "use 'matmul' or None here")
+        # ``state`` is the shared decoder's State at run time (models.loader.load's); the seam's two
+        # types become one when the decoder moves below generation/ (issue 38)
+        decoder = cast("DecoderState", state)
+        self.decode_backend: DecodeBackend = _runnable(decode_backend(decoder, decode_path))
         blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
         bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
         align = prefill_chunk if bucket and prefill_chunk % block_size == 0 else 0  # hits start on warmed shapes
@@ -118,7 +118,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
                                    whole_chunks=bucket)  # chunk starts stay on the warmed shapes
         compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode
-        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,  # type: ignore[arg-type]  # as above
+        self.runner = ModelRunner(decoder, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
                                   prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=pack_prefill,
                                   max_causal_groups=max_causal_groups)
@@ -304,6 +304,16 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the engine is closed")
+
+
+def _runnable(backend: DecodeBackend) -> DecodeBackend:
+    """``backend``, unless it is the fused path's CUDA kernels where they cannot run: then a
+    ValueError naming ``decode_path`` now, not a kernel build error at the first step."""
+    if (isinstance(backend, FusedDecode) and backend.attention is cuda_kernels.decode_attention
+            and not cuda_kernels.kernels_available()):
+        raise ValueError("decode_path 'fused' needs MLX's CUDA build and a GPU (the CUDA kernels); "
+                         "use 'matmul' or None here")
+    return backend
 
 
 def _prompt_array(prompt_ids: Sequence[int], vocab: int) -> np.ndarray:

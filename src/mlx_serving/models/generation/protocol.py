@@ -18,21 +18,30 @@ __all__ = ["ConstraintFactory", "ModelConfig", "ModelState", "TokenConstraint"]
 
 
 class ModelConfig(Protocol):
-    """The dimensions the KV cache and the sampler are sized by."""
+    """The dimensions the KV cache and the sampler are sized by, and the model's EOS ids
+    (read-only: a family's config is a frozen dataclass)."""
 
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
 
 
 class ModelState(Protocol):
-    """A loaded model: its config and its activation (KV) dtype."""
+    """A loaded model: its config and its activation (KV) dtype (read-only)."""
 
-    config: ModelConfig
-    dtype: mx.Dtype
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def dtype(self) -> mx.Dtype: ...
 
 
 class TokenConstraint(Protocol):

@@ -50,9 +50,10 @@ def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
     ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
-    policy="fcfs"; typed Any: callers forward them by name at run time and
-    :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch`` (under either policy) and a
-    5 ms admission window; the serving hands every queued request to the engine's scheduler (the
+    policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, bucket_shapes=None: on
+    a GPU, and then every shape is built before ``Serving.start`` returns; typed Any: callers forward them by name at run time and
+    :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch``
+    (under either policy) and a 5 ms admission window; the serving hands every queued request to the engine's scheduler (the
     backend's ``waiting``), which holds the one queue and orders it by ``policy``. The tokenizer's
     byte table (streaming detokenization) is built here, once per tokenizer, not inside a caller's
     first request; async callers tokenize a long input (more than ~3,000 characters, see
