@@ -133,14 +133,15 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     """
     served = _Served(stuck_after)
     drain = Drain(shutdown_grace)
+    loader = models if callable(models) else None
     if not callable(models):
         served.ready(models, owned=False)
     metrics = Metrics(served.stats)
     loader_thread: list[threading.Thread] = []
 
-    def load() -> None:
+    def load(loader: Loader) -> None:
         try:
-            served.ready(models(), owned=True)  # type: ignore[operator]
+            served.ready(loader(), owned=True)
         except BaseException as exc:  # noqa: BLE001 - reported through /health and the callback
             served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
             _log.error("loading the models failed: %s", served.error)
@@ -149,8 +150,8 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if callable(models):
-            loader_thread.append(threading.Thread(target=load, name="mlx-serving-load", daemon=True))
+        if loader is not None:
+            loader_thread.append(threading.Thread(target=load, args=(loader,), name="mlx-serving-load", daemon=True))
             loader_thread[0].start()
         yield
         if loader_thread:

@@ -27,6 +27,8 @@ class _HeadDeadline:
     transport: asyncio.Transport
     loop: asyncio.AbstractEventLoop
 
+    # Each ``super()`` call below reaches the uvicorn protocol class this mixin is combined with,
+    # which mypy cannot see from the mixin: hence ``type: ignore[misc]`` on them.
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._arm()

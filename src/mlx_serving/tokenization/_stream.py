@@ -26,7 +26,7 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, SupportsIndex
 
 from ._errors import InvalidTokenIdError
 
@@ -204,8 +204,10 @@ class ByteTableSource(Protocol):
 
 def check_id(token_id: object) -> int:
     """``token_id`` as an int in 0..2**32-1, else ``InvalidTokenIdError``."""
+    if not isinstance(token_id, SupportsIndex):
+        raise InvalidTokenIdError(f"token id must be an int, got {type(token_id).__name__}")
     try:
-        i = operator.index(token_id)  # type: ignore[arg-type]
+        i = operator.index(token_id)
     except TypeError:
         raise InvalidTokenIdError(f"token id must be an int, got {type(token_id).__name__}") from None
     if not 0 <= i <= _MAX_ID:
@@ -316,7 +318,7 @@ class StreamingDetokenizer:
             self._first = False
             return ""
         else:
-            text = piece if type(piece) is str else piece.decode("utf-8")  # type: ignore[union-attr]
+            text = piece if isinstance(piece, str) else piece.decode("utf-8")
         if self._first:
             text = spm.first_texts.get(i, text)
             self._first = False

@@ -117,9 +117,11 @@ def _stop_tuple(stop: object) -> tuple[str, ...]:
         raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
     if len(items) > MAX_STOP_STRINGS:
         raise ValueError(f"stop holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    strings: list[str] = []
     for s in items:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop strings must be non-empty strings, got {_show(s)}")
         if len(s) > MAX_STOP_CHARS:
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s):,}")
-    return items  # type: ignore[return-value]
+        strings.append(s)
+    return tuple(strings)
