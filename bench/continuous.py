@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.generation import generate  # noqa: E402
-from mlx_serving.models.layers import State  # noqa: E402
+from mlx_serving.models.decoder.layers import State  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Batch, Serving, ServingHandle  # noqa: E402

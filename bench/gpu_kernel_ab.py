@@ -23,8 +23,9 @@ import mlx.core as mx  # noqa: E402
 import _old_cuda_kernels as old  # noqa: E402
 from gpu_mixed import load_ours  # noqa: E402
 from gpu_throughput import default_ckpt, engine_concurrent, word_prompts  # noqa: E402
-from mlx_serving.models.generation import Engine, cuda_kernels as new  # noqa: E402
-from mlx_serving.models.generation.decode_backends import FusedDecode  # noqa: E402
+from mlx_serving.models.decoder import cuda_kernels as new  # noqa: E402
+from mlx_serving.models.generation import Engine  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import FusedDecode  # noqa: E402
 
 
 def backend(mod) -> FusedDecode:

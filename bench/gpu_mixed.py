@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_summary import MIXED_RATIO, MIXED_TTFT_P99_S  # noqa: E402
 from gpu_throughput import default_ckpt, save, word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.layers import State  # noqa: E402
+from mlx_serving.models.decoder.layers import State  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.families.qwen3 import PRESETS  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402

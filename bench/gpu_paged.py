@@ -25,12 +25,12 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_summary import step_floor_ms  # noqa: E402
-from mlx_serving.models.generation.kv_cache import init_paged_kv_cache, kv_bytes_per_token, row_blocks  # noqa: E402
+from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache, kv_bytes_per_token, row_blocks  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.generation.attention import compiled_decode  # noqa: E402
-from mlx_serving.models.generation import cuda_kernels as kernels  # noqa: E402
-from mlx_serving.models.generation.decode_backends import decode_backend  # noqa: E402
+from mlx_serving.models.decoder.layers import compiled_decode  # noqa: E402
+from mlx_serving.models.decoder import cuda_kernels as kernels  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import decode_backend  # noqa: E402
 
 
 def device_step_ms(state: Any, b: int, pos: int, iters: int = 30) -> float:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx_serving.models.generation.engine as engine_module  # noqa: E402
 from gpu_throughput import default_ckpt  # noqa: E402
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
-from mlx_serving.models.layers import State  # noqa: E402
+from mlx_serving.models.decoder.layers import State  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 

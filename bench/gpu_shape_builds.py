@@ -85,7 +85,7 @@ def describe(runner: Any) -> list[str]:
 
 def trace_split(engine: Engine, hi: int) -> dict[str, float]:
     """A fresh compiled decode of ``hi`` rows: trace (call) vs evaluation, then a second call."""
-    from mlx_serving.models.generation.attention import compiled_decode
+    from mlx_serving.models.decoder.layers import compiled_decode
 
     r = engine.runner
     fn = compiled_decode(r.state, r._span(1), r.cache.block_size, r.decode_backend)

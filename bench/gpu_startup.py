@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
     from mlx_serving.models import text_generation
-    from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+    from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
     from mlx_serving.models.loader import load
     from mlx_serving.serving import Serving
     from mlx_serving.tokenization import Tokenizer
@@ -65,7 +65,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     mx.eval(mx.zeros((1,)))
     out["memory_context_mb"] = gpu_memory_mb()  # the CUDA context alone
     out["device_info"] = {k: str(v) for k, v in mx.device_info().items()} if hasattr(mx, "device_info") else None
-    from mlx_serving.models.generation.cuda_kernels import sm_count
+    from mlx_serving.models.decoder.cuda_kernels import sm_count
     out["sm_count"] = sm_count()
     state = load(args.ckpt)
     mx.eval(state.embed_tokens.weight)

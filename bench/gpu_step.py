@@ -54,12 +54,12 @@ from gpu_summary import step_floor_ms  # noqa: E402
 from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.generation.decode_backends import DecodeBackend, decode_backend  # noqa: E402
-from mlx_serving.models.generation.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import DecodeBackend, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
                                                     row_blocks)
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
-from mlx_serving.models.generation.attention import Rows  # noqa: E402
-from mlx_serving.models.layers import forward  # noqa: E402
+from mlx_serving.models.decoder.attention import Rows  # noqa: E402
+from mlx_serving.models.decoder.layers import forward  # noqa: E402
 
 __all__ = ["step_weight_bytes"]
 

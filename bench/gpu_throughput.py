@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.generation.decode_backends import decode_backend  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import decode_backend  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402

@@ -92,3 +92,92 @@ def test_imports_run_down_the_layers_only():
         for other in _imported_layers(path) - _MAY_IMPORT[layer] - {layer, "_version"}:
             wrong.append(f"{path.relative_to(_SRC)} imports {other}")
     assert not wrong, wrong
+
+
+def _module_names() -> dict[str, Path]:
+    """Every module of the package by dotted name below ``mlx_serving`` (a package by its ``__init__``)."""
+    out = {}
+    for path in _SRC.rglob("*.py"):
+        parts = path.relative_to(_SRC).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports: relative or absolute, lazy (inside functions) and
+    ``TYPE_CHECKING`` imports included (a dodged cycle is still a cycle)."""
+    import ast
+
+    modules = _module_names()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[list[str]] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1] if node.level > 1 else package
+                    mod = [*base, *(node.module.split(".") if node.module else [])]
+                elif (node.module or "").startswith("mlx_serving."):
+                    mod = node.module.split(".")[1:]
+                else:
+                    continue
+                targets = [[*mod, a.name] for a in node.names] + [mod]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".")[1:] for a in node.names if a.name.startswith("mlx_serving.")]
+            for t in targets:  # the most specific module the import names
+                for k in range(len(t), 0, -1):
+                    if ".".join(t[:k]) in modules:
+                        edges.add(".".join(t[:k]))
+                        break
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_decoder_sits_below_the_engine_and_neither_is_in_an_import_cycle():
+    """models/decoder imports nothing of the engine (models/generation) or the servings above it,
+    and no import cycle (lazy and TYPE_CHECKING imports included) touches either package."""
+    graph = _import_graph()
+    decoder = {m for m in graph if m.startswith("models.decoder")}
+    assert decoder, "models/decoder not found"
+    upward = {(m, t) for m in decoder for t in graph[m]
+              if t.startswith(("models.generation", "models.text_generation", "models.text_embedding", "server"))}
+    assert not upward, upward
+    touching = [c for c in _cycles(graph) if any(m.startswith(("models.decoder", "models.generation")) for m in c)]
+    assert not touching, touching

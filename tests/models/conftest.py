@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.models.loader import load
 @pytest.fixture(scope="session")
 def tiny(tiny_ckpt: Path) -> State:

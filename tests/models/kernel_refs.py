@@ -1,4 +1,4 @@
-"""Pure-MLX implementations of the contracts of models/generation/cuda_kernels.py, for the tests: they stand
+"""Pure-MLX implementations of the contracts of models/decoder/cuda_kernels.py, for the tests: they stand
 in for the CUDA kernels on any device (test_qwen3_fused_path.py) and are what the kernels are
 checked against on a GPU (test_qwen3_kernels_cuda.py)."""
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlx_serving.models.generation.attention import Rows
-from mlx_serving.models.generation.kv_cache import PagedKVCache, init_paged_kv_cache, row_blocks
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.attention import Rows
+from mlx_serving.models.decoder.kv_cache import PagedKVCache, init_paged_kv_cache, row_blocks
+from mlx_serving.models.decoder.layers import State
 
 
 @dataclass

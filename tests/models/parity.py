@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged import fresh
-from mlx_serving.models.layers import State, forward
+from mlx_serving.models.decoder.layers import State, forward
 
 #: a config field value that drops the field (:func:`copy_with_config`)
 DROP = object()

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.testclient import TestClient
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded
 from mlx_serving.tokenization import Tokenizer
 

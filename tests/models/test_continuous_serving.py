@@ -20,8 +20,8 @@ import pytest
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import generate
-from mlx_serving.models.layers import State
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from mlx_serving.models.decoder.layers import State
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded, TelemetryEvent
 from mlx_serving.tokenization import Tokenizer
 

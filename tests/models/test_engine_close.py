@@ -15,7 +15,7 @@ from mlx_serving.models import text_generation
 from mlx_serving.models.generation import Engine
 from mlx_serving.models.text_generation import GenerationBackend
 from mlx_serving.models.generation import SamplingParams
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

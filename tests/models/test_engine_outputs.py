@@ -13,9 +13,9 @@ import pytest
 from mlx_serving.models.generation import Engine
 from mlx_serving.models.generation.events import FinishReason, SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from paged import fresh
-from mlx_serving.models.layers import forward
+from mlx_serving.models.decoder.layers import forward
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -20,7 +20,7 @@ from mlx_serving.models import text_generation
 from mlx_serving.models.generation import BLOCK_SIZE, Engine
 from mlx_serving.models.generation.events import SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.models.text_generation._request import completion_seed
 from mlx_serving.models.text_generation._structured import constraint_factory
 from mlx_serving.serving import Serving

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.models.text_generation import GenerationOptions
 from mlx_serving.models.text_generation._inputs import max_bytes_per_token, preprocess
 from mlx_serving.serving import InvalidInput, Serving

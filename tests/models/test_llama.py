@@ -20,7 +20,7 @@ from mlx_serving.models import text_generation
 from mlx_serving.models._checkpoint import MissingFieldError
 from mlx_serving.models.families import FAMILIES, model_type, read_config
 from mlx_serving.models.families.llama import LLAMA3_ROPE_SCALING, config_from_dict
-from mlx_serving.models.layers import rope_frequencies
+from mlx_serving.models.decoder.layers import rope_frequencies
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.generation import Engine, SamplingParams, generate
@@ -148,7 +148,7 @@ def test_checkpoint_saved_by_mlx_lm_loads_and_matches(tmp_path, quantized):
 def test_dequantized_load_is_close(ckpts):
     quant, dense = load(ckpts["q4_bias_untied"]), load(ckpts["q4_bias_untied"], dequantize=True)
     assert dense.layers[0].qkv.merged.scales is None and dense.layers[0].qkv.merged.bias is not None
-    from mlx_serving.models.layers import forward
+    from mlx_serving.models.decoder.layers import forward
     from paged import fresh
 
     t = len(ELIXIR)

@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serving.models import layers
+from mlx_serving.models.decoder import layers
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.generation.attention import Rows, packing
-from mlx_serving.models.generation.kv_cache import init_paged_kv_cache
+from mlx_serving.models.decoder.attention import Rows, packing
+from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache
 
 LENGTHS = [5, 1, 13, 9]  # ragged prompts: padded grid 4 x 13 = 52 positions, 28 real tokens
 

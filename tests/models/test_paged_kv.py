@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_serving.models.generation import BlockPool, Engine, block_hash
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation import SamplingParams, generate
 
 BS = 16

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

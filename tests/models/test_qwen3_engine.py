@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, SeqEvent, generate
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -197,7 +197,7 @@ def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch
     """warm_up(limit) builds the next shapes in order and returns how many are left: one-row
     forwards first (a one-row decode, then every first-chunk width: what a lone first request
     meets), and a warm-up left unfinished changes no output."""
-    from mlx_serving.models import layers
+    from mlx_serving.models.decoder import layers
 
     engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=16, bucket_shapes=True)
     rows_seen: list[int] = []
@@ -225,7 +225,7 @@ def test_engine_options_are_checked_by_name(tiny32):
                      (dict(bucket_shapes="yes"), "bucket_shapes"), (dict(compile_decode=1), "compile_decode")):
         with pytest.raises(ValueError, match=name):
             Engine(tiny32, max_batch=2, max_len=64, **kw)
-    from mlx_serving.models.generation.cuda_kernels import kernels_available
+    from mlx_serving.models.decoder.cuda_kernels import kernels_available
 
     if not kernels_available():
         with pytest.raises(ValueError, match="decode_path 'fused' needs MLX's CUDA build"):

@@ -1,4 +1,4 @@
-"""The fused decode path's wiring (models/generation/decode_backends.py::FusedDecode) on any device: the three
+"""The fused decode path's wiring (models/decoder/decode_backends.py::FusedDecode) on any device: the three
 CUDA kernels are replaced by pure-MLX implementations of their documented contracts
 (kernel_refs.py, passed as the backend's kernels), and whole continuous-batching generations must
 equal the generic path's. The
@@ -14,7 +14,7 @@ import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.generation.decode_backends import FusedDecode, GenericDecode, decode_backend
+from mlx_serving.models.decoder.decode_backends import FusedDecode, GenericDecode, decode_backend
 
 #: The fused backend over the kernels' reference implementations.
 REFERENCE = FusedDecode(attention=ref_decode_attention, add_rms_norm=ref_add_rms_norm, swiglu=ref_swiglu)
@@ -59,7 +59,7 @@ def test_fused_path_is_taken(tiny32):
 def test_decode_backend_is_chosen_once_by_name_or_default(tiny32):
     """The default is the fused path where the kernels run, else the matmul path; names pick a backend; "fused" falls
     back to the generic path for a config the kernels do not implement; a bad name is refused."""
-    from mlx_serving.models.generation import cuda_kernels
+    from mlx_serving.models.decoder import cuda_kernels
 
     assert decode_backend(tiny32).name == ("fused" if cuda_kernels.kernels_available() else "matmul")
     assert decode_backend(tiny32, "sdpa") == GenericDecode(sdpa=True)

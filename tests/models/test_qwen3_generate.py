@@ -15,7 +15,7 @@ from mlx_serving.models.generation import generate
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from paged import fresh
-from mlx_serving.models.layers import forward
+from mlx_serving.models.decoder.layers import forward
 from mlx_serving.models.generation.sampling import SamplerKind, SamplingParams, sample_top_p
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir."

@@ -1,4 +1,4 @@
-"""The fused CUDA decode path (models/generation/cuda_kernels.py): each kernel against its MLX reference
+"""The fused CUDA decode path (models/decoder/cuda_kernels.py): each kernel against its MLX reference
 (kernel_refs.py), and whole generations equal to the generic path. Runs only on MLX's CUDA
 build (skipped elsewhere, CI included); bench/gpu_step.py records the same checks on an H200."""
 
@@ -10,7 +10,7 @@ import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.generation.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
+from mlx_serving.models.decoder.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
 

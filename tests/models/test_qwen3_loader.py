@@ -19,7 +19,7 @@ from mlx_serving.tokenization import data_path
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.families import read_config
 from mlx_serving.models.families.qwen3 import config_from_dict
-from mlx_serving.models.layers import forward
+from mlx_serving.models.decoder.layers import forward
 
 PROMPT = [7985, 825, 11652, 911, 468, 97772, 13]
 REF_CONFIG = json.loads(data_path("config.qwen3-0.6b-mlx-4bit.json").read_text())

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models.generation import Engine, SamplingParams, generate
-from mlx_serving.models.generation.kv_cache import kv_bytes_per_token
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation.scheduler import SchedulerOutput
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import generate
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

@@ -19,7 +19,7 @@ import pytest
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, generate
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.models.generation.sampling import MIN_TEMPERATURE, SamplerKind, sample_top_p
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._backend import GenerationBackend

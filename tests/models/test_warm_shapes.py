@@ -13,7 +13,7 @@ import numpy as np
 
 from mlx_serving.models import text_generation
 from mlx_serving.models.generation import Engine, SamplingParams
-from mlx_serving.models.layers import State
+from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
 

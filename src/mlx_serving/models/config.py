@@ -3,7 +3,7 @@ families share (architecture names, RoPE blocks, full attention).
 
 A family (``models/families/<name>.py``) reads config.json through these helpers and the typed
 accessors of :mod:`models._checkpoint` into one :class:`DecoderConfig`, whose hook fields (q/k
-norm, biases, RoPE variant and scaling, tied head) the shared decoder (:mod:`models.layers`), the
+norm, biases, RoPE variant and scaling, tied head) the shared decoder (:mod:`models.decoder.layers`), the
 generic loader (:mod:`models.loader`) and the seeded checkpoint writer
 (:mod:`models.seeded_checkpoint`) follow. Errors name the file and the field: ``ValueError`` for
 a bad value, :class:`~models._checkpoint.MissingFieldError` (a KeyError and a ValueError) for a
@@ -31,7 +31,7 @@ class RopeScaling:
     ``"linear"``: positions divided by ``factor``. ``"llama3"`` (Llama 3.1 / 3.2 / 3.3): each
     frequency's wavelength is compared with ``original_max_position_embeddings``: longer than
     ``/ low_freq_factor`` -> divided by ``factor``; shorter than ``/ high_freq_factor`` -> kept;
-    in between -> interpolated (:func:`models.layers.rope_frequencies`).
+    in between -> interpolated (:func:`models.decoder.layers.rope_frequencies`).
     """
 
     rope_type: str

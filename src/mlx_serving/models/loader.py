@@ -1,4 +1,4 @@
-"""Load an MLX checkpoint directory of any registered family into a :class:`~models.layers.State`.
+"""Load an MLX checkpoint directory of any registered family into a :class:`~models.decoder.layers.State`.
 
 Layout (mlx-community / lmstudio-community MLX checkpoints, or mlx-lm's ``save_model``):
 ``config.json``, ``model.safetensors`` or shards listed in ``model.safetensors.index.json``,
@@ -23,7 +23,7 @@ from ._checkpoint import TensorChecks, TensorInfo, cast_floating, check_dtype, r
 from ._weights import Fused, Linear, Reader
 from .config import DecoderConfig
 from .families import read_config
-from .layers import Layer, State, rope_frequencies
+from .decoder.layers import Layer, State, rope_frequencies
 from .native import QuantizedMatmul, paged_attention_cpu, quantized_matmul_cpu
 
 __all__ = ["load"]

@@ -325,7 +325,7 @@ def _architecture(path: Path, options: dict[str, Any]) -> str:
 
 def _describe(client: Client, options: dict[str, Any], workers: int) -> str:
     """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens (65536 tokens), in process``."""
-    from ..models.generation.kv_cache import BLOCK_SIZE
+    from ..models.decoder.kv_cache import BLOCK_SIZE
 
     blocks = int(client.stats().backend.get("blocks_total", 0))
     cache = f"KV cache {blocks} blocks x {BLOCK_SIZE} tokens" if blocks else "slot KV cache"

@@ -3,7 +3,7 @@
 
 A family module reads its config.json into a :class:`~models.config.DecoderConfig` (its
 defaults, its hooks, its refusals) and names the config of its seeded checkpoints; the decoder
-(:mod:`models.layers`), the loader (:mod:`models.loader`) and the writer
+(:mod:`models.decoder.layers`), the loader (:mod:`models.loader`) and the writer
 (:mod:`models.seeded_checkpoint`) are shared. No family imports another. Adding one: a module
 here and a line in :data:`FAMILIES` (docs/models.md).
 """

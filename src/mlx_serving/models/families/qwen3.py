@@ -5,7 +5,7 @@ RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``), plain split-half RoPE 
 
 Field names and defaults follow transformers' ``Qwen3Config`` as shipped in mlx-community /
 lmstudio-community MLX checkpoints. On MLX's CUDA build its decode runs through the fused kernels
-(:class:`models.generation.decode_backends.FusedDecode`: the q/k norm is folded into the attention kernel).
+(:class:`models.decoder.decode_backends.FusedDecode`: the q/k norm is folded into the attention kernel).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The model-agnostic generation core: the continuous-batching :class:`Engine` over a paged KV
 cache (block pool, block tables, automatic prefix caching with LRU eviction, preemption).
 
-The shared decoder (``models/layers.py``, which every family in ``models/families`` runs) provides
+The shared decoder (``models/decoder/layers.py``, which every family in ``models/families`` runs) provides
 the forward pass (``forward(state, cache, rows)`` reading and writing K/V through ``attend``);
 everything else (batching, KV memory, sampling, the decode path) is here. Sampling (:mod:`.sampling`, :mod:`.logits`): per-request :class:`SamplingParams` run as a
 sampler chain for the whole batch on the device; structured output plugs in through a
@@ -12,7 +12,7 @@ from .block_pool import BlockPool, block_hash
 from .engine import Engine
 from .events import FinishReason, SeqEvent
 from .generate import generate
-from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
+from ..decoder.kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_cache_manager import KVCacheManager, KVStats, SeqBlocks
 from .model_runner import ModelRunner
 from .policy import FCFSPolicy, Policy, PriorityPolicy, make_policy

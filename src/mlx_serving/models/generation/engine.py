@@ -21,27 +21,26 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from . import cuda_kernels
-from .decode_backends import DecodeBackend, FusedDecode, decode_backend
+from ..decoder import cuda_kernels
+from ..decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
-from .kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
+from ..decoder.kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_cache_manager import KVCacheManager, KVStats
 from .logits import make_chain
 from .model_runner import Flight, Landed, ModelRunner
 from .policy import Policy, make_policy
-from .protocol import ConstraintFactory, ModelState
+from ..decoder.layers import State
+from .protocol import ConstraintFactory
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 
-if TYPE_CHECKING:
-    from ..layers import State as DecoderState  # which imports this package
 
 __all__ = ["BUFFER_CACHE_BYTES", "Engine"]
 
@@ -86,7 +85,7 @@ class Engine:
     :class:`~.protocol.TokenConstraint` of a sequence whose ``params.grammar`` is set.
     """
 
-    def __init__(self, state: ModelState, max_batch: int, max_len: int, prefill_chunk: int = 512,
+    def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
                  kv_cache_bytes: int | None = None, *, compile_decode: bool | None = None,
                  bucket_shapes: bool | None = None, kv_cache_fraction: float | None = None,
                  prefix_caching: bool = True, block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
@@ -107,10 +106,7 @@ class Engine:
             mx.set_cache_limit(buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.max_len, self.prefill_chunk = state, max_len, prefill_chunk
         self.max_step_tokens = max_step_tokens
-        # ``state`` is the shared decoder's State at run time (models.loader.load's); the seam's two
-        # types become one when the decoder moves below generation/ (issue 38)
-        decoder = cast("DecoderState", state)
-        self.decode_backend: DecodeBackend = _runnable(decode_backend(decoder, decode_path))
+        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, decode_path))
         blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
         bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
         align = prefill_chunk if bucket and prefill_chunk % block_size == 0 else 0  # hits start on warmed shapes
@@ -118,7 +114,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
                                    whole_chunks=bucket)  # chunk starts stay on the warmed shapes
         compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode
-        self.runner = ModelRunner(decoder, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
+        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
                                   prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=pack_prefill,
                                   max_causal_groups=max_causal_groups)

@@ -13,7 +13,7 @@ from typing import Any, Sequence, cast
 
 from .engine import Engine
 from .events import FinishReason
-from .protocol import ModelState as State
+from ..decoder.layers import State
 from .sampling import SamplingParams
 
 __all__ = ["generate"]

@@ -31,10 +31,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .. import layers  # the shared decoder (models.layers imports this package: its names are read at call time)
-from .attention import Rows, compiled_decode, packing
-from .decode_backends import DecodeBackend
-from .kv_cache import PagedKVCache
+from ..decoder import layers  # the shared decoder (its forward is looked up at call time: tests spy on it)
+from ..decoder.attention import Rows, packing
+from ..decoder.decode_backends import DecodeBackend
+from ..decoder.kv_cache import PagedKVCache
 from .logits import Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .request import Request
 from .sampling import SamplingParams, greedy
@@ -262,7 +262,7 @@ class ModelRunner:
             raise RuntimeError("a compiled decode on a runner built without compile_decode")
         fn = self._compiled.get((hi, span))
         if fn is None:
-            fn = self._compiled[(hi, span)] = compiled_decode(self.state, span, self.cache.block_size,
+            fn = self._compiled[(hi, span)] = layers.compiled_decode(self.state, span, self.cache.block_size,
                                                               self.decode_backend)
         logits, keys, values = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid), mx.array(table),
                                   self.cache.keys, self.cache.values)

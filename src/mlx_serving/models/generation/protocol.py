@@ -1,8 +1,4 @@
-"""What the generation core needs of a loaded model, whatever its family, and of a token
-constraint (typing only).
-
-``models.loader.load`` returns a state satisfying :class:`ModelState` (a ``models.layers.State``,
-whatever the family), over which the shared decoder ``models.layers.forward`` runs. Structured output plugs in
+"""What the generation core needs of a token constraint (typing only): structured output plugs in
 through :data:`ConstraintFactory` (``Engine(..., constraint_factory=)``), making one
 :class:`TokenConstraint` per sequence whose ``SamplingParams.grammar`` is set.
 """
@@ -11,37 +7,9 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-import mlx.core as mx
 import numpy as np
 
-__all__ = ["ConstraintFactory", "ModelConfig", "ModelState", "TokenConstraint"]
-
-
-class ModelConfig(Protocol):
-    """The dimensions the KV cache and the sampler are sized by, and the model's EOS ids
-    (read-only: a family's config is a frozen dataclass)."""
-
-    @property
-    def num_hidden_layers(self) -> int: ...
-    @property
-    def num_attention_heads(self) -> int: ...
-    @property
-    def num_key_value_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
-
-
-class ModelState(Protocol):
-    """A loaded model: its config and its activation (KV) dtype (read-only)."""
-
-    @property
-    def config(self) -> ModelConfig: ...
-    @property
-    def dtype(self) -> mx.Dtype: ...
+__all__ = ["ConstraintFactory", "TokenConstraint"]
 
 
 class TokenConstraint(Protocol):

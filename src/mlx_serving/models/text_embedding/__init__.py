@@ -20,7 +20,7 @@ import numpy as np
 
 from ...serving import Serving
 from ...tokenization import Tokenizer
-from ..layers import State
+from ..decoder.layers import State
 from ..text_generation._inputs import max_bytes_per_token, needs_thread
 from ._backend import EmbeddingBackend
 from ._gguf import gguf_pooling

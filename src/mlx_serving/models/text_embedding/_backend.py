@@ -3,7 +3,7 @@
 Each batch holds rows of one bucket (its key): ``tokens`` ``(n, bucket)`` int32 and ``lengths``
 ``(n,)``. The rows are padded to the next power of two (at most ``batch_size``) so that MLX's
 compiled function sees a few shapes per bucket (it traces once per new shape), run through the
-model's :func:`models.layers.hidden_states` and pooled on the device; the caller gets ``(n, D)``
+model's :func:`models.decoder.layers.hidden_states` and pooled on the device; the caller gets ``(n, D)``
 float32 numpy rows.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from ...serving import Batch
 from ...serving._backend import Mode
-from ..layers import State, hidden_states
+from ..decoder.layers import State, hidden_states
 from ._options import Settings
 from ._pooling import pool
 

@@ -29,8 +29,8 @@ from ...serving._json import JSON, JSONObject
 from ...tokenization import Tokenizer
 
 from ..generation.events import FinishReason
-from ..generation.protocol import ModelState
-from ..generation.kv_cache import plan_blocks
+from ..decoder.layers import State
+from ..decoder.kv_cache import plan_blocks
 from ._backend import GenerationBackend
 from ._events import TokenEvent
 from ._inputs import RequestInfo, max_bytes_per_token, needs_thread, preprocess
@@ -43,7 +43,7 @@ __all__ = ["FinishReason", "GenerationOptions", "TokenEvent", "from_mlx4bit", "f
 _BATCH_TIMEOUT_S = 0.005  # admission window when idle: short, generation requests are long
 
 
-def serving(tokenizer: Tokenizer, state: ModelState, **options: Any) -> Serving:
+def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     """A text-generation Serving over a loaded model ``state`` (any family of ``models.families``
     loads: Qwen3, Qwen2, Llama, Mistral).
 
@@ -121,7 +121,7 @@ def _check_option_names(options: dict[str, object]) -> None:
         raise TypeError(f"unknown text-generation options {unknown} (known: {sorted(known)})")
 
 
-def _check_budget(state: ModelState, opts: GenerationOptions) -> None:
+def _check_budget(state: State, opts: GenerationOptions) -> None:
     """ValueError unless the KV budget holds at least one sequence of ``max_len``."""
     if opts.kv_cache_bytes is not None:
         plan_blocks(state, 1, opts.max_len, opts.kv_cache_bytes)

@@ -12,7 +12,8 @@ import dataclasses
 from typing import Any
 
 from ..generation import Engine, KVStats
-from ..generation.protocol import ConstraintFactory, ModelState
+from ..decoder.layers import State
+from ..generation.protocol import ConstraintFactory
 from ._events import TokenEvent
 from ._inputs import Prompt
 from ._options import GenerationOptions
@@ -23,7 +24,7 @@ __all__ = ["GenerationBackend"]
 class GenerationBackend:
     """IterativeBackend over :class:`models.generation.Engine` (one engine, one paged KV cache per partition)."""
 
-    def __init__(self, state: ModelState, options: GenerationOptions, *,
+    def __init__(self, state: State, options: GenerationOptions, *,
                  constraint_factory: ConstraintFactory | None = None):
         self._model, self._opts, self._constraints = state, options, constraint_factory
 

@@ -1,6 +1,6 @@
 """How a one-token decode forward attends: a backend object, chosen once when an engine is built.
 
-- :class:`GenericDecode` (``"matmul"``, ``"sdpa"``): the shared decoder of :func:`models.layers.forward`,
+- :class:`GenericDecode` (``"matmul"``, ``"sdpa"``): the shared decoder of :func:`models.decoder.layers.forward`,
   masked attention through batched matmuls or ``mx.fast.scaled_dot_product_attention``;
 - :class:`FusedDecode` (``"fused"``): the custom CUDA kernels of :mod:`.cuda_kernels`, 8 launches per
   layer, no mask; each row's kernel reads its own length, so a compiled decode needs one graph per
@@ -17,16 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
 from .._weights import swiglu as split_swiglu
 from . import cuda_kernels
 from .attention import Cache, Rows
-
-if TYPE_CHECKING:
-    from ..layers import State
+from .attention import DecodeBackend as _DecodeBackend
+from .layers import State
 
 __all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "decode_backend", "fits_fused"]
 
@@ -34,24 +32,8 @@ __all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "dec
 DECODE_PATHS = ("fused", "matmul", "sdpa")
 
 
-class DecodeBackend(Protocol):
-    """What the engine and the decoder ask of a decode backend (read-only attributes)."""
-
-    @property
-    def name(self) -> str:
-        """"fused", "matmul" or "sdpa"."""
-
-    @property
-    def sdpa(self) -> bool:
-        """One-token masked rows through ``mx.fast.scaled_dot_product_attention`` (the generic path)."""
-
-    @property
-    def reads_own_length(self) -> bool:
-        """Each row reads its own length: a compiled decode spans ``max_len``, one graph per row count."""
-
-    def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
-        """Logits ``(B, vocab)`` of one-token rows from their embeddings ``h`` ``(B, hidden)``, the
-        K/V written in place; None: run the shared decoder's generic path."""
+#: What the engine and the decoder ask of a decode backend over this package's State.
+DecodeBackend = _DecodeBackend["State"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +65,7 @@ class FusedDecode:
 
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` over the blocks of
-        ``rows.block_table``; the K/V cache is written in place. Returns logits ``(B, vocab_size)``, as :func:`models.layers.forward`."""
+        ``rows.block_table``; the K/V cache is written in place. Returns logits ``(B, vocab_size)``, as :func:`models.decoder.layers.forward`."""
         c = state.config
         eps = c.rms_norm_eps
         x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)

@@ -1,6 +1,6 @@
 """The shared pre-norm decoder every family runs: weights (:class:`Layer`, :class:`State`) and the
 forward pass over a ragged batch, writing the KV cache through the seam of
-:mod:`models.generation.attention`.
+:mod:`models.decoder.attention`.
 
 Per layer: RMSNorm -> q/k/v projections (+ bias: ``attention_bias``) -> per-head q/k RMSNorm
 (``qk_norm``) -> RoPE (split-half unless ``rope_traditional``; base ``rope_theta``, the "llama3"
@@ -13,7 +13,7 @@ the (tied or separate) head, for one position per row only. The hooks are fields
 
 Every projection sees 2-D activations ``(rows, features)``: on MLX's CUDA build a ``(B, 1, K)``
 input into ``quantized_matmul`` costs time linear in B. One-token decode forwards go through the
-caller's decode backend (:mod:`models.generation.decode_backends`: the fused CUDA kernels, or this
+caller's decode backend (:mod:`models.decoder.decode_backends`: the fused CUDA kernels, or this
 module's generic path).
 """
 
@@ -26,11 +26,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ._weights import Fused, Linear, swiglu
-from .config import DecoderConfig
-from .generation.attention import Cache, Rows, Step, attend, last_hidden, make_step, token_ids
-from .generation.decode_backends import DecodeBackend, GenericDecode
-from .native import PagedAttention
+from .._weights import Fused, Linear, swiglu
+from ..config import DecoderConfig
+from ..native import PagedAttention
+from .attention import Cache, DecodeBackend, Rows, Step, attend, last_hidden, make_step, token_ids
+from .kv_cache import PagedKVCache
 
 __all__ = ["Layer", "State", "forward", "hidden_states", "rope_frequencies"]
 
@@ -121,10 +121,7 @@ def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step,
     return layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
 
 
-_GENERIC = GenericDecode()
-
-
-def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GENERIC) -> mx.array:
+def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend[State] | None = None) -> mx.array:
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at token
@@ -133,11 +130,11 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GEN
     """
     c = state.config
     h = state.embed_tokens.rows(token_ids(rows))
-    if rows.tokens.shape[1] == 1:
+    if rows.tokens.shape[1] == 1 and decode is not None:
         logits = decode.decode(state, cache, rows, h)
         if logits is not None:
             return logits
-    step = make_step(rows, cache, sdpa_decode=decode.sdpa, kernel=state.attention)
+    step = make_step(rows, cache, sdpa_decode=decode is not None and decode.sdpa, kernel=state.attention)
     rope = _rope(state, rows.start)
     eps = c.rms_norm_eps
     for i, layer in enumerate(state.layers):
@@ -146,6 +143,29 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend = _GEN
         h = h + layer.down_proj(swiglu(gate, up))
     h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, eps)
     return state.lm_head(h)
+
+
+def compiled_decode(state: State, kv_len: int, block_size: int,
+                    decode: DecodeBackend[State] | None = None) -> Callable[..., tuple]:
+    """An ``mx.compile``d one-token decode of B rows through the ``decode`` backend
+    (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a
+    backend whose rows read their own length, the fused one), over a paged cache of
+    ``block_size``-token blocks.
+
+    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, block_table (B, W)
+    int32, keys, values)`` with the cache's per-layer lists; returns ``(logits (B, vocab), keys,
+    values)``, the new per-layer arrays (the caller stores them back). Weights are captured as
+    constants. MLX retraces once per new input shape. The forward traced is :func:`forward`
+    (looked up when traced), whatever ``state``'s family.
+    """
+
+    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
+             keys: list[mx.array], values: list[mx.array]) -> tuple:
+        cache = PagedKVCache(list(keys), list(values), block_size)
+        rows = Rows(tokens, start, n_valid, kv_len, mx.zeros_like(start), table)
+        return forward(state, cache, rows, decode), cache.keys, cache.values
+
+    return mx.compile(step)
 
 
 def _causal_attention(layer: Layer, x: mx.array, b: int, t: int, rope: Callable[[mx.array], mx.array],

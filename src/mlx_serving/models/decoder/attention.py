@@ -6,14 +6,13 @@ calls :func:`attend` in every layer with its normed and rotated q/k and v: ``att
 K/V into the paged cache through the block table and runs masked GQA attention over each row's valid
 prefix. :func:`compiled_decode` is the ``mx.compile``d one-token decode. The model runner
 (:mod:`.model_runner`) builds ``Rows``; the shared decoder
-(:mod:`models.layers`, which every family in ``models/families`` runs) only calls this seam.
+(:mod:`models.decoder.layers`, which every family in ``models/families`` runs) only calls this seam.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import Protocol, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -21,14 +20,35 @@ import numpy as np
 from ..native import PagedAttention
 from .kv_cache import PagedKVCache
 
-if TYPE_CHECKING:
-    from ..layers import State  # which imports this module
-    from .decode_backends import DecodeBackend  # which imports this module
 
-__all__ = ["Cache", "Rows", "Step", "attend", "compiled_decode", "last_hidden", "make_step", "packing", "token_ids"]
+__all__ = ["Cache", "DecodeBackend", "Rows", "Step", "attend", "last_hidden", "make_step", "packing", "token_ids"]
 
 #: The KV cache :func:`attend` reads and writes.
 Cache = PagedKVCache
+
+
+StateT = TypeVar("StateT", contravariant=True)  # the loaded model a backend decodes (models.decoder.layers.State)
+
+
+class DecodeBackend(Protocol[StateT]):
+    """How one-token decode rows attend (read-only attributes); the backends are in
+    :mod:`.decode_backends`."""
+
+    @property
+    def name(self) -> str:
+        """"fused", "matmul" or "sdpa"."""
+
+    @property
+    def sdpa(self) -> bool:
+        """One-token masked rows through ``mx.fast.scaled_dot_product_attention`` (the generic path)."""
+
+    @property
+    def reads_own_length(self) -> bool:
+        """Each row reads its own length: a compiled decode spans ``max_len``, one graph per row count."""
+
+    def decode(self, state: StateT, cache: PagedKVCache, rows: Rows, h: mx.array) -> mx.array | None:
+        """Logits ``(B, vocab)`` of one-token rows from their embeddings ``h`` ``(B, hidden)``, the
+        K/V written in place; None: run the shared decoder's generic path."""
 
 
 @dataclass
@@ -42,7 +62,7 @@ class Rows:
     ``causal_groups``, where each group's span is its start + T); ``last`` (B,) int32 index in ``[0, T)`` of
     the token whose logits each row returns; ``dense`` True when B == 1 and the row has
     no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
-    ``block_table`` (B, W) int32 (:class:`~models.generation.kv_cache.PagedKVCache`): the KV blocks
+    ``block_table`` (B, W) int32 (:class:`~models.decoder.kv_cache.PagedKVCache`): the KV blocks
     of each row in order (W >= ceil(kv_len / block_size); unused entries and padding rows 0, the
     null block).
 
@@ -232,29 +252,3 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     else:
         raise RuntimeError("attend: a step with neither causal groups nor read indices")
     return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
-
-
-def compiled_decode(state: State, kv_len: int, block_size: int,
-                    decode: DecodeBackend | None = None) -> Callable[..., tuple]:
-    """An ``mx.compile``d one-token decode of B rows through the ``decode`` backend
-    (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a
-    backend whose rows read their own length, the fused one), over a paged cache of
-    ``block_size``-token blocks.
-
-    Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, block_table (B, W)
-    int32, keys, values)`` with the cache's per-layer lists; returns ``(logits (B, vocab), keys,
-    values)``, the new per-layer arrays (the caller stores them back). Weights are captured as
-    constants. MLX retraces once per new input shape. The forward traced
-    is the shared decoder's (:func:`models.layers.forward`), whatever ``state``'s family.
-    """
-    from ..layers import forward  # models.layers imports this module
-
-    fwd = forward if decode is None else partial(forward, decode=decode)
-
-    def step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
-             keys: list[mx.array], values: list[mx.array]) -> tuple:
-        cache = PagedKVCache(list(keys), list(values), block_size)
-        rows = Rows(tokens, start, n_valid, kv_len, mx.zeros_like(start), table)
-        return fwd(state, cache, rows), cache.keys, cache.values
-
-    return mx.compile(step)

@@ -20,13 +20,41 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Protocol
+
 import mlx.core as mx
 import numpy as np
 
-from .protocol import ModelState
 
-__all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "PagedKVCache", "available_memory", "init_paged_kv_cache",
+__all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "ModelConfig", "ModelState", "PagedKVCache", "available_memory", "init_paged_kv_cache",
            "kv_bytes_per_token", "plan_blocks", "row_blocks"]
+
+
+class ModelConfig(Protocol):
+    """The dimensions the KV cache and the sampler are sized by, and the model's EOS ids
+    (read-only: a family's config is a frozen dataclass)."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+
+
+class ModelState(Protocol):
+    """A loaded model: its config and its activation (KV) dtype (read-only)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def dtype(self) -> mx.Dtype: ...
 
 log = logging.getLogger("mlx_serving")
 
