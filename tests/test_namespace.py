@@ -123,7 +123,8 @@ def _import_graph() -> dict[str, set[str]]:
                     mod = node.module.split(".")[1:]
                 else:
                     continue
-                targets = [[*mod, a.name] for a in node.names] + [mod]
+                # ``from X import name``: the submodule X.name where there is one, else X itself
+                targets = [[*mod, a.name] if ".".join([*mod, a.name]) in modules else mod for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name.split(".")[1:] for a in node.names if a.name.startswith("mlx_serving.")]
             for t in targets:  # the most specific module the import names
@@ -168,6 +169,17 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+#: The one import cycle left (issue 38: ServingPool's backend as an object, no ``__new__`` switch,
+#: removes it); any other cycle fails the test below.
+_KNOWN_CYCLES = [{"serving._pool._pool", "serving.ray", "serving.ray._pool"}]
+
+
+def test_no_import_cycle_but_the_known_one():
+    """The import graph of src/ (lazy and TYPE_CHECKING imports included) has no cycle but the
+    listed one."""
+    assert [c for c in _cycles(_import_graph()) if c not in _KNOWN_CYCLES] == []
 
 
 def test_the_decoder_sits_below_the_engine_and_neither_is_in_an_import_cycle():

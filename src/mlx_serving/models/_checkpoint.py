@@ -27,17 +27,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict, TypeGuard, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypedDict, TypeGuard, TypeVar
 
 import mlx.core as mx
 
 from ..serving._json import JSON, JSONObject
 
-if TYPE_CHECKING:
-    from .config import DecoderConfig
-
 __all__ = [
-    "COMPUTE_DTYPES", "DecoderFields", "FLOAT_DTYPES", "LIMITS", "MAX_HEADER_BYTES", "MAX_JSON_BYTES", "MissingFieldError",
+    "COMPUTE_DTYPES", "DecoderFields", "DecoderShape", "FLOAT_DTYPES", "LIMITS", "MAX_HEADER_BYTES", "MAX_JSON_BYTES", "MissingFieldError",
     "QuantSpec", "Quantization", "TensorChecks", "TensorInfo", "bool_field", "cast_floating", "check_dtype",
     "checkpoint_file", "compute_dtype", "decoder_fields", "eos_ids", "float_field", "int_field", "optional",
     "quantization_block", "read_config_files", "read_header", "read_json", "read_tensors", "require", "show",
@@ -437,6 +434,28 @@ def read_header(path: Path, f: Path) -> dict[str, TensorInfo]:
     return out
 
 
+
+class DecoderShape(Protocol):
+    """The config fields :meth:`TensorChecks.decoder` checks a checkpoint's tensors against
+    (read-only: :class:`~models.config.DecoderConfig` has them)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool | None: ...
+    @property
+    def num_hidden_layers(self) -> int: ...
+
 class TensorChecks:
     """Checks of the tensors a checkpoint's headers describe against what its config implies,
     before anything is loaded: :meth:`expect` (one tensor's dtype and shape), :meth:`matrix`
@@ -489,7 +508,7 @@ class TensorChecks:
         self.expect(f"{module}.scales", FLOAT_DTYPES, groups, why)
         self.expect(f"{module}.biases", FLOAT_DTYPES, groups, why)
 
-    def decoder(self, c: DecoderConfig) -> dict[str, tuple[int, int, str, str]]:
+    def decoder(self, c: DecoderShape) -> dict[str, tuple[int, int, str, str]]:
         """Check what every Llama-shaped decoder has outside its layers (the embedding, an untied
         head, the final norm: exactly ``vocab_size`` x ``hidden_size``) and each layer's two
         RMSNorm weights; return each layer's projections as ``{module: (out, in, why_out,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, Self, TypeVar, cast
+from typing import Any, Generic, NoReturn, Protocol, Self, TypeVar, cast
 
 import anyio
 
@@ -19,16 +19,38 @@ from ._channel import END
 from ._messages import Part, RowEvent
 from ._output import Output, concat_outputs, slice_output
 from ._request import Request, check_deadline
-from ._telemetry import ServingStats, timed
+from ._backend import Backend, IterativeBackend
+from ._telemetry import Callback, ServingStats, timed
 
-if TYPE_CHECKING:
-    from ._serving import Serving
-
-__all__ = ["AsyncStream", "Consumer", "LocalClient", "Stream", "Transducer"]
+__all__ = ["AsyncStream", "Consumer", "LocalClient", "ServingSpec", "Stream", "Transducer"]
 
 In = TypeVar("In")  # what a caller passes (``run(input)``)
 Out = TypeVar("Out")  # what a call returns (the postprocessed result)
 T = TypeVar("T")  # one stream item
+
+
+In_contra = TypeVar("In_contra", contravariant=True)
+Out_co = TypeVar("Out_co", covariant=True)
+
+
+class ServingSpec(Protocol[In_contra, Out_co]):
+    """What the client side and the runtimes read of a ``Serving`` (its description, not its
+    verbs): the backend and its ``init`` argument, the telemetry callback, and the caller-side
+    steps. ``Serving`` satisfies it; this module, ``_handle`` and ``_inline`` depend on this
+    protocol, not on ``_serving`` (which imports them)."""
+
+    @property
+    def _backend(self) -> Backend | IterativeBackend: ...
+    @property
+    def _arg(self) -> object: ...
+    @property
+    def _telemetry(self) -> Callback | None: ...
+    @property
+    def _is_iterative(self) -> bool: ...
+    def _preprocess(self, input: In_contra) -> tuple[Batch, object]: ...
+    def _offload(self, input: In_contra) -> bool: ...
+    def _postprocess(self, result: tuple[Any, Any], info: object) -> Out_co: ...
+    def _transducer_for(self, info: object) -> Transducer[Any]: ...
 
 
 class Transducer(Protocol[T]):
@@ -322,7 +344,7 @@ class Runtime(Protocol):
 class Call(Generic[Out]):
     """One submitted call of a serving: its request and consumer; reads and postprocesses."""
 
-    def __init__(self, serving: Serving[Any, Out], runtime: Runtime, prepared: tuple[Batch, object],
+    def __init__(self, serving: ServingSpec[Any, Out], runtime: Runtime, prepared: tuple[Batch, object],
                  deadline: float | None):
         batch, self.info = prepared
         self.serving = serving
@@ -363,7 +385,7 @@ class LocalClient(Generic[In, Out]):
     closed), ``_check(batch)``, ``stats()`` and ``close()``.
     """
 
-    _serving: Serving[In, Out]
+    _serving: ServingSpec[In, Out]
 
     def _runtime(self) -> Runtime:
         raise NotImplementedError

@@ -9,20 +9,17 @@ import time
 import weakref
 from concurrent.futures import wait
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ._backend import is_iterative
 from ._batch import Batch
-from ._client import LocalClient, Runtime
+from ._client import LocalClient, Runtime, ServingSpec
 from ._errors import ServingStopped
 from ._executor import Executor
 from ._iterative import IterativeScheduler, close_state
 from ._options import ProcessOptions
 from ._static import StaticScheduler
 from ._telemetry import ServingStats
-
-if TYPE_CHECKING:
-    from ._serving import Serving
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -59,7 +56,7 @@ class ServingHandle(LocalClient[In, Out]):
     request: past it the request is withdrawn and ``DeadlineExceeded`` is raised.
     """
 
-    def __init__(self, serving: Serving[In, Out], name: str | None, options: ProcessOptions):
+    def __init__(self, serving: ServingSpec[In, Out], name: str | None, options: ProcessOptions):
         self._serving, self._name, self._options = serving, name, options
         self._stop_lock = threading.Lock()
         self._stopped = False

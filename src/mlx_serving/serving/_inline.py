@@ -11,11 +11,11 @@ import threading
 from dataclasses import replace
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from ._backend import Backend, IterativeBackend, is_iterative
 from ._batch import Batch
-from ._client import LocalClient, Runtime
+from ._client import LocalClient, Runtime, ServingSpec
 from ._counters import Counters
 from ._errors import BackendError, ServingStopped
 from ._executor import Executor
@@ -25,9 +25,6 @@ from ._options import ProcessOptions
 from ._output import output_rows
 from ._request import Request, reap
 from ._telemetry import ServingStats, TelemetryEvent, timed
-
-if TYPE_CHECKING:
-    from ._serving import Serving
 
 _UNSET: Any = object()
 
@@ -173,7 +170,7 @@ class InlineRuntime:
 class InlineClient(LocalClient[In, Out]):
     """The client contract over a serving's inline runtime (what ``Serving.run`` uses)."""
 
-    def __init__(self, serving: Serving[In, Out], runtime: InlineRuntime):
+    def __init__(self, serving: ServingSpec[In, Out], runtime: InlineRuntime):
         self._serving, self._inline = serving, runtime
 
     def _runtime(self) -> Runtime:
