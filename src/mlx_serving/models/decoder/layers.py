@@ -32,7 +32,7 @@ from ..native import PagedAttention
 from .attention import Cache, DecodeBackend, Rows, Step, attend, last_hidden, make_step, token_ids
 from .kv_cache import PagedKVCache
 
-__all__ = ["Layer", "State", "forward", "hidden_states", "rope_frequencies"]
+__all__ = ["Layer", "State", "compiled_decode", "forward", "hidden_states", "rope_frequencies"]
 
 
 @dataclass
