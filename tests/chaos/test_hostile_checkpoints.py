@@ -462,6 +462,25 @@ def test_hugging_face_cache_layout_loads(ckpt, tmp_path):
     _refused(snap, ValueError, "outside the checkpoint directory")
 
 
+def test_hugging_face_cache_with_a_symlinked_blobs_folder_is_refused(ckpt, tmp_path):
+    """A ``blobs`` folder that is itself a symlink (to ``/``, or to a folder holding the files) would
+    let the snapshot's links read from anywhere: only a real ``<repo>/blobs`` directory is allowed."""
+    repo = tmp_path / "models--org--tiny"
+    snap, elsewhere = repo / "snapshots" / "0123abc", tmp_path / "elsewhere"
+    snap.mkdir(parents=True)
+    elsewhere.mkdir()
+    for i, name in enumerate(FILES):
+        shutil.copyfile(ckpt / name, elsewhere / f"blob{i}")
+        (snap / name).symlink_to(f"../../blobs/blob{i}")
+    (repo / "blobs").symlink_to(elsewhere, target_is_directory=True)
+    _refused(snap, ValueError, "outside the checkpoint directory")
+    (repo / "blobs").unlink()
+    (repo / "blobs").symlink_to("/", target_is_directory=True)
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to("../../blobs" + str(elsewhere / "blob0"))
+    _refused(snap, ValueError, "outside the checkpoint directory")
+
+
 # ---- fuzz: any config.json value gives a config or a ValueError -------------------------------
 
 INT_FIELDS = [k for k, v in REF_CONFIG.items() if isinstance(v, int) and not isinstance(v, bool)]

@@ -287,6 +287,9 @@ def test_symlinks_inside_and_hub_cache_layout_load(tdir, tmp_path):
         shutil.copyfile(tdir / name, blobs / f"b{i}")
         (snap / name).symlink_to(f"../../blobs/b{i}")
     assert Tokenizer.from_dir(snap).chat_template is not None
+    blobs.rename(tmp_path / "elsewhere")  # a blobs folder that is a symlink is no hub cache
+    blobs.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    _refused(snap, TokenizationError, "outside the tokenizer directory")
 
 
 # ---- hostile chat templates --------------------------------------------------------------------

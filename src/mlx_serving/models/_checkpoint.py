@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping, Protocol, TypedDict, TypeGuard, TypeV
 
 import mlx.core as mx
 
+from .._paths import resolves_inside
 from ..serving._json import JSON, JSONObject
 
 __all__ = [
@@ -267,33 +268,21 @@ def decoder_fields(raw: Mapping[str, object], generation: Mapping[str, object] |
 
 # ---- files ----------------------------------------------------------------------------------
 
-def _allowed_roots(root: Path) -> list[Path]:
-    """Where files of checkpoint ``root`` may live: the directory itself (resolved) and, for a
-    Hugging Face hub cache snapshot (``<repo>/snapshots/<revision>/``, whose files are symlinks
-    to ``<repo>/blobs/``), that repository's ``blobs`` folder."""
-    real = root.resolve()
-    roots = [real]
-    for d in {root.absolute(), real}:
-        if d.parent.name == "snapshots":
-            roots.append((d.parent.parent / "blobs").resolve())
-    return roots
-
-
 def checkpoint_file(root: str | Path, name: object, what: str = "file") -> Path:
     """``root / name``, refusing a name or a symlink that leaves the checkpoint directory.
 
     Raises ValueError naming ``name`` when it is not a plain relative path string or when it
-    resolves outside ``root`` (see :func:`_allowed_roots`). Existence is not checked.
+    resolves outside ``root`` (see :func:`mlx_serving._paths.allowed_roots`). Existence is not checked.
     """
     root = Path(root)
     if not isinstance(name, str) or not name or "\0" in name:
         raise ValueError(f"checkpoint {root}: {what} name must be a non-empty string, got {show(name)}")
     path = root / name
     try:
-        real = path.resolve()
+        inside, real = resolves_inside(path, root)
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise ValueError(f"checkpoint {root}: {what} {name!r} cannot be resolved ({exc})") from None
-    if not any(real == r or real.is_relative_to(r) for r in _allowed_roots(root)):
+    if not inside:
         raise ValueError(f"checkpoint {root}: {what} {name!r} resolves to {real}, "
                          "outside the checkpoint directory")
     return path

@@ -14,6 +14,7 @@ from typing import Any
 
 import tokenizers
 
+from .._paths import resolves_inside
 from ._chat import ChatTemplate, Message
 from ._data import data_path
 from ._errors import ChatTemplateError, InvalidTextError, TokenizationError
@@ -33,16 +34,14 @@ MAX_ADDED_TOKENS = 65_536
 
 def _inside(model_dir: Path, name: str) -> Path:
     """``model_dir / name``, refusing a symlink that resolves outside ``model_dir`` (except, for a
-    Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, into ``<repo>/blobs/``)."""
+    Hugging Face cache snapshot ``<repo>/snapshots/<rev>/``, into ``<repo>/blobs/``:
+    :func:`mlx_serving._paths.allowed_roots`)."""
     path = model_dir / name
     try:
-        real, roots = path.resolve(), [model_dir.resolve()]
+        inside, real = resolves_inside(path, model_dir)
     except (OSError, RuntimeError) as exc:  # a symlink loop
         raise TokenizationError(f"{path} cannot be resolved ({exc})") from None
-    for d in {model_dir.absolute(), roots[0]}:
-        if d.parent.name == "snapshots":
-            roots.append((d.parent.parent / "blobs").resolve())
-    if not any(real == r or real.is_relative_to(r) for r in roots):
+    if not inside:
         raise TokenizationError(f"{path} resolves to {real}, outside the tokenizer directory")
     return path
 
