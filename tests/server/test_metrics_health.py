@@ -69,6 +69,25 @@ def test_metrics_count_the_requests_made(server: Server):
     assert _delta(after, before, "mlx_serving:iteration_tokens_total_bucket", le_inf) == steps
 
 
+def test_waiting_and_running_count_each_sequence_once(tiny_ckpt: Path):
+    """8 streams on a 2-sequence engine: 2 running, 6 waiting (in the engine's own queue, where the
+    serving hands its rows), each counted once."""
+    from mlx_serving import text_generation
+
+    serving = text_generation.from_mlx4bit(tiny_ckpt, max_new_tokens=4000, max_len=4100, max_batch=2)
+    with Serving.start(serving) as handle, serve(create_app({MODEL: handle})) as url:
+        streams = [handle.stream({"text": f"q{i}", "ignore_eos": True}) for i in range(8)]
+        try:
+            wait_for(lambda: handle.stats().running == 2 and handle.stats().queued == 6, what="2 running, 6 waiting")
+            samples = metric_samples(url)
+            assert samples[("mlx_serving:num_requests_running", LABELS)] == 2
+            assert samples[("mlx_serving:num_requests_waiting", LABELS)] == 6
+        finally:
+            for stream in streams:
+                stream.close()
+    serving.close()
+
+
 def test_itl_is_observed_per_gap():
     """One 0.9 s stall among 1 ms gaps lands in the 0.75-1 s bucket, not in a mean of ~0.2 s."""
     from mlx_serving.server._metrics import Metrics

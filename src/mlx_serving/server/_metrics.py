@@ -26,8 +26,8 @@ Per request at arrival: ``request_params_n`` (completions asked for) and
 ``request_params_max_tokens`` (when the request gives it).
 
 Read from ``Client.stats()`` at each scrape (no second bookkeeping): ``num_requests_running`` /
-``num_requests_waiting`` (sequences: the engine's running ones, ``backend.seqs_running``; those
-queued in the serving, ``queued``, plus those waiting in the engine, ``backend.seqs_waiting``),
+``num_requests_waiting`` (sequences: the engine's running ones, ``backend.seqs_running``; the
+waiting ones, ``queued``: in the serving's queue or the engine's, each once),
 ``kv_cache_usage_perc`` (KV blocks used / total, a fraction in [0, 1] as in vLLM),
 ``prefix_cache_queries_total`` / ``prefix_cache_hits_total`` (prompt tokens looked up / found in
 the prefix cache, as vLLM counts them), ``num_preemptions_total``,
@@ -182,9 +182,9 @@ class _StatsCollector(Collector):
                                           labels=["model_name"])
         for model, s in self._stats().items():
             kv = s.backend
-            # rows admitted into the engine may still wait in its own queue (seqs_waiting)
+            # ServingStats.queued already counts the rows waiting in the engine's own queue
             running.add_metric([model], kv.get("seqs_running", s.running))
-            waiting.add_metric([model], s.queued + kv.get("seqs_waiting", 0))
+            waiting.add_metric([model], s.queued)
             if kv.get("blocks_total"):
                 usage.add_metric([model], kv.get("blocks_used", 0) / kv["blocks_total"])
             queries.add_metric([model], kv.get("prefix_query_tokens", 0))
