@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,7 +22,8 @@ class ProcessOptions:
     max_queue: most rows waiting; a request that would exceed it raises ``ServingOverloaded``.
     shutdown_timeout: seconds ``stop()`` lets running work finish before failing it.
 
-    Raises ``ValueError`` for out-of-range values, and when ``max_queue < batch_size`` (a batch
+    Raises ``ValueError`` naming the option for a value of the wrong type or out of range (the
+    timeouts: finite numbers of seconds in [0, 1e9]), and when ``max_queue < batch_size`` (a batch
     could then never fill).
     """
 
@@ -36,8 +38,7 @@ class ProcessOptions:
         object.__setattr__(self, "batch_keys", tuple(self.batch_keys))
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.batch_timeout < 0:
-            raise ValueError(f"batch_timeout must be >= 0 seconds, got {self.batch_timeout}")
+        _check_seconds("batch_timeout", self.batch_timeout)
         if not self.batch_keys:
             raise ValueError("batch_keys must name at least one key")
         if self.partitions < 1:
@@ -47,11 +48,19 @@ class ProcessOptions:
                 f"max_queue ({self.max_queue}) must be >= batch_size ({self.batch_size or 1}): "
                 "a batch could never fill"
             )
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        _check_seconds("shutdown_timeout", self.shutdown_timeout)
 
     def merge(self, **overrides: Any) -> ProcessOptions:
         """A copy with ``overrides`` applied (unknown names raise ``TypeError``).
 
         Any: callers forward options given by name at run time; ``__post_init__`` checks them."""
         return replace(self, **overrides)
+
+
+def _check_seconds(name: str, value: object) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a finite number of seconds in [0, 1e9]
+    (not a bool): NaN compares false everywhere and longer waits overflow the blocking calls."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not (math.isfinite(value) and 0 <= value <= 1e9):
+        raise ValueError(f"{name} must be a finite number of seconds in [0, 1e9], got {value!r}")

@@ -39,9 +39,14 @@ def reap(orphans: deque[Request]) -> None:
         request.cancel()
 
 
+#: A deadline further away than this (seconds, ~32 years) is no deadline: the blocking waits of
+#: the threads and event loops cannot represent much longer ones (``threading.TIMEOUT_MAX``).
+MAX_DEADLINE_S = 1e9
+
+
 def check_deadline(deadline_s: object) -> None:
     """``ValueError`` unless ``deadline_s`` is None or a finite number of seconds > 0 (not a
-    bool): ``inf`` would overflow the blocking waits, NaN compares false everywhere."""
+    bool): NaN compares false everywhere. One over :data:`MAX_DEADLINE_S` means no deadline."""
     if deadline_s is None:
         return
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)):
@@ -66,7 +71,8 @@ class Request:
         self.channel: Channel[Any] = Channel()  # Part, RowEvent or a pool's payload / reply
         self.size = size
         self.submitted = time.monotonic()
-        self.deadline = None if deadline_s is None else self.submitted + deadline_s
+        far = deadline_s is None or deadline_s > MAX_DEADLINE_S
+        self.deadline = None if deadline_s is None or far else self.submitted + deadline_s
         self.owner: Owner | None = None
         self.delivered = 0  # static: rows whose output was delivered
         self.rows: list[Any] = []  # iterative: the scheduler's row records
