@@ -22,7 +22,7 @@ from ._executor import Executor
 from ._iterative import IterativeScheduler, add_backend_stats, close_state
 from ._messages import Part
 from ._options import ProcessOptions
-from ._output import output_rows
+from ._output import check_output_rows
 from ._request import Request, reap
 from ._telemetry import ServingStats, TelemetryEvent, timed
 
@@ -158,8 +158,7 @@ class InlineRuntime:
             chunk, rest = (rest, None) if rest.size <= limit else rest.split(limit)
             with timed(self._telemetry, "execute", chunk.size, partition=0, batch_key=chunk.batch_key):
                 output, metadata = backend.handle_batch(chunk, 0, state)
-            if output_rows(output) < chunk.size:
-                raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {chunk.size}")
+            check_output_rows(output, chunk.size, limit)
             with self._cond:
                 self._c.batches_run += 1
                 self._c.fill_sum += chunk.size / limit

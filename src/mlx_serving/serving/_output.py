@@ -33,6 +33,18 @@ def output_rows(output: object) -> int:
     )
 
 
+def check_output_rows(output: object, rows: int, batch_size: int) -> None:
+    """``ValueError`` unless ``output`` (what ``handle_batch`` returned for a batch of ``rows`` real
+    rows) has at least ``rows`` rows and at most what padding explains: ``batch_size`` rounded up to
+    a power of two (a backend may pad to fixed shapes), or ``rows`` when more. ``TypeError`` as
+    :func:`output_rows`."""
+    got = output_rows(output)
+    most = max(rows, 1 << max(batch_size - 1, 0).bit_length())
+    if not rows <= got <= most:
+        raise ValueError(f"handle_batch returned {got} rows for a batch of {rows} (padding may take it to "
+                         f"at most {most}: batch_size {batch_size} rounded up to a power of two)")
+
+
 def slice_output(output: Output, start: int, size: int) -> Output:
     """Rows ``[start, start + size)`` of every leaf."""
     if isinstance(output, dict):

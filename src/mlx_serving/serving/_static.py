@@ -20,7 +20,7 @@ from ._batch import Batch
 from ._counters import Counters, too_big
 from ._errors import BackendError, ServingOverloaded, ServingStopped
 from ._options import ProcessOptions
-from ._output import output_rows
+from ._output import check_output_rows
 from ._messages import Part
 from ._request import Request, reap
 from ._telemetry import ServingStats, TelemetryEvent, emit
@@ -196,8 +196,7 @@ class StaticScheduler:
         try:
             batch = entries[0].batch if len(entries) == 1 else Batch.merge([e.batch for e in entries])
             output, metadata = self._backend.handle_batch(batch, partition, self._state)
-            if output_rows(output) < rows:
-                raise ValueError(f"handle_batch returned {output_rows(output)} rows for a batch of {rows}")
+            check_output_rows(output, rows, self._batch_size)
         except BaseException as exc:
             error = exc
         duration = time.perf_counter() - start
