@@ -9,11 +9,14 @@ import json
 import signal
 import socket
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import httpx
 
+from server_helpers import metric_samples
 from test_serve_cli import serve_process
 
 
@@ -55,6 +58,30 @@ def test_sigterm_ends_a_stream_past_the_grace_with_an_error_event(tiny_ckpt: Pat
     assert error["code"] == "shutting_down" and "shutting down" in error["message"]
     texts = [json.loads(p)["choices"][0] for p in payloads[:-2]]
     assert 2 <= len(texts) < 2000 and all(c["finish_reason"] is None for c in texts)
+
+
+def _running(url: str) -> float:
+    return sum(v for (name, _), v in metric_samples(url).items() if name == "mlx_serving:num_requests_running")
+
+
+def test_sigterm_ends_a_whole_response_past_the_grace_with_a_503(tiny_ckpt: Path):
+    """A non-streamed completion still running when the grace ends gets OpenAI's error shape (503,
+    ``shutting_down``), not a bare 500 from uvicorn's forced cancel, and no traceback is logged."""
+    body = {"prompt": "once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    with _serve(tiny_ckpt, "--shutdown-grace", "0.5") as (url, process):
+        with ThreadPoolExecutor(1) as pool:
+            response = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            while _running(url) != 1:
+                assert not response.done(), response.result().text
+                time.sleep(0.05)
+            process.send_signal(signal.SIGTERM)
+            answer = response.result()
+        assert process.wait(60) == -signal.SIGTERM
+        log = process.stderr.read()
+    assert answer.status_code == 503, (answer.text, log)
+    error = answer.json()["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"]
+    assert "Traceback" not in log and "CancelledError" not in log, log
 
 
 def _closed_by_server(sock: socket.socket) -> bytes:

@@ -5,7 +5,8 @@ import FastAPI (``create_app`` imports it on first use).
 ``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0, allowed_origins=(),
 shutdown_grace=10.0, client_timeout=30.0)`` builds the ASGI app over ``{name: Client or ServedModel}``
 (docs/server.md); ``client_timeout_protocol(seconds)`` is uvicorn's HTTP protocol with a deadline on
-each request head (uvicorn imported on first use); ``ServedModel`` (a client with its context
+each request head (uvicorn imported on first use); ``draining_server(config, app)`` is uvicorn's
+server giving the app's whole (non-streamed) responses the shutdown grace too; ``ServedModel`` (a client with its context
 length and tokenizer) is importable without FastAPI.
 """
 
@@ -18,11 +19,12 @@ from ._models import ServedModel
 if TYPE_CHECKING:
     import asyncio
 
+    import uvicorn
     from fastapi import FastAPI
 
     from ._app import create_app  # its signature, for the type checker; at run time, the wrapper below
 
-__all__ = ["ServedModel", "client_timeout_protocol", "create_app"]
+__all__ = ["ServedModel", "client_timeout_protocol", "create_app", "draining_server"]
 
 
 if not TYPE_CHECKING:
@@ -40,3 +42,12 @@ def client_timeout_protocol(seconds: float) -> type[asyncio.Protocol]:
     from ._timeouts import client_timeout_protocol as protocol
 
     return protocol(seconds)
+
+
+def draining_server(config: uvicorn.Config, app: FastAPI) -> uvicorn.Server:
+    """``uvicorn.Server(config)`` that starts ``app``'s shutdown grace (``create_app``'s
+    ``shutdown_grace``) at SIGTERM / Ctrl-C, so whole responses still running at its end get a 503
+    ``shutting_down`` instead of uvicorn's bare 500: see ``mlx_serving.server._shutdown.DrainingServer``."""
+    from ._shutdown import DrainingServer
+
+    return DrainingServer(config, app.state.drain)

@@ -163,6 +163,7 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   max_body_size=max_body_bytes)
     app.state.served, app.state.metrics = served, metrics
+    app.state.drain = drain  # DrainingServer (the CLI) starts its grace at the shutdown signal
     _error_handlers(app)
     app.state.client_timeout = client_timeout
     app.include_router(_v1_router(served, metrics, api_key, request_timeout, drain))
@@ -267,7 +268,8 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
                                        shutdown_event=drain,  # type: ignore[arg-type]
                                        shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
         with _rows_named(rows_field):
-            result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline))
+            result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline),
+                                                  drain)
         if result is _GONE:
             record.aborted()
             return Response(status_code=499)
@@ -285,7 +287,7 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         return await complete(request, "completion")
 
     _responses_routes(router, served, metrics, request_timeout, drain)
-    _embeddings_route(router, served, metrics, request_timeout)
+    _embeddings_route(router, served, metrics, request_timeout, drain)
 
     @router.get("/models")
     async def list_models() -> Response:
@@ -320,7 +322,7 @@ def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, requ
             return EventSourceResponse(responses.events(stream, turn, name, record, drain), sep="\n",
                                        shutdown_event=drain,  # type: ignore[arg-type]
                                        shutdown_grace_period=drain.grace + 1)
-        result = await _unless_disconnected(request, lambda: responses.run(model.client, turn, deadline))
+        result = await _unless_disconnected(request, lambda: responses.run(model.client, turn, deadline), drain)
         if result is _GONE:
             record.aborted()
             return Response(status_code=499)
@@ -336,7 +338,8 @@ def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, requ
         return JSONResponse(responses.store.delete(response_id))
 
 
-def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None) -> None:
+def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None,
+                      drain: Drain) -> None:
     """``POST /embeddings`` on ``router`` (an embedding model's; :mod:`._embeddings`)."""
 
     @router.post("/embeddings")
@@ -348,7 +351,7 @@ def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, requ
         try:
             with _rows_named("input"):
                 result = await _unless_disconnected(
-                    request, lambda: model.client.run_async(call.inputs, deadline=request_timeout))
+                    request, lambda: model.client.run_async(call.inputs, deadline=request_timeout), drain)
         except InvalidInput as exc:
             raise input_error(exc) from None
         if result is _GONE:
@@ -451,9 +454,18 @@ async def _body(request: Request) -> dict[str, Any]:
 _GONE = object()
 
 
-async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Any]]) -> Any:
+async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Any]], drain: Drain) -> Any:
     """``await run()``, cancelled (which withdraws the request) when the client disconnects first:
-    then ``_GONE``. What ``run`` raises is raised as is (not in an exception group)."""
+    then ``_GONE``; or when the server's shutdown grace ends first: then APIError 503
+    (``shutting_down``). What ``run`` raises is raised as is (not in an exception group)."""
+    with drain.scope() as shutdown:
+        outcome = await _race_disconnect(request, run)
+    if shutdown.cancelled_caught:
+        raise ShuttingDown(drain.grace).error()
+    return outcome
+
+
+async def _race_disconnect(request: Request, run: Callable[[], Awaitable[Any]]) -> Any:
     outcome: list[Any] = []
 
     async def watch(scope: anyio.CancelScope) -> None:
@@ -472,6 +484,8 @@ async def _unless_disconnected(request: Request, run: Callable[[], Awaitable[Any
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch, tg.cancel_scope)
         tg.start_soon(call, tg.cancel_scope)
+    if not outcome:  # cancelled from outside (the shutdown scope)
+        return _GONE
     if isinstance(outcome[0], Exception):
         raise outcome[0]
     return outcome[0]

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         from ._app import create_app
         from ._timeouts import client_timeout_protocol
+        from ._shutdown import DrainingServer
     except ImportError as exc:
         print(f"mlx-serving: error: 'serve' needs the server extra: pip install -e '.[server]' from the "
               f"repository clone, or pip install 'mlx-serving[server]' ({exc})",
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                             http=client_timeout_protocol(args.client_timeout),
                             timeout_graceful_shutdown=math.ceil(args.shutdown_grace) + 5)
-    server.append(uvicorn.Server(config))
+    server.append(DrainingServer(config, app.state.drain))  # whole responses get the shutdown grace too
     server[0].run()
     if failed:
         print(f"mlx-serving: error: loading the models failed: {failed[0]}", file=sys.stderr)

@@ -1,21 +1,28 @@
-"""``Drain``: what open streams do when the server shuts down (SIGTERM, Ctrl-C).
+"""``Drain``: what open requests do when the server shuts down (SIGTERM, Ctrl-C).
 
-uvicorn stops accepting connections and waits for open ones; sse-starlette notices the shutdown and
-calls :meth:`Drain.set` (passed to each ``EventSourceResponse`` as its ``shutdown_event``). From then
-on every stream has ``grace`` seconds to finish as usual; one still open at the end gets an error
-event (OpenAI's shape, code ``shutting_down``) and ``[DONE]``, and its request is withdrawn. A
-stream waits for its next item under :meth:`Drain.scope`, whose deadline the shutdown moves in.
+uvicorn stops accepting connections and waits for open ones; :class:`DrainingServer` (what
+``mlx-serving serve`` runs) calls :meth:`Drain.set` at the signal, and sse-starlette does for each
+open stream (``Drain`` is each ``EventSourceResponse``'s ``shutdown_event``). From then on every
+request has ``grace`` seconds to finish as usual; a stream still open at the end gets an error event
+(OpenAI's shape, code ``shutting_down``) and ``[DONE]``, a whole (non-streamed) response a 503 JSON
+error with that code, and its request is withdrawn. Both wait under :meth:`Drain.scope`, whose
+deadline the shutdown moves in.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
+from typing import Any
 
 import anyio
+import uvicorn
 
-__all__ = ["Drain"]
+__all__ = ["Drain", "DrainingServer"]
 
 
 class Drain:
@@ -57,3 +64,27 @@ class Drain:
                 yield scope
         finally:
             self._scopes.discard(scope)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that starts ``drain``'s grace period at the shutdown signal, so whole
+    (non-streamed) responses get it too (sse-starlette only tells open streams); uvicorn's own
+    ``timeout_graceful_shutdown`` should exceed ``drain.grace``."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drained: concurrent.futures.Future[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:  # Any: uvicorn's own annotation
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is not None and not self._drain.draining:  # a signal handler: hand it to the loop
+            self._drained = asyncio.run_coroutine_threadsafe(self._begin(), self._loop)  # in a task: anyio's clock
+        super().handle_exit(sig, frame)
+
+    async def _begin(self) -> None:
+        self._drain.set()

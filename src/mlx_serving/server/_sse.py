@@ -29,10 +29,10 @@ _END: Final = _End.END  # what ``anext`` gives at the stream's end (no stream it
 
 
 class ShuttingDown(Exception):
-    """The shutdown grace period (``grace`` seconds) ended while a stream waited; ``str()`` says so."""
+    """The shutdown grace period (``grace`` seconds) ended while a request waited; ``str()`` says so."""
 
     def __init__(self, grace: float) -> None:
-        super().__init__(f"the server is shutting down: the stream was ended {grace:g} s after shutdown began")
+        super().__init__(f"the server is shutting down: the request was ended {grace:g} s after shutdown began")
 
     def error(self) -> APIError:
         """The error event's body: 503, code ``shutting_down``."""
