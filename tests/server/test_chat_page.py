@@ -20,7 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import MODEL, Server, wait_for
+from mlx_serving import Serving, text_embedding
+from mlx_serving.models.text_embedding import write_embedding_checkpoint
+from mlx_serving.server import ServedModel, create_app
+from server_helpers import MODEL, Server, serve, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra)")
 from selenium.common.exceptions import WebDriverException  # noqa: E402
@@ -198,6 +201,20 @@ def test_chat_page_streams_and_stop_cancels(browser: webdriver.Chrome, server: S
     assert body["messages"] == [{"role": "system", "content": "You are terse."},
                                 {"role": "user", "content": "Hello there"}]
     assert body["max_tokens"] == 250 and body["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_the_model_picker_lists_generation_models_only(browser: webdriver.Chrome, tiny_serving: Serving,
+                                                        tmp_path: Path):
+    """An embedding model served beside a generation model is not offered for chat."""
+    ckpt = write_embedding_checkpoint(tmp_path / "e", quantized=False, dtype="float32")
+    with text_embedding.from_mlx4bit(ckpt, max_len=64) as emb_serving, Serving.start(tiny_serving) as gen, \
+            Serving.start(emb_serving) as emb:
+        app = create_app({MODEL: gen, "emb": ServedModel(emb, 64, None, task="embed")})
+        with serve(app) as url:
+            assert {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]} == {MODEL, "emb"}
+            browser.get(url + "/")
+            browser.execute_script("localStorage.clear();")
+            _reload(browser)  # waits until the options are exactly [MODEL]
 
 
 def test_vendored_assets_are_served_and_nothing_else(server: Server):
