@@ -4,6 +4,8 @@ plain forward, constraints (a hand-written TokenConstraint), and n > 1 sharing t
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 
 import mlx.core as mx
@@ -262,6 +264,16 @@ def test_constrained_rows_follow_their_masks_in_a_mixed_batch(tiny32, solo) -> N
     assert len(sub) == 6 and all(1000 <= t < 1010 for t in tokens(sub)) and len(set(tokens(sub))) > 1
     assert all(e.logprob > -30 and all(1000 <= t < 1010 for t, _ in e.top_logprobs) for e in sub)
     assert [c.accepted for c in made] == [[9, 10, 2], [5, 6, 7, 8], tokens(sub)]  # in add order
+
+
+def test_blocked_tokens_are_never_among_the_top_logprobs(tiny32) -> None:
+    """3 tokens allowed, 5 alternatives asked: the 3 allowed ones, finite, and nothing masked."""
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2, grammar="subset:1000:1003", logprobs=5)
+    events = run(Engine(tiny32, 2, 64, constraint_factory=factory), [(_prompt(84, 5), params)])[0]
+    assert len(events) == 4
+    for e in events:
+        assert sorted(t for t, _ in e.top_logprobs) == [1000, 1001, 1002]
+        assert all(math.isfinite(v) and v <= 0 for _, v in e.top_logprobs)
 
 
 def test_grammar_needs_a_factory_and_bad_grammars_raise_in_add(tiny32) -> None:

@@ -34,7 +34,9 @@ class SeqEvent(NamedTuple):
     log-probability of ``token_id``, and ``top_logprobs``, the ``params.logprobs`` most probable
     tokens as (token_id, logprob) pairs in descending order. Both come from the processed logits
     (after logit_bias, the min_tokens EOS mask, penalties and constraint masks; before temperature,
-    top-k, top-p and min-p), as vLLM's "processed_logprobs" without the temperature.
+    top-k, top-p and min-p), as vLLM's "processed_logprobs" without the temperature. Tokens those
+    processors blocked (log-probability ``-inf``) are never among ``top_logprobs``: it holds fewer
+    than ``params.logprobs`` pairs when fewer tokens are allowed.
 
     ``cached_tokens``: on the sequence's first event only, the prompt tokens its first admission
     found in the prefix cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 without

@@ -323,11 +323,11 @@ class Logprobs:
         return [self.chosen] + [a for _, ids, vals in self.tops for a in (ids, vals)]
 
     def to_host(self) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
-        """Per asking row: (chosen logprob, top-N (token id, logprob) pairs)."""
+        """Per asking row: (chosen logprob, top-N (token id, logprob) pairs, blocked tokens (-inf) left out)."""
         top: list[tuple[tuple[int, float], ...]] = [()] * len(self.positions)
         for members, ids, vals in self.tops:
             for j, i_row, v_row in zip(members, np.array(ids).tolist(), np.array(vals).tolist()):
-                top[j] = tuple(zip(i_row, v_row))
+                top[j] = tuple((t, v) for t, v in zip(i_row, v_row) if v != _NEG_INF)
         return list(zip(np.array(self.chosen).tolist(), top))
 
 
