@@ -151,8 +151,9 @@ def sampling_params(spec: GenerationInput, tokenizer: Tokenizer, opts: Generatio
         kwargs["logit_bias"] = _logit_bias(spec.logit_bias, tokenizer.vocab_size)
     if spec.logprobs:
         kwargs["logprobs"] = spec.top_logprobs or 0
+    kwargs.update(eos_token_ids=_stop_ids(spec, tokenizer), grammar=_grammar(spec))
     try:
-        return SamplingParams(eos_token_ids=_stop_ids(spec, tokenizer), grammar=_grammar(spec), **kwargs)
+        return SamplingParams(**kwargs)
     except ValueError as exc:
         named = re.match(r"\w+", str(exc))
         raise InvalidInput(str(exc), named[0] if named and named[0] in KEYS else None) from None
