@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from mlx_serving.models.generation.events import FinishReason
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
 from mlx_serving.models.text_generation._inputs import Prompt, RequestInfo, RowOutput, preprocess
-from mlx_serving.models.text_generation._request import MAX_LOGIT_BIAS, completion_seed
+from mlx_serving.models.text_generation._request import completion_seed
+from mlx_serving.models.text_generation._schema import MAX_LOGIT_BIAS
 from mlx_serving.models.text_generation._stream import GenerationTransducer, collect
 from mlx_serving.tokenization import Tokenizer
 
@@ -77,12 +78,12 @@ def test_logprobs_without_top_logprobs_returns_the_chosen_token_only(tok: Tokeni
     ("logit_bias", [[1, 2]], "logit_bias must be an object"), ("logit_bias", "x", "logit_bias"),
     ("logit_bias", {"abc": 1}, "logit_bias keys"), ("logit_bias", {"-1": 1}, "logit_bias keys"),
     ("logit_bias", {"٣": 1}, "logit_bias keys"),  # a non-ASCII digit
-    ("logit_bias", {True: 1}, "logit_bias keys"), ("logit_bias", {1.0: 1}, "logit_bias keys"),
+    ("logit_bias", {True: 1}, "logit_bias must be"), ("logit_bias", {1.0: 1}, "logit_bias must be"),
     ("logit_bias", {"151669": 1}, r"logit_bias keys must be token ids in \[0, 151669\)"),
     ("logit_bias", {"1" * 40: 1}, "logit_bias keys"),
     ("logit_bias", {"5": 1, 5: 2}, "logit_bias names token 5 twice"),
-    ("logit_bias", {"5": 101}, "logit_bias values"), ("logit_bias", {"5": float("nan")}, "logit_bias values"),
-    ("logit_bias", {"5": "1"}, "logit_bias values"), ("logit_bias", {"5": True}, "logit_bias values"),
+    ("logit_bias", {"5": 101}, r"biases numbers in \[-100, 100\]"), ("logit_bias", {"5": float("nan")}, "biases"),
+    ("logit_bias", {"5": "1"}, "logit_bias must be"), ("logit_bias", {"5": True}, "logit_bias must be"),
     ("logit_bias", {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}, "at most 1024"),
     ("min_tokens", 5, "min_tokens"), ("min_tokens", -1, "min_tokens"), ("min_tokens", 1.0, "min_tokens"),
     ("logprobs", 1, "logprobs must be true, false or null"), ("logprobs", "true", "logprobs"),

@@ -51,9 +51,9 @@ BAD = [
     (_text(frequency_penalty=-3), "frequency_penalty", "frequency_penalty must be"),
     (_text(min_tokens=9), "min_tokens", "min_tokens must be"),  # > the serving's max_new_tokens 4
     (_text(min_tokens=3, max_new_tokens=2), "min_tokens", "max_new_tokens=2"),
-    (_text(logit_bias={"1": 500}), "logit_bias", "logit_bias values"),
+    (_text(logit_bias={"1": 500}), "logit_bias", "biases numbers in"),
     (_text(top_p=2, temperature=-1), "temperature", "temperature must be"),  # several: the one the message names
-    (_text(logit_bias={"1": 500}, min_tokens=99), "logit_bias", "logit_bias values"),
+    (_text(logit_bias={"1": 500}, min_tokens=99), "logit_bias", "biases numbers in"),
     # the request module's checks
     (_text(logit_bias="x"), "logit_bias", "logit_bias must be an object"),
     (_text(logit_bias={"-1": 1}), "logit_bias", "logit_bias keys"),
@@ -81,9 +81,9 @@ BAD = [
     (_text(stop=["x"] * 17), "stop", "at most 16"),
     # chat-only keys, tools and tool_choice
     (_text(enable_thinking=True), "enable_thinking", "chat inputs only"),
-    (_chat(enable_thinking="yes"), "enable_thinking", "'enable_thinking' must be"),
+    (_chat(enable_thinking="yes"), "enable_thinking", "enable_thinking must be"),
     (_text(tools=[TOOL]), "tools", "chat inputs only"),
-    (_chat(tools="x"), "tools", "'tools' must be a list"),
+    (_chat(tools="x"), "tools", "tools must be a list"),
     (_chat(tools=[{"f": {1: 2}}]), "tools", "object keys must be strings"),
     (_chat(tools=[{"type": "function"}], tool_choice="required"), "tools", "needs a function name"),
     (_chat(tools=[{"function": {"name": "f", "parameters": 5}}], tool_choice="required"), "tools",
@@ -96,10 +96,10 @@ BAD = [
     (_chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be combined"),
     # the prompt
-    ({"text": 5}, "text", "'text' must be a string"),
-    ({"text": ""}, "text", "empty prompt"),
+    ({"text": 5}, "text", "text must be a non-empty string"),
+    ({"text": ""}, "text", "text must be a non-empty string"),
     ({"text": "a\ud800"}, "text", "lone surrogate"),  # the tokenizer's InvalidTextError
-    ({"messages": []}, "messages", "'messages' must be"),
+    ({"messages": []}, "messages", "messages must be"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "'role' must be"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages", "'content' must be"),
     ({"messages": [{"role": "user", "content": "x", "mood": 1}]}, "messages", "unknown keys"),

@@ -129,7 +129,7 @@ def test_results_are_plain_json(gen: Serving) -> None:
 
 
 @pytest.mark.parametrize("bad, match", [
-    ("", "empty prompt"),
+    ("", "text must be a non-empty string"),
     ({"messages": []}, "non-empty list"),
     ([], "empty input list"),
     ({"text": "hi", "bogus": 1}, "unknown input keys"),
@@ -143,7 +143,7 @@ def test_results_are_plain_json(gen: Serving) -> None:
     ({"text": "hi", "temperature": 1.0, "seed": -3}, "seed"),
     ({"text": "hi", "max_new_tokens": 0}, "max_new_tokens"),
     ({"text": "hi", "max_new_tokens": 200}, r"1 tokens \+ max_new_tokens 200 = 201 exceeds max_len 128"),
-    (["ok", ""], "input 1: empty prompt"),
+    (["ok", ""], "input 1: text must be a non-empty string"),
 ])
 def test_bad_input_raises_value_error(gen: Serving, bad: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):

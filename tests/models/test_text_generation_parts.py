@@ -199,20 +199,20 @@ def _deep(depth: int) -> Any:
     ({"text": "hi", "max_new_tokens": 10**5000}, "max_new_tokens"),  # not "Exceeds the limit (4300 digits)"
     ({"text": "hi", "stop": 5}, "stop must be a string or a list"),  # was TypeError
     ({"text": "hi", "stop": {"a": 1}}, "stop must be a string or a list"),  # was accepted (its keys)
-    ({"text": "hi", "stop": {"a"}}, "stop must be a string or a list"),
     ({"text": "hi", "stop": b"ab"}, "stop must be a string or a list"),
-    ({"text": "hi", "stop": [1]}, "stop strings"),
+    ({"text": "hi", "stop": [1]}, "stop must be a string or a list"),
     ({"text": "hi", "stop": ["a", ""]}, "stop strings"),
     ({"text": "hi", "stop": ["s"] * 17}, "at most 16"),
     ({"text": "hi", "stop": "x" * 257}, "at most 256 characters"),
     ({"messages": HI, "enable_thinking": "yes"}, "enable_thinking"),
     ({"messages": HI, "enable_thinking": 1}, "enable_thinking"),
     ({"text": "hi", "enable_thinking": False}, "'enable_thinking' applies to chat inputs only"),
-    ({"messages": HI, "tools": "x"}, "'tools' must be a list"),
-    ({"messages": HI, "tools": [1]}, "'tools' must be a list"),
-    ({"messages": HI, "tools": {"a": 1}}, "'tools' must be a list"),
+    ({"messages": HI, "tools": "x"}, "tools must be a list"),
+    ({"messages": HI, "tools": [1]}, "tools must be a list"),
+    ({"messages": HI, "tools": {"a": 1}}, "tools must be a list"),
     ({"messages": HI, "tools": [_deep(40)]}, "'tools' nests deeper than 32"),  # was RecursionError
-    ({"messages": HI, "tools": [{1: "x"}]}, "'tools': object keys must be strings"),
+    ({"messages": HI, "tools": [{1: "x"}]}, "tools must be a list of tool objects"),
+    ({"messages": HI, "tools": [{"f": {1: "x"}}]}, "'tools': object keys must be strings"),
     ({"messages": HI, "tools": [{"f": b"x"}]}, "'tools' must hold JSON values"),
     ({"text": "hi", "tools": []}, "'tools' applies to chat inputs only"),
     ({"messages": [{"role": "hacker", "content": "hi"}]}, r"messages\[0\]: 'role' must be one of"),  # was dropped
@@ -228,10 +228,9 @@ def _deep(depth: int) -> Any:
      r"tool_calls\[0\]: 'name' must be a string"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": 3}]}]},
      "'arguments' must be a JSON string or an object"),
-    ({"messages": ({"role": "user", "content": "x"},)}, "'messages' must be a non-empty list"),
-    ({"messages": None}, "'messages' must be a non-empty list"),  # was KeyError('text')
+    ({"messages": None}, "messages must be a non-empty list"),  # was KeyError('text')
     ({"messages": ["hi"]}, r"messages\[0\] must be a"),
-    ({"text": b"hi"}, "'text' must be a string"),
+    ({"text": b"hi"}, "text must be a non-empty string"),
     ({"text": "hi", 1: 2, "zz": 3}, r"unknown input keys \['zz', 1\]"),  # mixed key types: was TypeError
     (["ok", {"text": "hi", "seed": -1}], "input 1: seed"),
 ])
@@ -255,6 +254,13 @@ def test_good_options_and_null_defaults_pass(tok: Tokenizer) -> None:
     params = [row.params for row in batch.rows()]
     assert params[1] == SamplingParams(4, 0.0, 1.0, None, params[1].eos_token_ids)  # null = the serving's default
     assert info.stops == (("a", "b"), (), ())
+
+
+def test_python_sequences_are_taken_as_json_arrays(tok: Tokenizer) -> None:
+    """The schema decodes as msgspec converts: a tuple (or a set, for stop strings) is an array."""
+    _, info = preprocess([{"text": "hi", "stop": ("a", "b")}, {"text": "hi", "stop": {"c"}},
+                          {"messages": ({"role": "user", "content": "x"},)}], tok, OPTS, max_bytes_per_token(tok))
+    assert info.stops == (("a", "b"), ("c",), ())
 
 
 def test_bad_options_fail_in_the_caller_of_a_started_serving(tok: Tokenizer, tiny32: State) -> None:

@@ -18,21 +18,18 @@ import math
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..models.text_generation._schema import KEYS
 from ..serving._json import JSONObject
 from ._errors import APIError
 
-__all__ = ["Call", "chat_call", "completion_call", "messages_of"]
+__all__ = ["GUIDED", "PASS", "Call", "chat_call", "completion_call", "messages_of"]
 
-# OpenAI field -> text-generation input key, passed through when present and not null.
-_PASS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "seed": "seed", "stop": "stop",
-    "min_tokens": "min_tokens", "priority": "priority",
-    # vLLM's extension fields
-    "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-}
+# Text-generation input keys this module sets itself (renamed, or read by the envelope's rules below).
+_MAPPED = ("text", "messages", "max_new_tokens", "enable_thinking", "logprobs", "top_logprobs", "n", "response_format",
+           "tools", "tool_choice", "parallel_tool_calls")
+#: Every other input key (the schema's): an OpenAI (or vLLM) field of the same name, passed through
+#: when present and not null.
+PASS = tuple(k for k in KEYS if k not in _MAPPED)
 # Fields this server cannot honour (answered 400, naming the field, when set to anything but their
 # default): OpenAI's, then vLLM's extensions.
 _UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "modalities": None,
@@ -47,8 +44,8 @@ _UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "
                 "cache_salt": None, "vllm_xargs": None, "kv_transfer_params": None, "return_token_ids": None}
 # Fields accepted and without effect on the output (OpenAI's bookkeeping).
 _IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
-# vLLM's structured-output fields -> the response_format they stand for.
-_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+#: vLLM's structured-output fields -> the response_format they stand for.
+GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # Every other field a request may carry (the ones read by name below).
 _READ = {
     "chat": ("model", "messages", "max_tokens", "max_completion_tokens", "response_format", "tools", "tool_choice",
@@ -148,22 +145,20 @@ def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, .
         if body.get(key) is not None:
             spec["max_new_tokens"] = body[key]
             break
-    for field, key in _PASS.items():
-        if body.get(field) is not None:
-            spec[key] = body[field]
+    spec.update((k, body[k]) for k in PASS if body.get(k) is not None)
     if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
         spec["response_format"] = body["response_format"]  # chat and completions alike
     guided = _guided(body)
     if guided is not None:
         if "response_format" in spec:
             raise APIError(400, "give either 'response_format' or one of vLLM's structured-output fields "
-                                f"{list(_GUIDED)}, not both", param="response_format")
+                                f"{list(GUIDED)}, not both", param="response_format")
         spec["response_format"] = guided
     if spec.get("top_k") == -1:  # vLLM's spelling of "off" (the serving's is 0)
         del spec["top_k"]
 
 
-_KNOWN = {kind: frozenset((*_PASS, *_UNSUPPORTED, *_IGNORED, *_GUIDED, *read)) for kind, read in _READ.items()}
+_KNOWN = {kind: frozenset((*PASS, *_UNSUPPORTED, *_IGNORED, *GUIDED, *read)) for kind, read in _READ.items()}
 
 
 def _check_fields(body: dict[str, Any], kind: str) -> None:
@@ -177,7 +172,7 @@ def _guided(body: dict[str, Any]) -> dict[str, Any] | None:
     """The ``response_format`` that vLLM's ``structured_outputs`` (``{"json" | "regex" | "choice" |
     "grammar" | "json_object": ...}``) or its older ``guided_json`` / ``guided_regex`` /
     ``guided_choice`` / ``guided_grammar`` stand for; None when none is set."""
-    present = [k for k in _GUIDED if body.get(k) is not None]
+    present = [k for k in GUIDED if body.get(k) is not None]
     if not present:
         return None
     if len(present) > 1:

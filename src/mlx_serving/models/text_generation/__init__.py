@@ -1,11 +1,8 @@
 """Text generation as a Serving: MLX models (Qwen3, Llama, Mistral), continuous batching, streaming, stop strings.
 
 Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat template applied),
-optionally with per-request options (OpenAI / vLLM names): ``max_new_tokens``, ``temperature``,
-``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``, ``logit_bias``, ``min_tokens``, ``seed``, ``logprobs``, ``top_logprobs``,
-``n``, ``response_format``, ``priority``, ``stop``, ``enable_thinking``, ``tools``; or a list of
-these. Output for one input: ``{"results": [...]}`` with one entry per completion (``n``), each
+optionally with per-request options (OpenAI / vLLM names: the fields of
+``_schema.GenerationInput``, the one place they are declared); or a list of these. Output for one input: ``{"results": [...]}`` with one entry per completion (``n``), each
 ``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input", "output", "cached"},
 "timing"}`` plus ``logprobs`` (when asked for), ``reasoning_content`` (``enable_thinking`` true and
 the output thought) and ``tool_calls`` (``tools`` given and called); a list input returns a list
@@ -15,7 +12,7 @@ of those, in order. ``finish_reason`` is "stop" (EOS, a stop string or a complet
 Sampling (as in mlx-lm and the OpenAI API): ``temperature`` 0 (the default; anything below 1e-5
 too) is greedy decoding; a larger one samples at that temperature (after top-k, top-p, min-p),
 reproducibly when ``seed`` (an int in [0, 2**64)) is given. Types, ranges and defaults of every
-option: ``_inputs.preprocess``, ``_request`` and docs/qwen3.md ("Request options").
+option: ``_schema.GenerationInput`` and docs/qwen3.md ("Request options").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Every per-request option is checked here, in the caller, before anything is tokenized or queued, so
 a bad request fails alone with an :class:`~mlx_serving.serving.InvalidInput` (a ValueError) naming
 the option, in its message and as its ``param``, and never reaches the executor (where it could
-fail a step shared with other requests). The accepted types and ranges are listed in
-:func:`preprocess` and docs/qwen3.md ("Request options").
+fail a step shared with other requests). The accepted types and ranges are declared in
+``_schema.GenerationInput`` and listed in docs/qwen3.md ("Request options").
 """
 
 from __future__ import annotations
@@ -85,19 +85,9 @@ def preprocess(input: JSON, tokenizer: Tokenizer, opts: GenerationOptions,
     """Turn an input (a string, ``{"text": ...}``, ``{"messages": [...]}`` or a list of them) into a
     Batch of :class:`Prompt` rows.
 
-    Per-request keys (None, JSON null, means the serving's default): ``max_new_tokens`` an int >= 1;
-    ``temperature`` a finite real >= 0; ``top_p`` a real in (0, 1]; ``seed`` an int in [0, 2**64)
-    (bool is never a number); ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
-    ``frequency_penalty``, ``min_tokens`` as :class:`SamplingParams` takes them; ``logit_bias``,
-    ``logprobs``, ``top_logprobs``, ``response_format``, ``n`` (an int in [1, 16]: that many rows,
-    one per completion, seeds derived by ``_request.completion_seed``) and ``priority`` as
-    ``_request`` reads them; ``stop`` a non-empty string or a list of at most 16 of them, each at
-    most 256 characters; ``messages`` a non-empty list of message dicts (``role`` one of
-    :data:`ROLES`, ``content`` a string; optional ``reasoning_content`` string, ``name`` /
-    ``tool_call_id`` strings, and on assistant messages ``tool_calls``: a list of ``{"function":
-    {"name": str, "arguments": str | dict}}`` or ``{"name", "arguments"}`` dicts); ``tools`` a list
-    of JSON-object dicts; ``enable_thinking`` a bool (``tools`` and ``enable_thinking`` need a chat
-    input: ``messages``, or a serving built with ``chat=True``); ``text`` a non-empty string.
+    Per-request keys: the fields of ``_schema.GenerationInput`` (types and ranges; None, JSON null,
+    means the serving's default), decoded and checked by ``_request.parse_request``; ``n``
+    completions become ``n`` rows, seeds derived by ``_request.completion_seed``.
 
     ``bytes_per_token`` (from :func:`max_bytes_per_token`): when given, a prompt whose UTF-8 size is
     more than ``bytes_per_token * (max_len - max_new_tokens)`` bytes is refused before it is

@@ -1,16 +1,16 @@
-"""One text-generation input parsed and validated, in the caller: :func:`parse_request` turns a
-string or an input dict into a :class:`GenerationRequest` (a frozen msgspec Struct), once.
-
-Each ``_``-less function below reads one group of input keys of the input dict (``spec``) and
-raises :class:`~mlx_serving.serving.InvalidInput` (a ValueError) naming the key, in its message and
-as its ``param``, for a bad value; None (JSON null) is the default. Used by
-``_inputs.preprocess``; the table of keys is in docs/qwen3.md ("Request options").
+"""One text-generation input parsed and validated, in the caller: :func:`parse_request` decodes a
+string or an input dict with the schema (``_schema.decode``: every key's type and range) and
+checks what the schema cannot (rules between keys, against the tokenizer and the serving's
+options, each chat message) into a :class:`GenerationRequest`, once. Every refusal is
+:class:`~mlx_serving.serving.InvalidInput` (a ValueError) naming the key, in its message and as
+its ``param``. Used by ``_inputs.preprocess``; the table of keys is in docs/qwen3.md ("Request
+options").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,31 +25,16 @@ from ...tokenization import Tokenizer
 
 from ..generation.sampling import MAX_SEED, SamplingParams, _show
 from ._options import GenerationOptions, _stop_tuple
+from ._schema import KEYS, GenerationInput, _keys, decode
 from ._structured import compile_response_format, tool_call_format
 
-__all__ = ["KEYS", "MAX_COMPLETIONS", "MAX_LOGIT_BIAS", "MAX_TOP_LOGPROBS", "ROLES", "GenerationRequest", "RowOutput",
-           "completion_params", "completion_seed", "completions", "parse_request", "priority", "sampling_params"]
+__all__ = ["ROLES", "GenerationRequest", "RowOutput", "completion_params", "completion_seed", "parse_request"]
 
-#: Keys passed to :class:`SamplingParams` under their own name (the serving's options give the
-#: defaults of those it has: max_new_tokens, temperature, top_p).
-_SAMPLING_KEYS = ("max_new_tokens", "temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "min_tokens")
-#: The keys SamplingParams checks, in its order (``_culprit``).
-_CHECK_ORDER = (*_SAMPLING_KEYS[:-1], "logit_bias", "min_tokens")
-#: Every key read here.
-KEYS = (*_SAMPLING_KEYS, "logit_bias", "logprobs", "top_logprobs", "n", "response_format", "priority", "tool_choice",
-        "parallel_tool_calls", "ignore_eos", "stop_token_ids", "include_stop_str_in_output")
-#: Most ``stop_token_ids``: bounds the caller-side check, as ``logit_bias``.
-MAX_STOP_TOKEN_IDS = 1024
-#: Most completions of one prompt (``n``); as many rows of the batch.
-MAX_COMPLETIONS = 16
-#: Most alternatives per token (``top_logprobs``), OpenAI's bound.
-MAX_TOP_LOGPROBS = 20
-#: Most ``logit_bias`` entries: bounds the caller-side check (~1 us each); OpenAI documents no bound.
-MAX_LOGIT_BIAS = 1024
-_PRIORITY_RANGE = (-(2**63), 2**63)  # a signed 64-bit int: what an engine or a wire format holds
+#: Keys passed to :class:`SamplingParams` as they are (None: the serving's default, where it has one).
+_SAMPLING_KEYS = tuple(k for k in KEYS if k in {f.name for f in dataclasses.fields(SamplingParams)}
+                       and k not in ("logit_bias", "logprobs"))
+_CHAT_ONLY = ("enable_thinking", "tools", "tool_choice")
 _MAX_ID_DIGITS = 10  # a token id written as a string: at most 2**32 - 1
-_KEYS = frozenset(("text", "messages", "stop", "enable_thinking", "tools", *KEYS))
 
 #: Chat roles a message may have (the Qwen3 template renders these four and silently drops any other).
 ROLES = ("system", "user", "assistant", "tool")
@@ -113,158 +98,95 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def parse_request(item: object, tokenizer: Tokenizer, opts: GenerationOptions) -> GenerationRequest:
-    """``item`` (a string, ``{"text": ...}`` or ``{"messages": [...]}`` with per-request keys, see
-    ``_inputs.preprocess``) as a :class:`GenerationRequest`, every key checked once. Raises
-    InvalidInput naming the key at fault (its ``param``), or naming none for an item that is not a
-    string or a dict with exactly one of "text" and "messages"."""
-    spec = _as_dict(item)
-    params = sampling_params(spec, tokenizer, opts)
-    n, rank = completions(spec), priority(spec)
-    stop = opts.stop
-    if spec.get("stop") is not None:
-        with _blame("stop"):
-            stop = _stop_tuple(spec["stop"])
-    chat = "messages" in spec or opts.chat
-    for key in ("enable_thinking", "tools", "tool_choice"):
-        if spec.get(key) is not None and not chat:
+    """``item`` (a string, ``{"text": ...}`` or ``{"messages": [...]}`` with per-request keys: the
+    fields of ``_schema.GenerationInput``) as a :class:`GenerationRequest`, every key checked once.
+    Raises InvalidInput naming the key at fault (its ``param``), or naming none for an item that is
+    not a string or a dict with exactly one of "text" and "messages"."""
+    spec = decode(item)
+    chat = isinstance(spec.messages, list) or opts.chat
+    for key in _CHAT_ONLY:
+        if getattr(spec, key) is not None and not chat:
             raise InvalidInput(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
                                "chat=True)", key)
-    thinking = spec.get("enable_thinking")
-    if thinking is not None and not isinstance(thinking, bool):
-        raise InvalidInput(f"'enable_thinking' must be true, false or null, got {_show(thinking)}", "enable_thinking")
-    source = "messages" if "messages" in spec else "text"
-    text: str | None = None
+    params = sampling_params(spec, tokenizer, opts)
+    stop = opts.stop
+    if spec.stop is not None:
+        with _blame("stop"):
+            stop = _stop_tuple(spec.stop)
+    source = "messages" if isinstance(spec.messages, list) else "text"
+    text = spec.text if isinstance(spec.text, str) else None
     messages: list[JSONObject] | None = None
-    tools, chars = spec.get("tools"), 0
+    chars = 0
     if chat:
-        messages = spec["messages"] if "messages" in spec else [{"role": "user", "content": _text(spec["text"])}]
+        messages = spec.messages if isinstance(spec.messages, list) else [{"role": "user", "content": text}]
         with _blame(source):
             chars = _check_messages(messages)
-        chars += _check_tools(tools)
-    else:
-        text = _text(spec["text"])
+        with _blame("tools"):
+            chars += _json_chars(spec.tools or [], "'tools'")
+        text = None
+    n = 1 if spec.n is None else spec.n
     return GenerationRequest(
-        source=source, text=text, messages=messages, tools=tools, enable_thinking=thinking, chat_chars=chars,
-        params=params, n=n, priority=rank, stop=stop, output=_output(spec, chat, thinking, params, n),
-        max_new_tokens_given=spec.get("max_new_tokens") is not None)
+        source=source, text=text, messages=messages, tools=spec.tools, enable_thinking=spec.enable_thinking,
+        chat_chars=chars, params=params, n=n, priority=spec.priority or 0, stop=stop,
+        output=_output(spec, chat, params, n), max_new_tokens_given=spec.max_new_tokens is not None)
 
 
-def _check_tools(tools: object) -> int:
-    """Characters of ``tools`` (None: 0); InvalidInput naming "tools" unless a list of JSON dicts."""
-    if tools is None:
-        return 0
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise InvalidInput(f"'tools' must be a list of tool dicts (JSON Schema function specs), got {_show(tools)}",
-                           "tools")
-    with _blame("tools"):
-        return _json_chars(tools, "'tools'")
-
-
-def sampling_params(spec: dict[str, Any], tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
+def sampling_params(spec: GenerationInput, tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
     """The row's :class:`SamplingParams`: the request's keys over the serving's defaults.
 
-    ``logit_bias``: ``{token id: bias}``, ids as ints or decimal strings (JSON object keys), each in
-    ``[0, tokenizer.vocab_size)``, biases in [-100, 100], at most :data:`MAX_LOGIT_BIAS` entries.
-    ``logprobs``: a bool; ``top_logprobs``: an int in [0, 20], only with ``logprobs`` true.
+    ``logit_bias`` ids (ints or decimal strings, JSON object keys) must be in ``[0,
+    tokenizer.vocab_size)``; ``logprobs`` true gives ``top_logprobs`` alternatives (0 by default).
     ``response_format``: OpenAI's shape, compiled to a grammar (``_structured``); ``tool_choice``
     "required" or a named function (with ``tools``; ``parallel_tool_calls`` false: one call) compiles
     to the grammar of a forced call instead (:func:`~._structured.tool_call_format`).
-    ``ignore_eos`` (a bool, vLLM's): the tokenizer's EOS ids do not end the row (it runs to
-    ``max_new_tokens``, a stop string or a stop token); ``stop_token_ids`` (vLLM's): a list of
-    ids in ``[0, vocab_size)``, at most :data:`MAX_STOP_TOKEN_IDS`, that end the row as EOS does
-    (the id is the row's last token). Raises InvalidInput naming the key (its ``param``)."""
-    values = {k: spec[k] if spec.get(k) is not None else getattr(opts, k, None) for k in _SAMPLING_KEYS}
-    kwargs = {k: v for k, v in values.items() if v is not None}
-    if spec.get("logit_bias") is not None:
-        kwargs["logit_bias"] = _logit_bias(spec["logit_bias"], tokenizer.vocab_size)
-    kwargs["logprobs"] = _logprobs(spec.get("logprobs"), spec.get("top_logprobs"))
-    kwargs["grammar"] = _grammar(spec)
-    eos = _stop_ids(spec, tokenizer)
+    ``ignore_eos`` (vLLM's): the tokenizer's EOS ids do not end the row (it runs to
+    ``max_new_tokens``, a stop string or a stop token); ``stop_token_ids`` (vLLM's): ids in
+    ``[0, vocab_size)`` that end the row as EOS does (the id is the row's last token). Raises
+    InvalidInput naming the key (its ``param``): the one SamplingParams' message names for the
+    rules it holds between keys (``min_tokens`` <= ``max_new_tokens``) and over the schema's
+    (``seed`` < 2**64)."""
+    values = {k: getattr(spec, k) if getattr(spec, k) is not None else getattr(opts, k, None) for k in _SAMPLING_KEYS}
+    kwargs: dict[str, Any] = {k: v for k, v in values.items() if v is not None}
+    if spec.logit_bias is not None:
+        kwargs["logit_bias"] = _logit_bias(spec.logit_bias, tokenizer.vocab_size)
+    if spec.logprobs:
+        kwargs["logprobs"] = spec.top_logprobs or 0
+    kwargs.update(eos_token_ids=_stop_ids(spec, tokenizer), grammar=_grammar(spec))
     try:
-        return SamplingParams(eos_token_ids=eos, **kwargs)
+        return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise InvalidInput(str(exc), _culprit(kwargs)) from None
+        named = re.match(r"\w+", str(exc))
+        raise InvalidInput(str(exc), named[0] if named and named[0] in KEYS else None) from None
 
 
-def _culprit(kwargs: dict[str, Any]) -> str | None:
-    """The key of ``kwargs`` that SamplingParams refuses (after :func:`sampling_params` failed to
-    build one, so the first key its message names): each key is tried alone, in the order
-    SamplingParams checks them (``min_tokens`` with ``max_new_tokens``: its range depends on it);
-    None if each passes alone. Runs only on the failure path."""
-    for key in _CHECK_ORDER:
-        if key not in kwargs:
-            continue
-        probe = {key: kwargs[key]}
-        if key == "min_tokens" and "max_new_tokens" in kwargs:
-            probe["max_new_tokens"] = kwargs["max_new_tokens"]
-        try:
-            SamplingParams(**probe)
-        except ValueError:
-            return key
-    return None
-
-
-def _stop_ids(spec: dict[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+def _stop_ids(spec: GenerationInput, tokenizer: Tokenizer) -> tuple[int, ...]:
     """The ids that end the row: the tokenizer's EOS (unless ``ignore_eos``) and ``stop_token_ids``."""
-    ignore = spec.get("ignore_eos")
-    if ignore is not None and not isinstance(ignore, bool):
-        raise InvalidInput(f"ignore_eos must be true, false or null, got {_show(ignore)}", "ignore_eos")
-    ids = set() if ignore else set(tokenizer.eos_token_ids)
-    extra = spec.get("stop_token_ids")
-    if extra is not None:
-        if not isinstance(extra, (list, tuple)) or len(extra) > MAX_STOP_TOKEN_IDS:
-            raise InvalidInput(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got "
-                               f"{_show(extra)}", "stop_token_ids")
-        for i in extra:
-            if not _is_int(i) or not 0 <= i < tokenizer.vocab_size:
-                raise InvalidInput(f"stop_token_ids: {_show(i)} is not a token id in [0, {tokenizer.vocab_size})",
-                                   "stop_token_ids")
-        ids |= {int(i) for i in extra}
+    ids = set() if spec.ignore_eos else set(tokenizer.eos_token_ids)
+    for i in spec.stop_token_ids or ():
+        if not 0 <= i < tokenizer.vocab_size:
+            raise InvalidInput(f"stop_token_ids: {_show(i)} is not a token id in [0, {tokenizer.vocab_size})",
+                               "stop_token_ids")
+        ids.add(i)
     return tuple(sorted(ids))
 
 
-def _grammar(spec: dict[str, Any]) -> str | None:
+def _grammar(spec: GenerationInput) -> str | None:
     """The grammar of the request's ``response_format``, or of the one its ``tool_choice`` forces."""
-    choice, parallel = spec.get("tool_choice"), spec.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidInput(f"parallel_tool_calls must be true, false or null, got {_show(parallel)}",
-                           "parallel_tool_calls")
+    choice = spec.tool_choice
     if choice in (None, "auto", "none"):
-        return compile_response_format(spec.get("response_format"))
-    tools = spec.get("tools")
-    if not isinstance(tools, list) or not tools:
+        return compile_response_format(spec.response_format)
+    if not spec.tools:
         raise InvalidInput(f"tool_choice {_show(choice)} needs 'tools' (a non-empty list of tool dicts)",
                            "tool_choice")
-    if spec.get("response_format") is not None:
+    if spec.response_format is not None:
         raise InvalidInput("tool_choice 'required' or a named function forces the output's format: it cannot be "
                            "combined with response_format", "tool_choice")
-    forced = tool_call_format(tools, choice, parallel is not False)
+    forced = tool_call_format(spec.tools, choice, spec.parallel_tool_calls is not False)
     try:
         return compile_response_format(forced)
     except ValueError as exc:
         raise InvalidInput(f"tools: a function's parameters schema cannot be compiled for tool_choice: {exc}",
                            "tools") from None
-
-
-def completions(spec: dict[str, Any]) -> int:
-    """``n``: how many completions of this prompt, an int in [1, 16] (default 1)."""
-    n = spec.get("n")
-    if n is None:
-        return 1
-    if not _is_int(n) or not 1 <= n <= MAX_COMPLETIONS:
-        raise InvalidInput(f"n must be an integer in [1, {MAX_COMPLETIONS}], got {_show(n)}", "n")
-    return int(n)
-
-
-def priority(spec: dict[str, Any]) -> int:
-    """``priority``: an int in [-2**63, 2**63) (default 0; lower runs sooner under the "priority"
-    scheduling policy, as in vLLM)."""
-    value = spec.get("priority")
-    if value is None:
-        return 0
-    if not _is_int(value) or not _PRIORITY_RANGE[0] <= value < _PRIORITY_RANGE[1]:
-        raise InvalidInput(f"priority must be an integer in [-2**63, 2**63), got {_show(value)}", "priority")
-    return int(value)
 
 
 def completion_seed(seed: int, index: int) -> int:
@@ -282,29 +204,11 @@ def completion_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=completion_seed(params.seed, i)) for i in range(n)]
 
 
-def _logprobs(logprobs: Any, top: Any) -> int | None:
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise InvalidInput(f"logprobs must be true, false or null, got {_show(logprobs)}", "logprobs")
-    if top is None:
-        return 0 if logprobs else None
-    if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InvalidInput(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_show(top)}",
-                           "top_logprobs")
-    if not logprobs:
-        raise InvalidInput("top_logprobs needs logprobs: true", "top_logprobs")
-    return int(top)
-
-
-def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
-    """``{id or decimal string: bias}`` -> ``{id: bias}`` (biases are checked by SamplingParams)."""
-    if not isinstance(value, dict):
-        raise InvalidInput(f"logit_bias must be an object {{token id: bias}}, got {_show(value)}", "logit_bias")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise InvalidInput(f"logit_bias has {len(value):,} entries; at most {MAX_LOGIT_BIAS} are allowed",
-                           "logit_bias")
+def _logit_bias(value: dict[int | str, float], vocab_size: int) -> dict[int, float]:
+    """``{id or decimal string: bias}`` -> ``{id: bias}`` (types, size and biases: the schema's)."""
     out: dict[int, float] = {}
     for key, bias in value.items():
-        token = _token_id(key)
+        token = key if isinstance(key, int) else _token_id(key)
         if token is None or not 0 <= token < vocab_size:
             raise InvalidInput(f"logit_bias keys must be token ids in [0, {vocab_size}) (ints or decimal strings), "
                                f"got {_show(key)}", "logit_bias")
@@ -314,45 +218,17 @@ def _logit_bias(value: Any, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _token_id(key: Any) -> int | None:
-    if _is_int(key):
-        return int(key)
-    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= _MAX_ID_DIGITS:
-        return int(key)
-    return None
+def _token_id(key: str) -> int | None:
+    return int(key) if key.isascii() and key.isdigit() and len(key) <= _MAX_ID_DIGITS else None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _output(spec: dict[str, Any], chat: bool, thinking: bool | None, params: SamplingParams, n: int) -> RowOutput:
+def _output(spec: GenerationInput, chat: bool, params: SamplingParams, n: int) -> RowOutput:
     """What the rows of this input return (see :class:`RowOutput`)."""
     logprobs = params.logprobs is not None
-    reasoning = chat and thinking is True
-    tools = chat and bool(spec.get("tools"))
-    keep = spec.get("include_stop_str_in_output")
-    if keep is not None and not isinstance(keep, bool):
-        raise InvalidInput(f"include_stop_str_in_output must be true, false or null, got {_show(keep)}",
-                           "include_stop_str_in_output")
+    reasoning = chat and spec.enable_thinking is True
+    tools = chat and bool(spec.tools)
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
-                     deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(keep))
-
-
-
-def _as_dict(item: Any) -> dict[str, Any]:
-    if isinstance(item, str):
-        return {"text": item}
-    if not isinstance(item, dict):
-        raise InvalidInput(f"expected a string or a dict with 'text' or 'messages', got {type(item).__name__}")
-    unknown = set(item) - _KEYS
-    if unknown:
-        named = min((k[:80] for k in unknown if isinstance(k, str)), default=None)  # a key may be huge
-        raise InvalidInput(f"unknown input keys {_keys(unknown)} (allowed: {sorted(_KEYS)})", named)
-    if ("text" in item) == ("messages" in item):
-        raise InvalidInput("an input dict needs exactly one of 'text' or 'messages'")
-    return item
-
+                     deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(spec.include_stop_str_in_output))
 
 
 @contextmanager
@@ -367,18 +243,9 @@ def _blame(param: str) -> Iterator[None]:
         raise InvalidInput(str(exc), param) from exc
 
 
-
-def _keys(keys: set[Any]) -> str:
-    """``['a', 'b']`` for any keys (mixed types do not sort; a key may be huge)."""
-    return "[" + ", ".join(sorted(_show(k) for k in keys)[:10]) + (", ...]" if len(keys) > 10 else "]")
-
-
-
 def _check_messages(messages: Any) -> int:
     """ValueError naming the message and field unless ``messages`` is what the chat template takes;
     returns the characters of its strings."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("'messages' must be a non-empty list of {'role', 'content'} dicts")
     chars = 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -449,12 +316,3 @@ def _json_chars(value: Any, where: str) -> int:
             raise ValueError(f"{where} must hold JSON values only (str, number, bool, null, list, dict), "
                              f"got {type(v).__name__}")
     return chars
-
-
-
-def _text(text: Any) -> str:
-    if not isinstance(text, str):
-        raise InvalidInput(f"'text' must be a string, got {type(text).__name__}", "text")
-    if not text:
-        raise InvalidInput("empty prompt: 'text' must contain at least one character", "text")
-    return text

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._errors import APIError, from_exception
-from .._requests import Call, chat_call
+from .._requests import GUIDED, PASS, Call, chat_call
 from . import _fields
 from ._items import Item, Json, items_of, messages_of
 from ._store import ResponseStore
@@ -32,10 +32,7 @@ _IGNORED = ("user", "service_tier", "prompt_cache_key", "safety_identifier", "pr
 _UNSUPPORTED = ("background", "conversation", "prompt", "context_management", "moderation", "image",
                 "access_programs", "background_options", "prompt_cache_options")
 # This server's (and vLLM's) extensions of the chat path, passed to it under the same names.
-_EXTENSIONS = ("top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty", "frequency_penalty",
-               "logit_bias", "min_tokens", "deadline", "priority", "ignore_eos", "stop_token_ids",
-               "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar")
+_EXTENSIONS = (*(k for k in PASS if k not in _READ), "deadline", *GUIDED)
 _KNOWN = frozenset((*_READ, *_IGNORED, *_UNSUPPORTED, *_EXTENSIONS))
 # The chat field an error names -> the Responses field it came from.
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
