@@ -73,5 +73,5 @@ def test_placement_by_resource_and_node_loss(cluster):
         assert health.restarts == 1 and health.pid != pid
         answer = pool.run(0.0)
         assert answer["node"] == second.node_id and answer["pid"] == health.pid
-        name = pool._slots[0].name
+        [name] = pool.backend.actor_names
     wait_until(lambda: name not in ray.util.list_named_actors())

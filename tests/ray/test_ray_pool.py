@@ -1,4 +1,5 @@
-"""ServingPool(backend="ray"): the client contract over real Ray actors on a local cluster."""
+"""ServingPool over a RayBackend (also ``backend="ray"``): the client contract over real Ray actors on a
+local cluster."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from mlx_serving.serving import (  # noqa: E402
     ServingStopped,
     WorkerCrashed,
 )
-from mlx_serving.serving.ray import RayServingPool  # noqa: E402
+from mlx_serving.serving.ray import RayBackend  # noqa: E402
 from ray_helpers import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +58,7 @@ def counter_pool(ray_cluster):
 
 
 def test_results_from_many_threads(double_pool):
-    assert isinstance(double_pool, RayServingPool) and isinstance(double_pool, Client)
+    assert isinstance(double_pool.backend, RayBackend) and isinstance(double_pool, Client)
     inputs = [np.full((i % 3 + 1, 3), i, dtype=np.float32) for i in range(24)]
     with ThreadPoolExecutor(12) as executor:
         outputs = list(executor.map(double_pool.run, inputs))
@@ -167,7 +168,7 @@ def test_actor_killed_mid_stream_then_restarted(ray_cluster):
 def test_close_answers_every_caller_and_leaves_no_actor(ray_cluster):
     pool = ServingPool("pool_servings:sleeper", workers=2, backend="ray", ray_actor_options=LIGHT,
                        batch_size=1, batch_timeout=0.01)
-    names = {slot.name for slot in pool._slots}
+    names = set(pool.backend.actor_names)
     assert names <= named_actors()
     outcomes: list[object] = []
 
