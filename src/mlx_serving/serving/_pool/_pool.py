@@ -281,7 +281,7 @@ class ServingPool(PoolClient):
                 raise ServingStopped("the pool is closing")
             self._backend.await_ready(worker, time.monotonic() + self._start_timeout)
         except Exception as exc:
-            slot.dead = isinstance(exc, WorkerGone)
+            slot.dead = isinstance(exc, WorkerGone) and not self._closing
             self._backend.kill(worker)
             return None
         finally:

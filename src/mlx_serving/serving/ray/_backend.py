@@ -68,8 +68,8 @@ class RayBackend:
         self._factory = b""
         self._process_options: dict[str, Any] = {}
         self._events: PoolEvents | None = None
-        self._loop = asyncio.new_event_loop()
-        self._pump_thread = threading.Thread(target=self._loop.run_forever, name="ray-pool-pump", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, made by bind()
+        self._pump_thread: threading.Thread | None = None
         self._shares_ray = False
         self._closed = False
 
@@ -85,6 +85,8 @@ class RayBackend:
         self._factory = _pickle_factory(factory)
         self._process_options, self._events = process_options, events
         self._shares_ray = _join_ray()
+        self._loop = asyncio.new_event_loop()
+        self._pump_thread = threading.Thread(target=self._loop.run_forever, name="ray-pool-pump", daemon=True)
         self._pump_thread.start()
 
     def consumer(self) -> Items:
@@ -99,7 +101,7 @@ class RayBackend:
     def start(self, index: int, lock: threading.Condition, orphans: deque[Request]) -> ActorWorker:
         """Create slot ``index``'s actor; for a slot that has one, a new incarnation of it (Ray
         restarts it in place)."""
-        assert self._events is not None, "bind() first"
+        assert self._events is not None and self._loop is not None, "bind() first"
         restarted = index in self._actors
         if not restarted:
             self._actors[index] = _actor_class().options(name=self._name(index), **self._options).remote(
@@ -162,14 +164,13 @@ class RayBackend:
 
     def close(self) -> None:
         """Stop the pump (cancelling the waits left) and shut Ray down if the pool started it."""
-        if self._closed:
+        if self._closed or self._loop is None or self._pump_thread is None:
             return
         self._closed = True
-        if self._pump_thread.is_alive():
-            with contextlib.suppress(Exception):  # pumps still waiting (an actor that never answered)
-                asyncio.run_coroutine_threadsafe(_cancel_pumps(), self._loop).result(5.0)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._pump_thread.join()
+        with contextlib.suppress(Exception):  # pumps still waiting (an actor that never answered)
+            asyncio.run_coroutine_threadsafe(_cancel_pumps(), self._loop).result(5.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._pump_thread.join()
         self._loop.close()
         if self._shares_ray:
             _leave_ray()
