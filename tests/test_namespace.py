@@ -171,15 +171,9 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-#: The one import cycle left (issue 38: ServingPool's backend as an object, no ``__new__`` switch,
-#: removes it); any other cycle fails the test below.
-_KNOWN_CYCLES = [{"serving._pool._pool", "serving.ray", "serving.ray._pool"}]
-
-
-def test_no_import_cycle_but_the_known_one():
-    """The import graph of src/ (lazy and TYPE_CHECKING imports included) has no cycle but the
-    listed one."""
-    assert [c for c in _cycles(_import_graph()) if c not in _KNOWN_CYCLES] == []
+def test_no_import_cycle():
+    """The import graph of src/ (lazy and TYPE_CHECKING imports included) has no cycle."""
+    assert _cycles(_import_graph()) == []
 
 
 def test_the_decoder_sits_below_the_engine_and_neither_is_in_an_import_cycle():

@@ -22,6 +22,9 @@ from mlx_serving.serving import DeadlineExceeded, InvalidInput, RemoteError, Ser
 from mlx_serving.serving import ServingPool
 
 
+pytestmark = pytest.mark.timeout(600)  # a cap that only ends a hang (pyproject's 120 s is tight on a busy machine)
+
+
 def child_pids() -> set[int]:
     """Live children of this process (zombies included until reaped)."""
     pids: set[int] = set()
@@ -34,7 +37,8 @@ def child_pids() -> set[int]:
     return pids
 
 
-def wait_until(predicate, timeout: float = 20.0) -> None:
+def wait_until(predicate, timeout: float = 120.0) -> None:
+    """Poll until ``predicate()``; the cap only ends a hang (shared, busy machines are slow)."""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
@@ -117,7 +121,7 @@ def test_routing_follows_weights_under_load():
         barrier = threading.Barrier(8)
 
         def call(i):
-            barrier.wait(5)
+            barrier.wait(120)
             return pool.run((0.8, i, None))["pid"]
 
         with ThreadPoolExecutor(8) as executor:
@@ -128,11 +132,11 @@ def test_routing_follows_weights_under_load():
 def test_routing_prefers_the_idle_worker(sleeper_pool):
     busy = ThreadPoolExecutor(1)
     future = busy.submit(sleeper_pool.run, (1.5, "long", None))
-    wait_until(lambda: sum(h.in_flight for h in sleeper_pool.health()) == 1, 5)
+    wait_until(lambda: sum(h.in_flight for h in sleeper_pool.health()) == 1)
     long_pid = next(h.pid for h in sleeper_pool.health() if h.in_flight == 1)
     short = [sleeper_pool.run((0.0, i, None))["pid"] for i in range(4)]
     assert long_pid not in short
-    assert future.result(5)["pid"] == long_pid
+    assert future.result(120)["pid"] == long_pid
     busy.shutdown()
 
 
@@ -147,14 +151,15 @@ def test_killed_worker_fails_its_requests_then_is_replaced(sleeper_pool):
 
     thread = threading.Thread(target=call)
     thread.start()
-    wait_until(lambda: any(h.in_flight for h in sleeper_pool.health()), 5)
+    wait_until(lambda: any(h.in_flight for h in sleeper_pool.health()))
     victim = next(h for h in sleeper_pool.health() if h.in_flight)
     os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    thread.join(5)
-    assert outcome["at"] - killed_at < 2.0
+    thread.join(120)
+    assert not thread.is_alive()
+    assert outcome["at"] - killed_at < 25.0  # failed by the kill, well before its 30 s call could end
     assert str(victim.pid) in str(outcome["error"])
-    wait_until(lambda: all(h.alive for h in sleeper_pool.health()), 30)
+    wait_until(lambda: all(h.alive for h in sleeper_pool.health()))
     replaced = sleeper_pool.health()[victim.index]
     assert replaced.restarts == 1 and replaced.pid != victim.pid
     with ThreadPoolExecutor(4) as executor:
@@ -172,11 +177,12 @@ def test_counts_never_go_down_when_a_worker_dies():
         assert before.total.completed == 8 and all(w.serving.completed for w in before.workers)
         doomed = threading.Thread(target=lambda: pytest.raises(WorkerCrashed, pool.run, (30.0, "doomed", None)))
         doomed.start()
-        wait_until(lambda: any(h.in_flight for h in pool.health()), 5)
+        wait_until(lambda: any(h.in_flight for h in pool.health()))
         victim = next(h for h in pool.health() if h.in_flight)
         os.kill(victim.pid, signal.SIGKILL)
-        doomed.join(5)
-        wait_until(lambda: all(h.alive for h in pool.health()), 30)
+        doomed.join(120)
+        assert not doomed.is_alive()
+        wait_until(lambda: all(h.alive for h in pool.health()))
         after = pool.stats()
         assert after.completed == 8 and after.failed == 1
         pool.run((0.0, "more", None))
@@ -186,8 +192,8 @@ def test_counts_never_go_down_when_a_worker_dies():
 def test_deadline_is_enforced(sleeper_pool):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded):
-        sleeper_pool.run((3.0, "late", None), deadline=0.3)
-    assert time.monotonic() - start < 2.0
+        sleeper_pool.run((6.0, "late", None), deadline=0.3)
+    assert time.monotonic() - start < 6.0  # ended by the deadline, before the worker's call could finish
 
 
 def test_worker_exceptions_come_back():
@@ -304,9 +310,10 @@ def test_cancelled_queued_request_never_runs(tmp_path):
 
     with ServingPool("pool_servings:sleeper", workers=1, batch_size=1) as pool:
         anyio.run(main)
-        time.sleep(0.3)
+        wait_until(lambda: pool.stats().cancelled == 1)  # the worker dropped "second" from its queue
         assert log.read_text().split() == ["first"]
-        assert pool.stats().cancelled == 1
+        assert pool.run((0.0, "third", str(log)))["tag"] == "third"  # the queue moved on without it
+        assert log.read_text().split() == ["first", "third"]
 
 
 def test_close_drains_then_stops_every_worker():
@@ -316,9 +323,9 @@ def test_close_drains_then_stops_every_worker():
     assert pids <= child_pids()
     with ThreadPoolExecutor(2) as executor:
         futures = [executor.submit(pool.run, (0.6, i, None)) for i in range(2)]
-        wait_until(lambda: sum(h.in_flight for h in pool.health()) == 2, 5)
+        wait_until(lambda: sum(h.in_flight for h in pool.health()) == 2)
         pool.close()
-        assert [f.result(1)["tag"] for f in futures] == [0, 1]  # drained, not failed
+        assert [f.result(120)["tag"] for f in futures] == [0, 1]  # drained, not failed
     assert not pids & child_pids()
     assert child_pids() <= before
     assert all(h.state == "stopped" and not h.alive for h in pool.health())
@@ -366,12 +373,12 @@ def test_bad_arguments_are_refused_at_once():
 
 
 def test_heartbeats_show_in_health_while_idle():
-    with ServingPool("pool_servings:double", workers=1, liveness_timeout=1.0) as pool:
+    with ServingPool("pool_servings:double", workers=1, liveness_timeout=30.0, heartbeat_interval=0.25) as pool:
         before = pool.health()[0]
-        time.sleep(0.6)  # heartbeats every 0.25 s (a quarter of liveness_timeout)
+        # heartbeats every 0.25 s: the last one advances while no request is answered
+        wait_until(lambda: pool.health()[0].last_heartbeat >= before.last_heartbeat + 0.3)
         after = pool.health()[0]
         assert after.last_progress == before.last_progress  # no answers: no progress
-        assert after.last_heartbeat >= before.last_heartbeat + 0.3
         assert after.state == "ready" and after.restarts == 0
 
 

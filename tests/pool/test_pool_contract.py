@@ -35,7 +35,11 @@ from mlx_serving.serving import (
 )
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
+pytestmark = pytest.mark.timeout(600)  # a cap that only ends a hang (pyproject's 120 s is tight on a busy machine)
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    """Poll until ``predicate()``; the cap only ends a hang (shared, busy machines are slow)."""
     end = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < end, "condition never became true"
@@ -168,7 +172,7 @@ def test_the_deadline_holds_when_the_worker_hangs():
                 anyio.run(functools.partial(hung.run_async, 1, deadline=0.2))
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert 0.45 <= elapsed < 1.5
+        assert 0.45 <= elapsed < 5.0  # the deadline ended it, well before liveness_timeout (10 s) would
         assert hung.run(2) == [(0, 1), (0, 2)]  # the worker drops the withdrawn calls, carries on
 
 
@@ -203,7 +207,7 @@ def test_a_script_without_a_main_guard_gets_the_childs_traceback(tmp_path: Path)
         else:
             pool.close()
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "CAUGHT pool worker 0" in done.stdout and "exited with code 1 while starting" in done.stdout
     assert "Traceback" in done.stdout and "bootstrapping phase" in done.stdout  # the child's
@@ -230,7 +234,7 @@ def test_close_leaves_no_thread_fd_or_process():
         assert short.run(1) == [(0, 1)]
         victim = short.health()[0].pid
         os.kill(victim, signal.SIGKILL)  # a replaced worker is released too
-        wait_for(lambda: short.health()[0].restarts == 1 and short.health()[0].alive, 30)
+        wait_for(lambda: short.health()[0].restarts == 1 and short.health()[0].alive)
         assert [short.run(1) for _ in range(4)] == [[(0, 1)]] * 4
     gc.collect()
     assert pool_threads() <= threads
@@ -270,6 +274,6 @@ def test_no_resource_tracker_is_started(tmp_path: Path):
                 assert pool.run(2) == [(0, 1), (0, 2)]
             print("TRACKER", resource_tracker._resource_tracker._pid, "CHILDREN", sorted(children()))
     """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr
     assert "TRACKER None CHILDREN []" in done.stdout

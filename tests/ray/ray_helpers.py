@@ -8,8 +8,9 @@ from collections.abc import Callable
 __all__ = ["wait_until"]
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> None:
-    """Poll ``predicate`` every 50 ms until it is truthy; AssertionError after ``timeout`` seconds."""
+def wait_until(predicate: Callable[[], object], timeout: float = 120.0) -> None:
+    """Poll ``predicate`` every 50 ms until it is truthy; AssertionError after ``timeout`` seconds
+    (a cap that only ends a hang: shared, busy machines are slow)."""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:

@@ -1,4 +1,5 @@
-"""ServingPool(backend="ray"): the client contract over real Ray actors on a local cluster."""
+"""ServingPool over a RayBackend (also ``backend="ray"``): the client contract over real Ray actors on a
+local cluster."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from mlx_serving.serving import (  # noqa: E402
     ServingStopped,
     WorkerCrashed,
 )
-from mlx_serving.serving.ray import RayServingPool  # noqa: E402
+from mlx_serving.serving.ray import RayBackend  # noqa: E402
 from ray_helpers import wait_until  # noqa: E402
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(600)  # a cap that only ends a hang
 
 LIGHT = {"num_cpus": 0}  # several small pools share the 2-CPU test cluster
 
@@ -57,7 +58,7 @@ def counter_pool(ray_cluster):
 
 
 def test_results_from_many_threads(double_pool):
-    assert isinstance(double_pool, RayServingPool) and isinstance(double_pool, Client)
+    assert isinstance(double_pool.backend, RayBackend) and isinstance(double_pool, Client)
     inputs = [np.full((i % 3 + 1, 3), i, dtype=np.float32) for i in range(24)]
     with ThreadPoolExecutor(12) as executor:
         outputs = list(executor.map(double_pool.run, inputs))
@@ -124,8 +125,8 @@ def test_cancellation_reaches_the_actor(counter_pool):
 def test_deadline_is_enforced_by_the_caller(sleeper_pool):
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded) as caught:
-        sleeper_pool.run((2.0, "late", None), deadline=0.3)
-    assert time.monotonic() - start < 1.5
+        sleeper_pool.run((6.0, "late", None), deadline=0.3)
+    assert time.monotonic() - start < 6.0  # ended by the deadline, before the actor's call could finish
     assert caught.value.request_id is not None
     assert sum(h.in_flight for h in sleeper_pool.health()) == 0
 
@@ -156,9 +157,9 @@ def test_actor_killed_mid_stream_then_restarted(ray_cluster):
         with pytest.raises(WorkerCrashed) as caught:
             for _ in stream:
                 pass
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 100  # failed by the kill, not after the stream's 200 s of steps
         assert caught.value.request_id == stream.request_id
-        wait_until(lambda: pool.health()[0].state == "ready", timeout=60)
+        wait_until(lambda: pool.health()[0].state == "ready")
         health = pool.health()[0]
         assert health.restarts == 1 and health.pid != pid
         assert pool.run(2) == [(0, 1), (0, 2)]  # the restarted actor serves
@@ -167,7 +168,7 @@ def test_actor_killed_mid_stream_then_restarted(ray_cluster):
 def test_close_answers_every_caller_and_leaves_no_actor(ray_cluster):
     pool = ServingPool("pool_servings:sleeper", workers=2, backend="ray", ray_actor_options=LIGHT,
                        batch_size=1, batch_timeout=0.01)
-    names = {slot.name for slot in pool._slots}
+    names = set(pool.backend.actor_names)
     assert names <= named_actors()
     outcomes: list[object] = []
 
@@ -184,7 +185,7 @@ def test_close_answers_every_caller_and_leaves_no_actor(ray_cluster):
     time.sleep(0.2)
     pool.close(timeout=0.3)
     for thread in threads:
-        thread.join(10)
+        thread.join(120)
     assert not any(thread.is_alive() for thread in threads)
     assert len(outcomes) == 6  # every caller answered: a result or ServingStopped
     assert any(isinstance(o, ServingStopped) for o in outcomes)
@@ -247,6 +248,6 @@ def test_a_pool_shuts_down_only_the_ray_it_started(ray_cluster):
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=110, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=540, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip().endswith("ok")

@@ -19,7 +19,7 @@ from ._errors import (
 )
 from ._handle import ServingHandle
 from ._options import ProcessOptions
-from ._pool import PoolStats, ServingPool, WorkerHealth, WorkerStats
+from ._pool import PoolStats, ProcessBackend, ServingPool, WorkerHealth, WorkerStats
 from ._serving import Serving
 from ._telemetry import ServingStats, TelemetryEvent
 
@@ -33,6 +33,7 @@ __all__ = [
     "InvalidInput",
     "IterativeBackend",
     "PoolStats",
+    "ProcessBackend",
     "ProcessOptions",
     "RemoteError",
     "RequestCancelled",

@@ -1,6 +1,7 @@
-"""``PoolClient``: the client contract's verbs shared by both pool backends (processes, Ray).
+"""``PoolClient``: the client contract's verbs of ``ServingPool``, and the helpers that the pool
+and both of its backends (processes, Ray actors) share.
 
-A backend provides ``_submit`` / ``_submit_async`` (route a request to a worker and send it,
+The pool provides ``_submit`` / ``_submit_async`` (route a request to a worker and send it,
 returning the ``Request`` whose channel receives the worker's messages), ``_consumer()`` (how
 those messages become items), ``pool_stats()`` and ``close()``; the verbs, the wait for a ready
 worker and the context managers are here.
@@ -8,8 +9,10 @@ worker and the context managers are here.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, ClassVar, Self
+from collections.abc import Sequence
+from typing import Any, Self
 
 import anyio
 
@@ -19,14 +22,16 @@ from .._request import Request
 from .._telemetry import ServingStats
 from ._stats import PoolStats
 
-__all__ = ["PoolClient", "refuse"]
+__all__ = ["PoolClient", "check_factory_path", "check_weights", "fail", "refuse", "remote_deadline"]
+
+_MIN_DEADLINE = 0.001  # a worker's serving refuses a deadline <= 0; the caller enforces the real one
 
 
 class PoolClient:
     """The contract (``Client``) over a backend's ``_submit`` (see the module docstring)."""
 
     _start_timeout: float
-    _worker_name: ClassVar[str] = "pool worker"  # how errors name one worker
+    _worker_name: str  # how errors name one worker ("pool worker", "Ray pool actor")
 
     def _consumer(self) -> Consumer:
         raise NotImplementedError
@@ -120,3 +125,36 @@ def refuse(request: Request, error: ServingError) -> ServingError:
     """``error`` for a request that was never sent, tagged with its id (``Request.fail``)."""
     request.fail(error)
     return error
+
+
+def fail(request: Request, error: BaseException) -> None:
+    """Fail ``request``; a ``ServingError`` gets its id (not the id the worker's request had)."""
+    if isinstance(error, ServingError):
+        error.request_id = request.id
+    request.fail(error)
+
+
+def remote_deadline(request: Request) -> float | None:
+    """The deadline (seconds from now) to send with a call: what is left of the request's, at
+    least 1 ms (the caller enforces the real one anyway); None without one."""
+    remaining = request.remaining()
+    return None if remaining is None else max(remaining, _MIN_DEADLINE)
+
+
+def check_weights(weights: Sequence[float] | None, workers: int) -> list[float]:
+    """Routing weights, one per worker (default all 1.0); ValueError unless ``workers`` positive
+    finite numbers."""
+    if weights is None:
+        return [1.0] * workers
+    weights = [float(w) for w in weights]
+    if len(weights) != workers or not all(w > 0 and math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be {workers} positive finite numbers, got {weights}")
+    return weights
+
+
+def check_factory_path(factory: object) -> None:
+    """ValueError for a factory import path that is not ``"package.module:function"``."""
+    if isinstance(factory, str):
+        module_name, _, attribute = factory.partition(":")
+        if not module_name or not attribute:
+            raise ValueError(f"factory import path must look like 'package.module:function', got {factory!r}")

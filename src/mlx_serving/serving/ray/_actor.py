@@ -1,4 +1,4 @@
-"""The Ray actor of a ``RayServingPool``: one started Serving per actor.
+"""The Ray actor of a ``RayBackend`` (a ``ServingPool`` over Ray): one started Serving per actor.
 
 The actor is an async actor (its methods run as tasks on one asyncio loop inside the actor), so
 concurrent calls routed to it batch together inside its serving, exactly as the calls of one
