@@ -204,13 +204,16 @@ class _CORS(CORSMiddleware):
 
 
 @contextmanager
-def _rows_named(param: str) -> Iterator[None]:
+def _rows_named(param: str, fields: Mapping[str, str] | None = None) -> Iterator[None]:
     """A RequestTooLarge (more rows than the serving queues at once) as a 400 naming ``param``, the
-    request field that made the rows (a list of prompts or inputs, ``n``)."""
+    request field that made the rows (a list of prompts or inputs, ``n``); an InvalidInput as a 400
+    naming the field the client sent (``fields``: ``Call.fields``)."""
     try:
         yield
     except RequestTooLarge as exc:
         raise APIError(400, str(exc), param=param) from None
+    except InvalidInput as exc:
+        raise from_exception(exc, fields) from None
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -260,14 +263,14 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         record = _Recorder(metrics, name, call, arrival)
         rows_field = "prompt" if call.prompts > 1 else "n"  # what made more rows than the queue holds
         if call.stream:
-            with _rows_named(rows_field):
+            with _rows_named(rows_field, call.fields):
                 stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
             # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
             return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n",
                                        shutdown_event=drain,  # type: ignore[arg-type]
                                        shutdown_grace_period=drain.grace + 1)  # ours ends the stream first
-        with _rows_named(rows_field):
+        with _rows_named(rows_field, call.fields):
             result = await _unless_disconnected(request, lambda: client.run_async(call.input, deadline=deadline),
                                                   drain)
         if result is _GONE:

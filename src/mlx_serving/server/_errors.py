@@ -12,6 +12,7 @@ the same way; any other ``ValueError`` 400 with
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..serving import DeadlineExceeded, InvalidInput, ServingOverloaded, ServingStopped
@@ -47,14 +48,16 @@ class APIError(Exception):
         return self.message
 
 
-def from_exception(exc: BaseException) -> APIError:
-    """The OpenAI error for an exception raised while serving a request (see the module docstring)."""
+def from_exception(exc: BaseException, fields: Mapping[str, str] | None = None) -> APIError:
+    """The OpenAI error for an exception raised while serving a request (see the module docstring);
+    ``fields``: the request field each renamed input key came from (``Call.fields``), over the
+    usual names."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidInput):
         if exc.param is None:
             return APIError(400, str(exc))
-        param = _OPENAI_NAMES.get(exc.param, exc.param)
+        param = (fields or {}).get(exc.param) or _OPENAI_NAMES.get(exc.param, exc.param)
         return APIError(400, re.sub(rf"\b{re.escape(exc.param)}\b", param, str(exc)), param=param)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))

@@ -22,7 +22,11 @@ from ..models.text_generation._schema import KEYS
 from ..serving._json import JSONObject
 from ._errors import APIError
 
-__all__ = ["GUIDED", "PASS", "Call", "chat_call", "completion_call", "messages_of"]
+__all__ = ["GUIDED", "MAX_PROMPTS", "PASS", "Call", "chat_call", "completion_call", "messages_of"]
+
+#: Most prompts in one ``/v1/completions`` request (as OpenAI bounds an embeddings request's inputs):
+#: a longer list is refused before any of it is parsed or tokenized.
+MAX_PROMPTS = 2048
 
 # Text-generation input keys this module sets itself (renamed, or read by the envelope's rules below).
 _MAPPED = ("text", "messages", "max_new_tokens", "enable_thinking", "logprobs", "top_logprobs", "n", "response_format",
@@ -65,7 +69,9 @@ class Call:
     for a list of prompts); ``stream``: answer with server-sent events; ``include_usage``: a last
     chunk with ``usage`` (``stream_options.include_usage``); ``deadline``: seconds the request may
     take (the ``deadline`` extension field), or None for the server's default; ``n``: completions per
-    prompt; ``prompts``: prompts in the request (1 for chat)."""
+    prompt; ``prompts``: prompts in the request (1 for chat); ``fields``: the request field each
+    renamed input key came from (``max_new_tokens`` -> ``max_completion_tokens`` or ``max_tokens``,
+    ...), for errors naming the field the client sent."""
 
     input: Any
     stream: bool
@@ -73,6 +79,7 @@ class Call:
     deadline: float | None
     n: int
     prompts: int
+    fields: dict[str, str]
 
 
 def chat_call(body: JSONObject) -> Call:
@@ -82,7 +89,7 @@ def chat_call(body: JSONObject) -> Call:
     unsupported field."""
     _check_fields(body, "chat")
     spec: dict[str, Any] = {"messages": _messages(body.get("messages"))}
-    _sampling(body, spec, max_keys=("max_completion_tokens", "max_tokens"))
+    fields = _sampling(body, spec, max_keys=("max_completion_tokens", "max_tokens"))
     logprobs = _flag(body, "logprobs")
     if logprobs:
         spec["logprobs"] = True
@@ -92,7 +99,7 @@ def chat_call(body: JSONObject) -> Call:
         raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     _tools(body, spec)
     _template_kwargs(body.get("chat_template_kwargs"), spec)
-    return _call(body, spec, prompts=1)
+    return _call(body, spec, 1, fields)
 
 
 def completion_call(body: JSONObject) -> Call:
@@ -102,13 +109,14 @@ def completion_call(body: JSONObject) -> Call:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS and all(isinstance(p, str) for p in prompt):
         prompts = cast(list[str], prompt)  # every item checked
     else:
-        raise APIError(400, "'prompt' must be a string or a non-empty list of strings (token-id prompts are "
-                            "not supported)", param="prompt")
+        raise APIError(400, f"'prompt' must be a string or a non-empty list of at most {MAX_PROMPTS} strings "
+                            "(token-id prompts are not supported)", param="prompt")
     spec: dict[str, Any] = {}
-    _sampling(body, spec, max_keys=("max_tokens",))
+    fields = _sampling(body, spec, max_keys=("max_tokens",))
+    fields.update(logprobs="logprobs", top_logprobs="logprobs")  # completions' logprobs is the count
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int):
@@ -116,10 +124,10 @@ def completion_call(body: JSONObject) -> Call:
                            param="logprobs")
         spec.update(logprobs=True, top_logprobs=logprobs)
     inputs = [{"text": p, **spec} for p in prompts]
-    return _call(body, inputs if isinstance(prompt, list) else inputs[0], prompts=len(prompts))
+    return _call(body, inputs if isinstance(prompt, list) else inputs[0], len(prompts), fields)
 
 
-def _call(body: dict[str, Any], input: Any, prompts: int) -> Call:
+def _call(body: dict[str, Any], input: Any, prompts: int, fields: dict[str, str]) -> Call:
     for name, default in _UNSUPPORTED.items():
         if body.get(name, default) not in (default, None) and not (name == "best_of" and body[name] == 1):
             raise APIError(400, f"'{name}' is not supported by this server", param=name)
@@ -136,14 +144,17 @@ def _call(body: dict[str, Any], input: Any, prompts: int) -> Call:
         for item in input if isinstance(input, list) else [input]:
             item["n"] = n
     return Call(input, stream, include_usage, _deadline(body.get("deadline")),
-                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, prompts)
+                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, prompts, fields)
 
 
-def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, ...]) -> None:
-    """Copy the sampling fields present in ``body`` into ``spec`` under the serving's names."""
+def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, ...]) -> dict[str, str]:
+    """Copy the sampling fields present in ``body`` into ``spec`` under the serving's names; the
+    request field each renamed key came from."""
+    fields = {"max_new_tokens": max_keys[-1]}
     for key in max_keys:
         if body.get(key) is not None:
             spec["max_new_tokens"] = body[key]
+            fields["max_new_tokens"] = key
             break
     spec.update((k, body[k]) for k in PASS if body.get(k) is not None)
     if body.get("response_format") is not None and body["response_format"] != {"type": "text"}:
@@ -156,6 +167,7 @@ def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, .
         spec["response_format"] = guided
     if spec.get("top_k") == -1:  # vLLM's spelling of "off" (the serving's is 0)
         del spec["top_k"]
+    return fields
 
 
 _KNOWN = {kind: frozenset((*PASS, *_UNSUPPORTED, *_IGNORED, *GUIDED, *read)) for kind, read in _READ.items()}

@@ -266,11 +266,15 @@ def _encode_chat(request: GenerationRequest, messages: list[JSONObject], tokeniz
     with _blame(request.source):  # the template's errors (ChatTemplateError) and text it cannot encode
         if limit is not None and 4 * request.chat_chars > limit and tokenizer.chat_template is not None:
             # Near the bound: render (about 0.4 ms for a 1 MB message) and measure what would be encoded.
-            rendered = tokenizer.chat_template.apply(messages, add_generation_prompt=True, enable_thinking=thinking,
-                                                     tools=tools)
+            template = tokenizer.chat_template
+            rendered = template.apply(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
             if _longer_than(rendered, limit):
+                param = too_long_param(rendered)
+                if tools and param == request.source and not _longer_than(
+                        template.apply(messages, add_generation_prompt=True, enable_thinking=thinking), limit):
+                    param = "tools"  # the messages alone fit: the tools' schemas are what does not
                 raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, request.params,
-                                too_long_param(rendered))
+                                param)
         return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
 
 
