@@ -265,7 +265,8 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
         if call.stream:
             with _rows_named(rows_field, call.fields):
                 stream = await client.stream_async(call.input, deadline=deadline)
-            state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n)
+            state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n,
+                                continuous_usage=call.continuous_usage)
             # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
             return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n",
                                        shutdown_event=drain,  # type: ignore[arg-type]

@@ -30,7 +30,7 @@ MAX_PROMPTS = 2048
 
 # Text-generation input keys this module sets itself (renamed, or read by the envelope's rules below).
 _MAPPED = ("text", "messages", "max_new_tokens", "enable_thinking", "logprobs", "top_logprobs", "n", "response_format",
-           "tools", "tool_choice", "parallel_tool_calls")
+           "tools", "tool_choice", "parallel_tool_calls", "stream_usage")
 #: Every other input key (the schema's): an OpenAI (or vLLM) field of the same name, passed through
 #: when present and not null.
 PASS = tuple(k for k in KEYS if k not in _MAPPED)
@@ -71,7 +71,8 @@ class Call:
     take (the ``deadline`` extension field), or None for the server's default; ``n``: completions per
     prompt; ``prompts``: prompts in the request (1 for chat); ``fields``: the request field each
     renamed input key came from (``max_new_tokens`` -> ``max_completion_tokens`` or ``max_tokens``,
-    ...), for errors naming the field the client sent."""
+    ...), for errors naming the field the client sent; ``continuous_usage``: every chunk carries
+    ``usage`` (``stream_options.continuous_usage_stats``, vLLM's)."""
 
     input: Any
     stream: bool
@@ -80,6 +81,7 @@ class Call:
     n: int
     prompts: int
     fields: dict[str, str]
+    continuous_usage: bool = False
 
 
 def chat_call(body: JSONObject) -> Call:
@@ -136,7 +138,13 @@ def _call(body: dict[str, Any], input: Any, prompts: int, fields: dict[str, str]
     if options is not None and (not isinstance(options, dict) or not stream):
         raise APIError(400, "'stream_options' must be an object, and only with 'stream': true",
                        param="stream_options")
+    if options and set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise APIError(400, "'stream_options' may hold only 'include_usage' and 'continuous_usage_stats' (bools)",
+                       param="stream_options")
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    continuous = _flag(options or {}, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    for item in (input if isinstance(input, list) else [input]) if continuous else ():
+        item["stream_usage"] = True  # each delta carries its token counts
     n = body.get("n")
     if isinstance(n, bool):  # True == 1 in Python: not a count
         raise APIError(400, f"'n' must be an integer, got {n!r}", param="n")
@@ -144,7 +152,7 @@ def _call(body: dict[str, Any], input: Any, prompts: int, fields: dict[str, str]
         for item in input if isinstance(input, list) else [input]:
             item["n"] = n
     return Call(input, stream, include_usage, _deadline(body.get("deadline")),
-                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, prompts, fields)
+                n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1, prompts, fields, continuous)
 
 
 def _sampling(body: dict[str, Any], spec: dict[str, Any], max_keys: tuple[str, ...]) -> dict[str, str]:

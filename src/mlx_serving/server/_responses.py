@@ -80,6 +80,7 @@ class Event:
     delta: dict[str, Any]
     logprobs: list[dict[str, Any]] | None
     final: StreamDict | None
+    tokens: dict[str, int] | None = None  #: ``{"input", "output"}`` so far (``stream_usage`` deltas, finals)
 
 
 def event(item: StreamItem, is_list: bool, n: int) -> Event:
@@ -95,7 +96,8 @@ def event(item: StreamItem, is_list: bool, n: int) -> Event:
     index = value.get("index", 0)
     delta = {k: value[k] for k in _DELTA_KEYS if value.get(k)}
     final = value if "finish_reason" in value else None
-    return Event(row * n + index, delta, value.get("logprobs") if final is None else None, final)
+    return Event(row * n + index, delta, value.get("logprobs") if final is None else None, final,
+                 value.get("token_summary"))
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> JSONObject:
@@ -188,8 +190,10 @@ class StreamState:
     n: int
     choices: int
     rid: str = ""
+    continuous_usage: bool = False  #: every chunk carries ``usage`` (``stream_options.continuous_usage_stats``)
     created: int = field(default_factory=lambda: int(time.time()))
     finals: dict[int, StreamDict] = field(default_factory=dict)
+    _tokens: dict[int, dict[str, int]] = field(default_factory=dict)
     _calls: dict[int, int] = field(default_factory=dict)
     _offsets: dict[int, int] = field(default_factory=dict)
 
@@ -211,9 +215,16 @@ class StreamState:
         """The SSE data (JSON) of one stream item (normalized by :func:`event`): zero or one chunk."""
         if ev.final is not None:
             self.finals[ev.choice] = ev.final
+        if ev.tokens is not None:
+            self._tokens[ev.choice] = ev.tokens
         if not ev.delta and ev.logprobs is None and ev.final is None:
             return []
         return [self._chunk(ev.choice, self._delta(ev), ev.logprobs, ev.final)]
+
+    def _usage_so_far(self) -> JSONObject:
+        """``usage`` of the tokens generated so far (each prompt's tokens counted once)."""
+        prompts = {choice // self.n: t.get("input", 0) for choice, t in sorted(self._tokens.items())}
+        return usage(sum(prompts.values()), sum(t.get("output", 0) for t in self._tokens.values()))
 
     def usage_chunk(self) -> str:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
@@ -253,4 +264,7 @@ class StreamState:
             lp = None if logprobs is None else completion_logprobs(logprobs, offset)
             self._offsets[choice] = offset + len(delta.get("content", ""))
             body = {"index": choice, "text": delta.get("content", ""), "logprobs": lp, "finish_reason": finish}
-        return json.dumps({**self._envelope(), "choices": [body]}, ensure_ascii=False)
+        out = {**self._envelope(), "choices": [body]}
+        if self.continuous_usage:
+            out["usage"] = self._usage_so_far()
+        return json.dumps(out, ensure_ascii=False)

@@ -53,8 +53,9 @@ class RowOutput:
     log-probabilities were asked for; ``reasoning``: split ``<think>`` blocks into
     ``reasoning_content`` (``enable_thinking`` true); ``tools``: parse ``<tool_call>`` blocks
     (``tools`` given); ``deltas``: stream dict deltas instead of str pieces (its input asked for
-    ``n`` > 1, logprobs, tools or thinking); ``keep_stop``: a matched stop string stays at the end
-    of the text (``include_stop_str_in_output``, vLLM's)."""
+    ``n`` > 1, logprobs, tools, thinking or stream usage); ``keep_stop``: a matched stop string stays
+    at the end of the text (``include_stop_str_in_output``, vLLM's); ``usage``: each delta carries
+    ``token_summary`` (the prompt's tokens and those generated so far: ``stream_usage``)."""
 
     input: int = 0
     index: int = 0
@@ -63,6 +64,7 @@ class RowOutput:
     tools: bool = False
     deltas: bool = False
     keep_stop: bool = False
+    usage: bool = False
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,9 +228,10 @@ def _output(spec: GenerationInput, chat: bool, params: SamplingParams, n: int) -
     """What the rows of this input return (see :class:`RowOutput`)."""
     logprobs = params.logprobs is not None
     reasoning = chat and spec.enable_thinking is True
-    tools = chat and bool(spec.tools)
+    tools, usage = chat and bool(spec.tools), spec.stream_usage is True
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
-                     deltas=n > 1 or logprobs or reasoning or tools, keep_stop=bool(spec.include_stop_str_in_output))
+                     deltas=n > 1 or logprobs or reasoning or tools or usage,
+                     keep_stop=bool(spec.include_stop_str_in_output), usage=usage)
 
 
 @contextmanager

@@ -75,6 +75,7 @@ class GenerationInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stop_token_ids: Annotated[list[int], Meta(max_length=MAX_STOP_TOKEN_IDS, description="a list of at most "
                                               f"{MAX_STOP_TOKEN_IDS} token ids")] | None = None
     include_stop_str_in_output: Annotated[bool, Meta(description=_FLAG)] | None = None
+    stream_usage: Annotated[bool, Meta(description=_FLAG)] | None = None
 
 
 #: Every input key, in declaration order (the order keys are checked in).

@@ -83,8 +83,9 @@ class GenerationTransducer:
     cache) and, when ``profile_timing``, ``timing`` (ms, see :meth:`RowText.timing`; the same for
     every finish reason). Items of an input with ``n`` > 1, logprobs, tools or thinking (its
     :class:`RowOutput` has ``deltas``): delta dicts ``{"index", "content"[, "reasoning_content"]
-    [, "tool_calls"][, "logprobs"]}`` (index: which of its n completions; logprobs: one entry per
-    token of the event, see ``TokenTexts.entry``), then per completion a final dict as above with
+    [, "tool_calls"][, "logprobs"][, "token_summary"]}`` (index: which of its n completions;
+    logprobs: one entry per token of the event, see ``TokenTexts.entry``; token_summary, with
+    ``stream_usage``: ``{"input", "output"}`` tokens so far), then per completion a final dict as above with
     ``"index"`` (``finish_reason`` "tool_calls" when it emitted a tool call). For a list input
     every item is an ``(input_index, item)`` pair. A row's joined ``content`` (or pieces) equals
     its non-streamed ``generated_text``.
@@ -161,6 +162,8 @@ class GenerationTransducer:
             assert self._texts is not None
             delta["logprobs"] = [self._texts.entry(event)]
         has_more = len(delta) > 2  # reasoning, tool calls or logprobs beside index and content
+        if output.usage:
+            delta["token_summary"] = {"input": self._info.input_tokens[row_index], "output": row.tokens}
         items: list[Any] = [delta] if delta["content"] or has_more else []
         if row.finish_reason is not None:
             final = self._final(row_index, row)
