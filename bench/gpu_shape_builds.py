@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from gpu_mixed import load_ours  # noqa: E402
 from gpu_throughput import default_ckpt  # noqa: E402
-from mlx_serving.models.generation import Engine  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig  # noqa: E402
 
 
 def ptx_files() -> int:
@@ -136,7 +136,8 @@ def main() -> None:
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__,
                            "config": {k: str(v) for k, v in vars(args).items()}, "load_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    engine = Engine(state, args.max_batch, args.max_len, args.prefill_chunk, bucket_shapes=True)
+    engine = Engine(state, EngineConfig.of(max_batch=args.max_batch, max_len=args.max_len,
+                                           prefill_chunk=args.prefill_chunk, bucket_shapes=True))
     out["engine_s"] = time.perf_counter() - t0
     out["decode_path"] = engine.decode_backend.name
     out["trace_split"] = [trace_split(engine, hi) for hi in (1, args.max_batch)]

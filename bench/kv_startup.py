@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mlx_serving import text_generation
 from mlx_serving.models.sources import seeded_checkpoint
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import Engine, EngineConfig
 from mlx_serving.models.loader import load
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     t0 = time.perf_counter()
     state = load(path)
     t1 = time.perf_counter()
-    engine = Engine(state, 32, 2048)
+    engine = Engine(state, EngineConfig.of(max_batch=32, max_len=2048))
     t2 = time.perf_counter()
     stats, kv_mb = engine.kv_stats(), engine.cache.nbytes / 2**20
     del engine
