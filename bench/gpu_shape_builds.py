@@ -1,7 +1,7 @@
 """Where a shape build's time goes (issue 37): each warm-up shape of an Engine, first and second time.
 
-For the seeded Qwen3-0.6B-shaped checkpoint (dequantized, as the GPU benches load it) and an
-``Engine(max_batch, max_len, prefill_chunk)``, in one fresh process:
+For the seeded Qwen3-0.6B-shaped checkpoint (dequantized, as the GPU benches load it) and
+an engine of ``max_batch``, ``max_len``, ``prefill_chunk``, in one fresh process:
 
 - every shape of ``runner.warm_shapes()`` in its order, timed on first use (wall seconds) and again
   right after (the steady cost), with the number of new files in MLX's PTX cache (kernels NVRTC

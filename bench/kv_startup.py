@@ -1,7 +1,7 @@
 """Start-up cost of the paged KV cache on the 0.6B shape (issue 13): time from a loaded checkpoint
 to a ready engine, and to the first inline ``Serving.run`` result.
 
-``Engine(state, 32, 2048)`` (the text-generation defaults, max_batch 32, max_len 2048) allocates
+``Engine(state, EngineConfig.of(max_batch=32, max_len=2048))`` (the text-generation defaults, max_batch 32, max_len 2048) allocates
 its block pool for the default budget (1 GiB on the CPU) instead of the slot design's
 32 x 2,049 positions (15 GB in float32); ``text_generation.from_mlx4bit(seeded_checkpoint("seeded:qwen3-0.6b"),
 max_new_tokens=1)`` then ``run("Hello")`` times building the partition's engine plus one prefill
