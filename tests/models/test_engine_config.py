@@ -27,11 +27,12 @@ _OTHER: dict[str, Any] = dict(max_batch=3, prefill_chunk=8, max_step_tokens=40, 
 
 @pytest.mark.parametrize("part, field, bad", [
     (SchedulerConfig, "max_batch", 0), (SchedulerConfig, "max_batch", 2.0), (SchedulerConfig, "prefill_chunk", True),
-    (SchedulerConfig, "max_step_tokens", 0), (SchedulerConfig, "max_step_tokens", "64"), (SchedulerConfig, "policy", "lifo"),
+    (SchedulerConfig, "max_step_tokens", 0), (SchedulerConfig, "max_step_tokens", "64"),
+    (SchedulerConfig, "policy", "lifo"),
     (CacheConfig, "max_len", 0), (CacheConfig, "block_size", 0), (CacheConfig, "kv_cache_bytes", -5),
-    (CacheConfig, "kv_cache_fraction", 0), (CacheConfig, "kv_cache_fraction", 1.5), (CacheConfig, "kv_cache_fraction", True),
-    (CacheConfig, "prefix_caching", 1), (CacheConfig, "prefix_caching", None), (CacheConfig, "buffer_cache_bytes", -1),
-    (CacheConfig, "buffer_cache_bytes", 1.0),
+    (CacheConfig, "kv_cache_fraction", 0), (CacheConfig, "kv_cache_fraction", 1.5),
+    (CacheConfig, "kv_cache_fraction", True), (CacheConfig, "prefix_caching", 1), (CacheConfig, "prefix_caching", None),
+    (CacheConfig, "buffer_cache_bytes", -1), (CacheConfig, "buffer_cache_bytes", 1.0),
     (DecodeConfig, "decode_path", "flash"), (DecodeConfig, "compile_decode", 1), (DecodeConfig, "bucket_shapes", "yes"),
     (DecodeConfig, "pack_prefill", 0), (DecodeConfig, "max_causal_groups", 0),
 ])
@@ -58,6 +59,7 @@ def test_generation_options_reach_every_engine_field() -> None:
     opts = GenerationOptions(max_new_tokens=4, **_OTHER)
     assert opts.engine == EngineConfig.of(**_OTHER)
     assert set(EngineConfig.field_names()) <= {f.name for f in dataclasses.fields(GenerationOptions)}
+    assert GenerationOptions(bucket_shapes=False).engine == EngineConfig.of(bucket_shapes=False)  # one set of defaults
     assert GenerationOptions(bucket_shapes=True).engine.scheduler.max_step_tokens == GPU_STEP_TOKENS
     assert GenerationOptions(bucket_shapes=True, max_step_tokens=7).engine.scheduler.max_step_tokens == 7
     assert GenerationOptions(bucket_shapes=False).engine.scheduler.max_step_tokens is None

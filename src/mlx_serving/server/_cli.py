@@ -92,7 +92,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
 
 def _optional_bytes(text: str) -> int | None:
     """An argparse type: a byte count, or "none"."""
-    return None if text.lower() == "none" else int(text)
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count or 'none'") from None
 
 
 #: The engine's flags, each named after its ``GenerationOptions`` field (its ``dest``), vLLM's name
@@ -108,14 +113,15 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         help="KV-cache budget in bytes (default: --kv-cache-fraction, else 1 GiB on the CPU, half the available "
              "memory on a GPU)")),
     (("--kv-cache-fraction",), dict(
-        type=float, metavar="FRACTION", help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a "
-                         "GPU)")),
+        type=float, metavar="FRACTION",
+        help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")),
     (("--enable-prefix-caching",), dict(
         dest="prefix_caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV blocks of cached prompt prefixes")),
     (("--block-size",), dict(type=int, help="tokens per KV block")),
     (("--buffer-cache-bytes",), dict(
-        type=_optional_bytes, metavar="BYTES", help="bound on MLX's buffer cache of freed buffers ('none': MLX's own)")),
+        type=_optional_bytes, metavar="BYTES",
+        help="bound on MLX's buffer cache of freed buffers ('none': MLX's own)")),
     (("--decode-path",), dict(
         choices=("fused", "matmul", "sdpa"),
         help="how one-token rows attend (default: the fused CUDA kernels where they run and fit, else matmul)")),
@@ -149,7 +155,8 @@ def _dest(names: tuple[str, ...], kw: dict[str, Any]) -> str:
 def add_engine_arguments(p: argparse.ArgumentParser, *, rows: bool) -> None:
     """Add the text-generation engine's flags (docs/generation.md) to ``p``, each with its
     ``GenerationOptions`` default; ``rows``: with ``--max-batch`` / ``--max-num-seqs`` and
-    ``--policy`` (``serve``; ``generate`` and ``chat`` run one sequence). :func:`engine_options` reads them back."""
+    ``--policy`` (``serve``; ``generate`` and ``chat`` run one sequence). :func:`engine_options`
+    reads them back."""
     from ..models.text_generation import GenerationOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}

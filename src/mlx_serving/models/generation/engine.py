@@ -69,7 +69,8 @@ class Engine:
       ``max_causal_groups`` (how a multi-row prefill runs, :class:`~.model_runner.ModelRunner`).
 
     Raises ValueError when the KV budget holds no sequence of ``max_len``, or for the fused decode
-    path where its CUDA kernels cannot run; TypeError when ``config`` is not an EngineConfig. Not thread-safe: drive it from one thread.
+    path where its CUDA kernels cannot run; TypeError when ``config`` is not an EngineConfig.
+    Not thread-safe: drive it from one thread.
 
     Sampling follows each sequence's :class:`~.sampling.SamplingParams` through its sampler chain
     (:mod:`.logits`), for the whole batch on the device. ``constraint_factory`` makes the
