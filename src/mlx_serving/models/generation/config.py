@@ -107,7 +107,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _positive("max_len", self.max_len)
         _positive("block_size", self.block_size)
-        _positive("kv_cache_bytes", self.kv_cache_bytes, optional=True)
+        k = self.kv_cache_bytes  # its range against max_len: plan_blocks, when the engine is built
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise ValueError(f"kv_cache_bytes must be None or an integer, got {_show(k)}")
         f = self.kv_cache_fraction
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
             raise ValueError(f"kv_cache_fraction must be None or a number in (0, 1], got {_show(f)}")
