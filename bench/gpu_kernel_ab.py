@@ -24,7 +24,7 @@ import _old_cuda_kernels as old  # noqa: E402
 from gpu_mixed import load_ours  # noqa: E402
 from gpu_throughput import default_ckpt, engine_concurrent, word_prompts  # noqa: E402
 from mlx_serving.models.decoder import cuda_kernels as new  # noqa: E402
-from mlx_serving.models.generation import Engine  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig  # noqa: E402
 from mlx_serving.models.decoder.decode_backends import FusedDecode  # noqa: E402
 
 
@@ -65,7 +65,7 @@ def main() -> None:
     engines = {}
     for name, mod in (("old", old), ("new", new)):
         t0 = time.perf_counter()
-        engines[name] = e = Engine(state, 128, 264, decode_path=backend(mod))
+        engines[name] = e = Engine(state, EngineConfig.of(max_batch=128, max_len=264, decode_path=backend(mod)))
         e.warm_up()
         out[f"warm_up_s_{name}"] = time.perf_counter() - t0
         engine_concurrent(e, prompts[128:], 128)

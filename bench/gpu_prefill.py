@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx_serving.models.generation.engine as engine_module  # noqa: E402
 from gpu_throughput import default_ckpt  # noqa: E402
-from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams  # noqa: E402
 from mlx_serving.models.decoder.layers import State  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -72,7 +72,8 @@ def padded_tokens(lengths: list[int], chunk: int, bucket: bool) -> int:
 def run_once(state: State, batch: list[list[int]], chunk: int) -> float:
     """Seconds from the first add to the last event of one prefill-only run."""
     max_len = max(map(len, batch)) + 8
-    engine = Engine(state, len(batch), max_len, chunk, prefix_caching=False)  # no decode: no warm_up
+    engine = Engine(state, EngineConfig.of(max_batch=len(batch), max_len=max_len, prefill_chunk=chunk,
+                                           prefix_caching=False))  # no decode: no warm_up
     params = SamplingParams(max_new_tokens=1)
     t0 = time.perf_counter()
     for i, p in enumerate(batch):

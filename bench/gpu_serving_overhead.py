@@ -26,7 +26,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from gpu_throughput import serving_concurrent, word_prompts  # noqa: E402
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
@@ -35,7 +35,7 @@ from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
 def engine_run(state: Any, prompts: list[list[int]], new: int) -> float:
     """Aggregate tok/s of a bare Engine loop over ``prompts`` (all added at once)."""
-    eng = Engine(state, max_batch=len(prompts), max_len=len(prompts[0]) + new + 8)
+    eng = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=len(prompts[0]) + new + 8))
     for i, p in enumerate(prompts):
         eng.add(i, p, SamplingParams(max_new_tokens=new, eos_token_ids=()))
     t0, n = time.perf_counter(), 0

@@ -1,7 +1,7 @@
 """Where a shape build's time goes (issue 37): each warm-up shape of an Engine, first and second time.
 
-For the seeded Qwen3-0.6B-shaped checkpoint (dequantized, as the GPU benches load it) and an
-``Engine(max_batch, max_len, prefill_chunk)``, in one fresh process:
+For the seeded Qwen3-0.6B-shaped checkpoint (dequantized, as the GPU benches load it) and
+an engine of ``max_batch``, ``max_len``, ``prefill_chunk``, in one fresh process:
 
 - every shape of ``runner.warm_shapes()`` in its order, timed on first use (wall seconds) and again
   right after (the steady cost), with the number of new files in MLX's PTX cache (kernels NVRTC
@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from gpu_mixed import load_ours  # noqa: E402
 from gpu_throughput import default_ckpt  # noqa: E402
-from mlx_serving.models.generation import Engine  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig  # noqa: E402
 
 
 def ptx_files() -> int:
@@ -136,7 +136,8 @@ def main() -> None:
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__,
                            "config": {k: str(v) for k, v in vars(args).items()}, "load_s": time.perf_counter() - t0}
     t0 = time.perf_counter()
-    engine = Engine(state, args.max_batch, args.max_len, args.prefill_chunk, bucket_shapes=True)
+    engine = Engine(state, EngineConfig.of(max_batch=args.max_batch, max_len=args.max_len,
+                                           prefill_chunk=args.prefill_chunk, bucket_shapes=True))
     out["engine_s"] = time.perf_counter() - t0
     out["decode_path"] = engine.decode_backend.name
     out["trace_split"] = [trace_split(engine, hi) for hi in (1, args.max_batch)]

@@ -105,7 +105,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     from gpu_throughput import engine_concurrent, serving_concurrent, word_prompts
 
     from mlx_serving.models import text_generation
-    from mlx_serving.models.generation import Engine
+    from mlx_serving.models.generation import Engine, EngineConfig
     from mlx_serving.models.loader import load
     from mlx_serving.models.text_generation._options import GPU_STEP_TOKENS
     from mlx_serving.serving import Serving
@@ -122,7 +122,8 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[float]] = {"serving": [], "engine": []}
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    eng = Engine(state, n, max_len, max_step_tokens=GPU_STEP_TOKENS)  # the serving's budget
+    eng = Engine(state, EngineConfig.of(max_batch=n, max_len=max_len,
+                                        max_step_tokens=GPU_STEP_TOKENS))  # the serving's budget
     eng.warm_up()
     engine_concurrent(eng, prompts[n:], new)
     with Serving.start(gen) as h:

@@ -131,7 +131,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     """The "fused" decode path vs the generic "matmul" one: logits of one decode forward
     over ragged rows (random cache contents, a quarter of the rows padding), and the greedy
     tokens of two Engine runs (8 prompts of 5..200 tokens, 32 new tokens each)."""
-    from mlx_serving.models.generation import Engine, SamplingParams
+    from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
     state = load(ckpt, dtype=dtype)
     out: dict[str, Any] = {"dtype": dtype}
     cache, table = paged_cache(state, 512, 128)
@@ -159,7 +159,7 @@ def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
     tokens = {}
     for name, mode, compiled in (("matmul", "matmul", False), ("fused", "fused", False),
                                  ("fused+compile", "fused", True)):
-        eng = Engine(state, max_batch=8, max_len=256, compile_decode=compiled, decode_path=mode)
+        eng = Engine(state, EngineConfig.of(max_batch=8, max_len=256, compile_decode=compiled, decode_path=mode))
         for i, p in enumerate(prompts):
             eng.add(i, p, SamplingParams(max_new_tokens=32, eos_token_ids=()))
         got: dict[int, list[int]] = {i: [] for i in range(8)}

@@ -48,7 +48,7 @@ import tokenizers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.generation import Engine, SamplingParams  # noqa: E402
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.decoder.decode_backends import decode_backend  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -107,7 +107,7 @@ def mlxlm_batch(model: Any, tokenizer: Any, prompts: list[list[int]], new: int, 
 
 
 def engine_single(state: Any, prompt: list[int], new: int) -> dict[str, float]:
-    eng = Engine(state, max_batch=1, max_len=len(prompt) + new + 8)
+    eng = Engine(state, EngineConfig.of(max_batch=1, max_len=len(prompt) + new + 8))
     eng.add(0, prompt, SamplingParams(max_new_tokens=new, eos_token_ids=()))
     t0 = time.perf_counter()
     times: list[float] = []
@@ -290,7 +290,7 @@ def main() -> None:
             curve[str(n)] = {"ours": anyio.run(serving_concurrent, h, texts[:n])}
         mx.clear_cache()
     for n in levels:  # the serving's engine without the serving: fresh per level, as each Serving.start
-        eng = Engine(state, max(levels), max_len, 512)
+        eng = Engine(state, EngineConfig.of(max_batch=max(levels), max_len=max_len, prefill_chunk=512))
         eng.warm_up()
         engine_concurrent(eng, prompts[n:2 * n], args.new)
         curve[str(n)]["ours_engine"] = engine_concurrent(eng, prompts[:n], args.new)

@@ -1,7 +1,7 @@
 """Start-up cost of the paged KV cache on the 0.6B shape (issue 13): time from a loaded checkpoint
 to a ready engine, and to the first inline ``Serving.run`` result.
 
-``Engine(state, 32, 2048)`` (the text-generation defaults, max_batch 32, max_len 2048) allocates
+``Engine(state, EngineConfig.of(max_batch=32, max_len=2048))`` (the text-generation defaults, max_batch 32, max_len 2048) allocates
 its block pool for the default budget (1 GiB on the CPU) instead of the slot design's
 32 x 2,049 positions (15 GB in float32); ``text_generation.from_mlx4bit(seeded_checkpoint("seeded:qwen3-0.6b"),
 max_new_tokens=1)`` then ``run("Hello")`` times building the partition's engine plus one prefill
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from mlx_serving import text_generation
 from mlx_serving.models.sources import seeded_checkpoint
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import Engine, EngineConfig
 from mlx_serving.models.loader import load
 
 
@@ -28,7 +28,7 @@ def main() -> None:
     t0 = time.perf_counter()
     state = load(path)
     t1 = time.perf_counter()
-    engine = Engine(state, 32, 2048)
+    engine = Engine(state, EngineConfig.of(max_batch=32, max_len=2048))
     t2 = time.perf_counter()
     stats, kv_mb = engine.kv_stats(), engine.cache.nbytes / 2**20
     del engine

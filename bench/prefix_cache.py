@@ -54,7 +54,7 @@ from gpu_summary import PREFIX_RATIO  # noqa: E402  (issue 17: TTFT p50 with cac
 def worker(args: argparse.Namespace) -> dict:
     import mlx.core as mx
 
-    from mlx_serving.models.generation import Engine
+    from mlx_serving.models.generation import Engine, EngineConfig
     from mlx_serving.models.generation import SamplingParams
     from mlx_serving.models.loader import load
 
@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> dict:
     prompts = [system + rng.integers(0, 150000, args.question).tolist() for _ in range(args.requests)]
     max_len = args.max_len or -(-(args.system + args.question + args.max_new) // 16) * 16
     kw = dict(max_batch=args.requests, max_len=max_len, prefill_chunk=512)
-    engine = Engine(state, prefix_caching=args.worker == "on", **kw)
+    engine = Engine(state, EngineConfig.of(prefix_caching=args.worker == "on", **kw))
     kv_bytes = engine.cache.nbytes
     t_warm = time.perf_counter()
     engine.warm_up()

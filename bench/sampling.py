@@ -99,7 +99,7 @@ def json_rows(state, rows: int, max_new: int) -> tuple[list, object]:
 
 
 def engine_part(args: argparse.Namespace, ckpt: Path) -> dict:
-    from mlx_serving.models.generation import Engine
+    from mlx_serving.models.generation import Engine, EngineConfig
     from mlx_serving.models.loader import load
 
     state = load(ckpt)
@@ -111,7 +111,8 @@ def engine_part(args: argparse.Namespace, ckpt: Path) -> dict:
     for _ in range(args.rounds):
         for r, (params, factory) in regimes.items():
             max_len = -(-(args.prompt + args.max_new) // 16) * 16  # whole KV blocks: all rows fit at once
-            engine = Engine(state, args.rows, max_len, prefill_chunk=512, constraint_factory=factory)
+            engine = Engine(state, EngineConfig.of(max_batch=args.rows, max_len=max_len, prefill_chunk=512),
+                            constraint_factory=factory)
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 engine.add(i, prompt, p)
             while engine.num_active:

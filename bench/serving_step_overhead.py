@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx_serving.models.text_generation._backend as backend_module  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
-from mlx_serving.models.generation import FinishReason, SamplingParams, SeqEvent  # noqa: E402
+from mlx_serving.models.generation import EngineConfig, FinishReason, SamplingParams, SeqEvent  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
@@ -56,9 +56,9 @@ class ZeroCostEngine:
 
     device_s = 0.0
 
-    def __init__(self, state: Any, max_batch: int, max_len: int, *args: Any, **kwargs: Any):
+    def __init__(self, state: Any, config: EngineConfig, **kwargs: Any):
         self._seqs: dict[int, list[int]] = {}
-        self._max_batch = max_batch
+        self._max_batch = config.scheduler.max_batch
         self.runner = SimpleNamespace(warm_shapes_left=0, cold_shapes=0)  # no shapes to build
         self.iteration_tokens = SimpleNamespace(stats=dict)
 
@@ -122,7 +122,7 @@ async def concurrent(handle: Any, texts: list[str], stream: bool = False) -> tup
 
 
 def bare(n: int, new: int) -> tuple[float, float]:
-    eng = ZeroCostEngine(None, n, 0)
+    eng = ZeroCostEngine(None, EngineConfig.of(max_batch=n))
     for i in range(n):
         eng.add(i, [1], SamplingParams(max_new_tokens=new))
     t0, c0 = time.perf_counter(), time.process_time()

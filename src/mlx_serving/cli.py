@@ -28,6 +28,8 @@ from .serving import Serving
 
 from .models import text_generation
 from .models.sources import DEFAULT_MODEL, resolve
+from .server._cli import add_engine_arguments, engine_options
+from .server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
 
 __all__ = ["main"]
 
@@ -99,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user message)")
     gen.add_argument("--system-prompt", default=None, metavar="PROMPT",
                      help="a system message before the prompt, implies --chat (default: none)")
+    add_engine_arguments(gen, rows=False)
     gen.set_defaults(run=_generate)
     chat = sub.add_parser("chat", formatter_class=_HelpFormatter, epilog=_EPILOG,
                           help="interactive chat (the conversation is kept across turns)",
@@ -109,16 +112,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="system prompt (default: none)")
     chat.add_argument("--no-thinking", action="store_true",
                       help="render the chat template with enable_thinking=False (Qwen3: no <think> block)")
+    add_engine_arguments(chat, rows=False)
     chat.set_defaults(run=_chat)
-    from .server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
-
     add_serve_parser(sub, _HelpFormatter)
     return ap
 
 
 def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
     options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
-                   top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1)
+                   top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1, **engine_options(args))
     text_generation.GenerationOptions(**options)  # a bad option fails before the note and the loading
     model = resolve(args.model)
     print(f"model: {model.name} ({model.origin})", file=sys.stderr, flush=True)

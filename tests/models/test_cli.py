@@ -235,6 +235,54 @@ def test_a_bad_option_fails_before_the_model_is_resolved(capsys: pytest.CaptureF
     assert "max_new_tokens" in err and "model:" not in err and "Hugging Face" not in err
 
 
+_ENGINE_ARGS = ["--prefill-chunk", "8", "--max-num-batched-tokens", "24", "--kv-cache-memory-bytes", "4000000",
+                "--no-enable-prefix-caching", "--block-size", "8", "--buffer-cache-bytes", "none",
+                "--decode-path", "sdpa", "--compile-decode", "--no-bucket-shapes", "--no-pack-prefill",
+                "--max-causal-groups", "2"]
+_ENGINE_VALUES = dict(prefill_chunk=8, max_step_tokens=24, kv_cache_bytes=4000000, prefix_caching=False, block_size=8,
+                      buffer_cache_bytes=None, decode_path="sdpa", compile_decode=True, bucket_shapes=False,
+                      pack_prefill=False, max_causal_groups=2)
+
+
+def test_every_engine_field_has_a_flag() -> None:
+    """generate / chat / serve reach every EngineConfig field (serve also --max-batch and --policy,
+    by vLLM's names too); each flag lands in the GenerationOptions field of its name."""
+    from mlx_serving.models.generation import EngineConfig
+    from mlx_serving.server._cli import _generation_options, engine_options
+
+    for command in ("generate", "chat"):
+        args = cli._parser().parse_args([command, *(["x"] if command == "generate" else []), *_ENGINE_ARGS])
+        assert engine_options(args) == {**_ENGINE_VALUES, "kv_cache_fraction": None}
+        assert set(EngineConfig.field_names()) - set(engine_options(args)) == {"max_len", "max_batch", "policy"}
+    serve = cli._parser().parse_args(["serve", *_ENGINE_ARGS, "--max-num-seqs", "4", "--scheduling-policy",
+                                      "priority", "--kv-cache-fraction", "0.5"])
+    options = _generation_options(serve)
+    assert options == {**_ENGINE_VALUES, "max_batch": 4, "policy": "priority", "kv_cache_fraction": 0.5,
+                       "max_new_tokens": 256, "max_len": 2048, "temperature": 0.0, "top_p": 1.0}
+    assert set(EngineConfig.field_names()) <= set(options)
+    defaults = text_generation.GenerationOptions()
+    assert all(getattr(defaults, k) == v for k, v in engine_options(cli._parser().parse_args(["chat"])).items())
+
+
+def test_generate_builds_its_engine_from_the_flags(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    given: list[dict[str, Any]] = []
+
+    def from_mlx4bit(*args: Any, **kwargs: Any) -> Any:
+        given.append(kwargs)
+        return _from_mlx4bit(*args, **kwargs)
+
+    monkeypatch.setattr(text_generation, "from_mlx4bit", from_mlx4bit)
+    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL, *_ENGINE_ARGS]) == 0
+    assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hello") + "\n"  # the same tokens
+    engine = text_generation.GenerationOptions(**given[0]).engine
+    assert (engine.cache.block_size, engine.cache.prefix_caching, engine.decode.decode_path) == (8, False, "sdpa")
+    assert engine.scheduler.max_step_tokens == 24 and engine.scheduler.max_batch == 1
+    assert cli.main(["generate", "x", "--block-size", "0", "--model", "no/such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "block_size must be" in err and "model:" not in err
+
+
 # ---- --version, --help --------------------------------------------------------------------------
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

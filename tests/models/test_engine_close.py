@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import Engine, EngineConfig
 from mlx_serving.models.text_generation import GenerationBackend
 from mlx_serving.models.generation import SamplingParams
 from mlx_serving.models.decoder.layers import State
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.mark.parametrize("bucket", [False, True])
 def test_close_frees_the_kv_cache_memory_and_refuses_further_use(tiny32: State, bucket: bool):
-    engine = Engine(tiny32, max_batch=2, max_len=64, prefill_chunk=8, bucket_shapes=bucket)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64, prefill_chunk=8, bucket_shapes=bucket))
     engine.add(0, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4))
     engine.step()
     engine.step()  # a step is in flight now
@@ -42,7 +42,7 @@ def test_close_frees_the_kv_cache_memory_and_refuses_further_use(tiny32: State, 
 
 
 def test_close_returns_the_rows_and_blocks_of_running_and_waiting_sequences(tiny32: State):
-    engine = Engine(tiny32, max_batch=1, max_len=64, prefill_chunk=8)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64, prefill_chunk=8))
     engine.add(0, [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8))
     engine.add(1, [6, 7, 8], SamplingParams(max_new_tokens=8))  # waits: one row
     engine.step()

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import Engine, EngineConfig
 from mlx_serving.models.generation.events import FinishReason, SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
@@ -59,12 +59,12 @@ def tokens(events: list[SeqEvent]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def solo(tiny32) -> list[list[SeqEvent]]:
-    return [run(Engine(tiny32, 1, 64), [r])[0] for r in MIXED]
+    return [run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64)), [r])[0] for r in MIXED]
 
 
 @pytest.mark.parametrize("max_batch, chunk, arrivals", [(8, 512, None), (3, 5, [0, 2, 2, 0, 5, 1])])
 def test_mixed_options_batched_equal_solo(tiny32, solo, max_batch, chunk, arrivals) -> None:
-    out = run(Engine(tiny32, max_batch, 64, prefill_chunk=chunk), MIXED, arrivals)
+    out = run(Engine(tiny32, EngineConfig.of(max_batch=max_batch, max_len=64, prefill_chunk=chunk)), MIXED, arrivals)
     for i, ref in enumerate(solo):
         assert tokens(out[i]) == tokens(ref), f"request {i}"
         assert [(e.logprob, e.top_logprobs) for e in out[i]] == [(e.logprob, e.top_logprobs) for e in ref]
@@ -94,7 +94,8 @@ def _last_logits(state, ids: list[int]) -> np.ndarray:
 
 def test_logprobs_equal_log_softmax_of_a_plain_forward(tiny32) -> None:
     prompt = _prompt(21, 9)
-    events = run(Engine(tiny32, 2, 64), [(prompt, SamplingParams(max_new_tokens=4, logprobs=5))])[0]
+    events = run(Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64)), [(prompt, SamplingParams(max_new_tokens=4,
+                                                                                                    logprobs=5))])[0]
     ids = list(prompt)
     for e in events:
         z = _last_logits(tiny32, ids)
@@ -108,11 +109,12 @@ def test_logprobs_equal_log_softmax_of_a_plain_forward(tiny32) -> None:
 
 def test_min_tokens_suppresses_eos(tiny32) -> None:
     prompt = _prompt(31, 7)
-    greedy = tokens(run(Engine(tiny32, 1, 64), [(prompt, SamplingParams(max_new_tokens=6))])[0])
+    solo = EngineConfig.of(max_batch=1, max_len=64)
+    greedy = tokens(run(Engine(tiny32, solo), [(prompt, SamplingParams(max_new_tokens=6))])[0])
     eos = greedy[0]  # the model's first greedy token, declared EOS
-    stop = run(Engine(tiny32, 1, 64), [(prompt, SamplingParams(max_new_tokens=6, eos_token_ids=(eos,)))])[0]
+    stop = run(Engine(tiny32, solo), [(prompt, SamplingParams(max_new_tokens=6, eos_token_ids=(eos,)))])[0]
     assert tokens(stop) == [eos] and stop[-1].finish_reason == FinishReason.STOP
-    late = run(Engine(tiny32, 1, 64), [(prompt, SamplingParams(max_new_tokens=6, eos_token_ids=(eos,),
+    late = run(Engine(tiny32, solo), [(prompt, SamplingParams(max_new_tokens=6, eos_token_ids=(eos,),
                                                                min_tokens=3))])[0]
     assert eos not in tokens(late)[:3] and len(late) >= 3
 
@@ -120,7 +122,7 @@ def test_min_tokens_suppresses_eos(tiny32) -> None:
 def test_logit_bias_forces_a_token(tiny32) -> None:
     reqs = [(_prompt(41, 5), SamplingParams(max_new_tokens=5, logit_bias={777: 100.0})),
             (_prompt(42, 9), SamplingParams(max_new_tokens=5, temperature=1.0, seed=1, logit_bias={777: 100.0}))]
-    out = run(Engine(tiny32, 2, 64), reqs)
+    out = run(Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64)), reqs)
     assert tokens(out[0]) == [777] * 5 and tokens(out[1]) == [777] * 5
 
 
@@ -131,7 +133,7 @@ def test_penalties_follow_their_formulas_on_the_model_logits(tiny32) -> None:
     prompt = _prompt(52, 8) + [777, 777]
     p = SamplingParams(max_new_tokens=6, repetition_penalty=1.7, presence_penalty=1.5, frequency_penalty=0.9,
                        logit_bias={777: 4.0}, logprobs=1)
-    events = run(Engine(tiny32, 2, 64), [(prompt, p)])[0]
+    events = run(Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64)), [(prompt, p)])[0]
     ids: list[int] = list(prompt)
     for e in events:
         z = _last_logits(tiny32, ids)
@@ -152,7 +154,7 @@ def test_penalties_change_output_as_expected(tiny32) -> None:
     bias = {777: 20.0}
 
     def gen(p: SamplingParams, ids: list[int] = prompt) -> list[int]:
-        return tokens(run(Engine(tiny32, 1, 64), [(ids, p)])[0])
+        return tokens(run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64)), [(ids, p)])[0])
 
     assert gen(SamplingParams(max_new_tokens=10, logit_bias=bias)) == [777] * 10
     pen = gen(SamplingParams(max_new_tokens=10, logit_bias=bias, frequency_penalty=2.0))
@@ -166,8 +168,9 @@ def test_penalty_counts_survive_preemption(tiny32) -> None:
     """A pool of few blocks preempts penalized sequences; they recompute with the same counts."""
     reqs = [(_prompt(60 + i, 12), SamplingParams(max_new_tokens=20, frequency_penalty=1.5, presence_penalty=0.5,
                                                  repetition_penalty=1.2, temperature=0.8, seed=i)) for i in range(4)]
-    alone = [tokens(run(Engine(tiny32, 1, 64), [r])[0]) for r in reqs]
-    engine = Engine(tiny32, 4, 64, block_size=4, kv_cache_bytes=_bytes_for_blocks(tiny32, 4, 22))
+    alone = [tokens(run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64)), [r])[0]) for r in reqs]
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, block_size=4,
+                                            kv_cache_bytes=_bytes_for_blocks(tiny32, 4, 22)))
     out = run(engine, reqs)
     assert engine.kv_stats().preemptions > 0
     assert [tokens(out[i]) for i in range(4)] == alone
@@ -179,9 +182,10 @@ def _bytes_for_blocks(state, block_size: int, blocks: int) -> int:
 
 def test_seeded_request_independent_of_batchmates(tiny32) -> None:
     p = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=40, min_p=0.02, seed=77)
-    ref = tokens(run(Engine(tiny32, 1, 64), [(_prompt(70, 10), p)])[0])
+    ref = tokens(run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64)), [(_prompt(70, 10), p)])[0])
     others = [(_prompt(71 + i, 4 + i), replace(p, seed=None)) for i in range(3)]
-    out = run(Engine(tiny32, 4, 64), others + [(_prompt(70, 10), p)], arrivals=[0, 1, 0, 3])
+    out = run(Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64)), others + [(_prompt(70, 10), p)],
+              arrivals=[0, 1, 0, 3])
     assert tokens(out[3]) == ref
 
 
@@ -254,7 +258,8 @@ def test_constrained_rows_follow_their_masks_in_a_mixed_batch(tiny32, solo) -> N
                                         logprobs=2)),
     ]
     made.clear()
-    out = run(Engine(tiny32, 4, 64, prefill_chunk=6, constraint_factory=factory), reqs, [0, 1, 0, 2, 3, 0, 1, 0, 4])
+    out = run(Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=6), constraint_factory=factory),
+              reqs, [0, 1, 0, 2, 3, 0, 1, 0, 4])
     for i, ref in enumerate(solo):  # unconstrained rows are unchanged by their constrained batchmates
         assert tokens(out[i]) == tokens(ref), f"request {i}"
     n = len(MIXED)
@@ -278,8 +283,8 @@ def test_blocked_tokens_are_never_among_the_top_logprobs(tiny32) -> None:
 
 def test_grammar_needs_a_factory_and_bad_grammars_raise_in_add(tiny32) -> None:
     with pytest.raises(ValueError, match="constraint_factory"):
-        Engine(tiny32, 2, 128).add(0, [1, 2], SamplingParams(grammar="script:1"))
-    engine = Engine(tiny32, 2, 128, constraint_factory=factory)
+        Engine(tiny32, EngineConfig.of(max_batch=2, max_len=128)).add(0, [1, 2], SamplingParams(grammar="script:1"))
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=128), constraint_factory=factory)
     with pytest.raises(ValueError, match="grammar"):
         engine.add(0, [1, 2], SamplingParams(grammar="nope"))
     assert engine.num_active == 0
@@ -292,8 +297,8 @@ def test_n_completions_share_one_prefill(tiny32, chunk) -> None:
     prompt = _prompt(91, 40)  # 2 full blocks of 16 reusable (the last token is always recomputed)
     reqs = [(prompt, SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=s, logprobs=1))
             for s in (10, 11, 12, 13)]
-    alone = [run(Engine(tiny32, 1, 64), [r])[0] for r in reqs]
-    engine = Engine(tiny32, 4, 64, prefill_chunk=chunk)
+    alone = [run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64)), [r])[0] for r in reqs]
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=chunk))
     out = run(engine, reqs)
     for i in range(4):
         assert [(e.token_id, e.logprob) for e in out[i]] == [(e.token_id, e.logprob) for e in alone[i]]
@@ -305,7 +310,7 @@ def test_n_completions_share_one_prefill(tiny32, chunk) -> None:
 
 def test_without_prefix_caching_each_completion_prefills(tiny32) -> None:
     reqs = [(_prompt(91, 40), SamplingParams(max_new_tokens=2, temperature=1.0, seed=s)) for s in range(3)]
-    engine = Engine(tiny32, 4, 64, prefix_caching=False)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefix_caching=False))
     run(engine, reqs)
     assert engine.kv_stats().prefix_hit_tokens == 0
 
@@ -316,8 +321,10 @@ def test_constrained_sequences_survive_preemption(tiny32) -> None:
                                                  grammar="subset:500:520" if i % 2 else "script:" + ",".join(map(str, script))))
             for i in range(4)]
     made.clear()
-    alone = [tokens(run(Engine(tiny32, 1, 64, constraint_factory=factory), [r])[0]) for r in reqs]
-    engine = Engine(tiny32, 4, 64, block_size=4, kv_cache_bytes=_bytes_for_blocks(tiny32, 4, 20),
+    alone = [tokens(run(Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64), constraint_factory=factory),
+                        [r])[0]) for r in reqs]
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, block_size=4,
+                                            kv_cache_bytes=_bytes_for_blocks(tiny32, 4, 20)),
                     constraint_factory=factory)
     out = run(engine, reqs)
     assert engine.kv_stats().preemptions > 0

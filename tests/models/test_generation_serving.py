@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.generation import BLOCK_SIZE, Engine
+from mlx_serving.models.generation import BLOCK_SIZE, Engine, EngineConfig
 from mlx_serving.models.generation.events import SeqEvent
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.decoder.layers import State
@@ -82,7 +82,7 @@ def _engine(state: State, tok: Tokenizer, ids: list[int], params: SamplingParams
             grammar: bool = False) -> list[SeqEvent]:
     """The engine's own events for one sequence (the reference for the serving)."""
     factory = constraint_factory(tok, state.config.vocab_size) if grammar else None
-    engine = Engine(state, 1, MAX_LEN, constraint_factory=factory)
+    engine = Engine(state, EngineConfig.of(max_batch=1, max_len=MAX_LEN), constraint_factory=factory)
     engine.add(0, ids, params)
     events: list[SeqEvent] = []
     while engine.num_active:

@@ -23,7 +23,7 @@ from mlx_serving.models.families.llama import LLAMA3_ROPE_SCALING, config_from_d
 from mlx_serving.models.decoder.layers import rope_frequencies
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
-from mlx_serving.models.generation import Engine, SamplingParams, generate
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, generate
 from mlx_serving.serving import Serving
 
 ELIXIR = [7985, 825, 11652, 911, 468, 97772, 13]  # "Write one sentence about Elixir." (Qwen3 tokenizer)
@@ -182,7 +182,7 @@ def test_batched_equals_solo_through_the_engine(f32):
     prompts = [[int(x) for x in rng.integers(0, 151000, n)] for n in (3, 17, 1, 30, 9)]
     news = [12, 5, 9, 7, 10]
     solo = [generate(p, f32, max_new_tokens=n, eos_token_ids=[])[0] for p, n in zip(prompts, news)]
-    engine = Engine(f32, max_batch=3, max_len=64, prefill_chunk=8)
+    engine = Engine(f32, EngineConfig.of(max_batch=3, max_len=64, prefill_chunk=8))
     adds = {0: [(0, prompts[0], news[0]), (1, prompts[1], news[1])], 2: [(2, prompts[2], news[2])],
             3: [(3, prompts[3], news[3]), (4, prompts[4], news[4])]}
     out = _run(engine, adds)
@@ -193,8 +193,8 @@ def test_compiled_decode_gives_the_same_tokens(f32):
     """``compile_decode=True`` traces the shared decoder with this family's hooks (the
     family-generic ``compiled_decode``)."""
     adds = {0: [(0, ELIXIR, 8), (1, LONG[:5], 8)]}
-    eager = _run(Engine(f32, max_batch=2, max_len=64), adds)
-    assert _run(Engine(f32, max_batch=2, max_len=64, compile_decode=True), adds) == eager
+    eager = _run(Engine(f32, EngineConfig.of(max_batch=2, max_len=64)), adds)
+    assert _run(Engine(f32, EngineConfig.of(max_batch=2, max_len=64, compile_decode=True)), adds) == eager
 
 
 # ---- serving through the registry ------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models.decoder import layers
-from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.attention import Rows, packing
 from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache
 
@@ -78,7 +78,8 @@ def test_causal_groups_equal_boolean_mask(tiny32) -> None:
 
 
 def _greedy(state, prompts: list[list[int]], bucket: bool, pack: bool | None = None) -> list[list[int]]:
-    engine = Engine(state, len(prompts), 64, prefill_chunk=8, bucket_shapes=bucket, pack_prefill=pack)
+    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=64, prefill_chunk=8, bucket_shapes=bucket,
+                                           pack_prefill=pack))
     for i, p in enumerate(prompts):
         engine.add(i, p, SamplingParams(max_new_tokens=4))
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
@@ -135,7 +136,7 @@ def test_staggered_starts_make_groups_then_fall_back(tiny32, monkeypatch: pytest
         return forward(state, cache, rows, *decode)
 
     monkeypatch.setattr(layers, "forward", spy)
-    engine = Engine(tiny32, 6, 64, prefill_chunk=4, bucket_shapes=bucket)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=6, max_len=64, prefill_chunk=4, bucket_shapes=bucket))
     out: dict[int, list[int]] = {i: [] for i in range(6)}
     step = 0
     while step < 6 or engine.num_active:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlx_serving.models.generation import BlockPool, Engine, block_hash
+from mlx_serving.models.generation import BlockPool, Engine, EngineConfig, block_hash
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation import SamplingParams, generate
 
@@ -78,11 +78,11 @@ def test_block_pool_lru_and_hash_chain():
 
 def test_budget_is_allocated_up_front_and_logged(tiny32, caplog):
     with caplog.at_level(logging.INFO, logger="mlx_serving"):
-        engine = Engine(tiny32, max_batch=32, max_len=2048, kv_cache_bytes=_budget(tiny32, 200))
+        engine = Engine(tiny32, EngineConfig.of(max_batch=32, max_len=2048, kv_cache_bytes=_budget(tiny32, 200)))
     assert engine.kv_stats().blocks_total == 200
     assert engine.cache.nbytes == _budget(tiny32, 201)  # + the null block
     assert any("KV cache: 200 blocks of 16 tokens" in r.getMessage() for r in caplog.records)
-    default = Engine(tiny32, max_batch=4, max_len=100)  # never more than every row at full length needs
+    default = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=100))  # never more than every row at full length
     assert default.kv_stats().blocks_total == 4 * -(-100 // BS)
 
 
@@ -94,7 +94,7 @@ def test_prefix_hit_equals_miss(tiny32, shared):
     a, b = system + _prompt(8, 9), system + _prompt(9, 5)
     p = SamplingParams(max_new_tokens=6)
     q = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=4)
-    engine = Engine(tiny32, max_batch=4, max_len=128)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128))
     engine.add(0, a, p)
     out = _run(engine)
     engine.add(1, b, q)
@@ -105,7 +105,7 @@ def test_prefix_hit_equals_miss(tiny32, shared):
     s = engine.kv_stats()
     assert (s.prefix_queries, s.prefix_hits) == (3, 2)
     assert s.prefix_hit_tokens == (shared // BS) * BS + ((len(a) - 1) // BS) * BS
-    cold = Engine(tiny32, max_batch=4, max_len=128, prefix_caching=False)
+    cold = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, prefix_caching=False))
     cold.add(1, b, q)
     assert _run(cold) == {1: out[1]} and cold.kv_stats().prefix_hits == 0
     _all_free(engine)
@@ -115,7 +115,7 @@ def test_concurrent_sequences_share_cached_blocks(tiny32):
     system = _prompt(3, 40)
     prompts = [system + _prompt(10 + i, 3 + i) for i in range(4)]
     p = SamplingParams(max_new_tokens=5)
-    engine = Engine(tiny32, max_batch=4, max_len=128, prefill_chunk=16)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, prefill_chunk=16))
     engine.add(0, prompts[0], p)
     early = [ev.token_id for _ in range(4) for ev in engine.step()]  # seq 0's blocks computed and cached
     for i in (1, 2, 3):
@@ -135,8 +135,8 @@ def test_preempted_equals_uninterrupted(tiny32, chunk):
               SamplingParams(max_new_tokens=25, temperature=0.7, top_p=0.8, seed=3), SamplingParams(max_new_tokens=30)]
     prompts = [_prompt(20 + i, 10 + 3 * i) for i in range(4)]
     for caching in (True, False):
-        engine = Engine(tiny32, max_batch=4, max_len=64, prefill_chunk=chunk, kv_cache_bytes=_budget(tiny32, 5),
-                        prefix_caching=caching)
+        engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=chunk,
+                                                kv_cache_bytes=_budget(tiny32, 5), prefix_caching=caching))
         assert engine.kv_stats().blocks_total == 5
         for i, (pr, p) in enumerate(zip(prompts, params)):
             engine.add(i, pr, p)
@@ -151,10 +151,10 @@ def test_preempted_equals_uninterrupted(tiny32, chunk):
 @given(data=st.data())
 def test_random_workloads_keep_outputs_and_free_every_block(tiny32, data):
     blocks = data.draw(st.integers(5, 9), label="blocks")
-    engine = Engine(tiny32, max_batch=data.draw(st.integers(1, 4), label="max_batch"), max_len=64,
-                    prefill_chunk=data.draw(st.sampled_from([5, 16, 512]), label="chunk"),
-                    kv_cache_bytes=_budget(tiny32, blocks), prefix_caching=data.draw(st.booleans(), label="cache"),
-                    bucket_shapes=data.draw(st.booleans(), label="bucket"))
+    engine = Engine(tiny32, EngineConfig.of(
+        max_batch=data.draw(st.integers(1, 4), label="max_batch"), max_len=64,
+        prefill_chunk=data.draw(st.sampled_from([5, 16, 512]), label="chunk"), kv_cache_bytes=_budget(tiny32, blocks),
+        prefix_caching=data.draw(st.booleans(), label="cache"), bucket_shapes=data.draw(st.booleans(), label="bucket")))
     prefixes = [_prompt(50, 40), _prompt(51, 20)]
     n = data.draw(st.integers(1, 5), label="n")
     specs = []
@@ -216,7 +216,7 @@ def test_priority_policy_starts_and_preempts_by_priority(tiny32):
     tight budget the lowest-priority running sequence is the one preempted; outputs unchanged."""
     p = SamplingParams(max_new_tokens=3)
     prompts = {i: _prompt(60 + i, 5) for i in range(4)}
-    engine = Engine(tiny32, max_batch=1, max_len=64, policy="priority")
+    engine = Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64, policy="priority"))
     for i, prio in zip(range(4), (5, 1, 5, 0)):
         engine.add(i, prompts[i], p, priority=prio)
     order: list[int] = []
@@ -229,7 +229,8 @@ def test_priority_policy_starts_and_preempts_by_priority(tiny32):
         engine.add(9, [1], p, priority=1.5)
     q = SamplingParams(max_new_tokens=30)
     long = {i: _prompt(70 + i, 12) for i in range(3)}
-    engine = Engine(tiny32, max_batch=3, max_len=64, kv_cache_bytes=_budget(tiny32, 5), policy="priority")
+    engine = Engine(tiny32, EngineConfig.of(max_batch=3, max_len=64, kv_cache_bytes=_budget(tiny32, 5),
+                                            policy="priority"))
     for i, prio in zip(range(3), (0, 9, 1)):
         engine.add(i, long[i], q, priority=prio)
     done: list[int] = []
@@ -248,7 +249,7 @@ def test_priority_policy_starts_and_preempts_by_priority(tiny32):
 def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
     prompts = [_prompt(80 + i, 30 + 7 * i) for i in range(3)]
     p = SamplingParams(max_new_tokens=5)
-    engine = Engine(tiny32, max_batch=3, max_len=96, prefill_chunk=16, max_step_tokens=budget)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=3, max_len=96, prefill_chunk=16, max_step_tokens=budget))
     plans = []  # every plan the scheduler returns
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]
@@ -269,7 +270,7 @@ def test_step_token_budget_bounds_prefill_and_keeps_outputs(tiny32, budget):
             plans.clear()
     assert out == {i: _solo(tiny32, prompts[i], p) for i in range(3)}
     with pytest.raises(ValueError, match="max_step_tokens"):
-        Engine(tiny32, max_batch=1, max_len=64, max_step_tokens=0)
+        Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64, max_step_tokens=0))
 
 
 def test_text_generation_kv_options(tiny32):
@@ -311,7 +312,7 @@ def test_serving_stats_carry_the_kv_and_prefix_cache_counters(tiny32_ckpt):
 def test_default_budget_runs_every_row_at_full_length(tiny32):
     """A max_len that is not a multiple of the block size still gets whole blocks for every row:
     all max_batch sequences of max_len run at once (the cap counts blocks, not tokens)."""
-    engine = Engine(tiny32, max_batch=8, max_len=28)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=8, max_len=28))
     for i in range(8):
         engine.add(i, [1 + i] * 20, SamplingParams(max_new_tokens=8, eos_token_ids=()))
     engine.step()

@@ -16,7 +16,7 @@ import pytest
 from parity import DROP, assert_logits_match, copy_with_config, mlx_lm_greedy
 
 from mlx_serving.models.families import model_type
-from mlx_serving.models.generation import Engine, SamplingParams, generate
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, generate
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
@@ -82,7 +82,7 @@ def test_batched_equals_solo_through_the_engine(ckpts):
     state = load(ckpts["f32"])
     prompts = [LONG[:3], LONG[5:22], LONG[:1], LONG[10:40]]
     solo = [generate(p, state, max_new_tokens=8, eos_token_ids=[])[0] for p in prompts]
-    engine = Engine(state, max_batch=2, max_len=64, prefill_chunk=8, compile_decode=True)
+    engine = Engine(state, EngineConfig.of(max_batch=2, max_len=64, prefill_chunk=8, compile_decode=True))
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
         engine.add(i, p, SamplingParams(max_new_tokens=8, eos_token_ids=()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, SeqEvent, generate
+from mlx_serving.models.generation import Engine, EngineConfig, FinishReason, SamplingParams, SeqEvent, generate
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 
 
@@ -57,7 +57,7 @@ def solo(tiny32):
 ])
 @pytest.mark.parametrize("bucket", [False, True], ids=["exact-shapes", "bucketed-shapes"])
 def test_output_independent_of_batchmates_and_arrival(tiny32, solo, max_batch, chunk, arrivals, bucket):
-    engine = Engine(tiny32, max_batch=max_batch, max_len=64, prefill_chunk=chunk, bucket_shapes=bucket)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=max_batch, max_len=64, prefill_chunk=chunk, bucket_shapes=bucket))
     out: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     order = sorted(range(len(REQUESTS)), key=lambda i: arrivals[i])
@@ -78,7 +78,7 @@ def test_output_independent_of_batchmates_and_arrival(tiny32, solo, max_batch, c
 def test_eos_and_cancel_free_slots(tiny32, solo):
     prompt, params = REQUESTS[0]
     eos = solo[0][2]
-    engine = Engine(tiny32, max_batch=2, max_len=64)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64))
     engine.add(0, prompt, SamplingParams(max_new_tokens=9, eos_token_ids=(eos,)))
     engine.add(1, *REQUESTS[3])
     engine.add(2, *REQUESTS[4])  # waits: both slots busy
@@ -98,7 +98,7 @@ def test_eos_and_cancel_free_slots(tiny32, solo):
 
 
 def test_events_are_typed_and_timed_from_each_add(tiny32):
-    engine = Engine(tiny32, max_batch=2, max_len=64)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64))
     engine.add(0, _prompt(1, 3), SamplingParams(max_new_tokens=6))
     steps = [engine.step() for _ in range(3)]
     engine.add(1, _prompt(2, 3), SamplingParams(max_new_tokens=6))
@@ -117,7 +117,7 @@ def test_events_are_typed_and_timed_from_each_add(tiny32):
 
 
 def test_cancel_waiting_sequence(tiny32):
-    engine = Engine(tiny32, max_batch=1, max_len=64)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=1, max_len=64))
     engine.add(0, *REQUESTS[0])
     engine.add(1, *REQUESTS[1])
     engine.cancel(1)
@@ -128,7 +128,7 @@ def test_cancel_waiting_sequence(tiny32):
 
 
 def test_decode_keeps_flowing_during_chunked_prefill(tiny32):
-    engine = Engine(tiny32, max_batch=2, max_len=96, prefill_chunk=8)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=96, prefill_chunk=8))
     engine.add(0, _prompt(1, 3), SamplingParams(max_new_tokens=30))
     for _ in range(3):
         engine.step()
@@ -142,12 +142,12 @@ def test_decode_keeps_flowing_during_chunked_prefill(tiny32):
 
 def test_budget_and_validation(tiny32):
     per_slot = kv_bytes_per_token(tiny32) * (64 + 1)
-    engine = Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=3 * per_slot)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=8, max_len=64, kv_cache_bytes=3 * per_slot))
     # paged: 3 x 65 tokens of budget = 12 blocks of 16; every row may start (1 block each at least)
     stats = engine.kv_stats()
     assert (stats.blocks_total, stats.blocks_free, stats.block_size) == (12, 12, 16)
     assert engine.free_slots == 8 and engine.cache.num_blocks == 13  # + the null block
-    tight = Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=per_slot)
+    tight = Engine(tiny32, EngineConfig.of(max_batch=8, max_len=64, kv_cache_bytes=per_slot))
     assert tight.kv_stats().blocks_total == 4 and tight.free_slots == 4
     assert engine.can_add(10, 54) and not engine.can_add(10, 55)
     with pytest.raises(ValueError, match="exceeds max_len 64"):
@@ -160,12 +160,12 @@ def test_budget_and_validation(tiny32):
     with pytest.raises(ValueError, match="already active"):
         engine.add(0, [1, 2], SamplingParams(max_new_tokens=5))
     with pytest.raises(ValueError, match="holds no sequence"):
-        Engine(tiny32, max_batch=8, max_len=64, kv_cache_bytes=per_slot - 1)
+        Engine(tiny32, EngineConfig.of(max_batch=8, max_len=64, kv_cache_bytes=per_slot - 1))
 
 
 def test_compiled_decode_matches_eager(tiny32, solo):
     """mx.compile'd decode steps (span bucketed, idle rows masked) give the same tokens."""
-    engine = Engine(tiny32, max_batch=3, max_len=64, compile_decode=True)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=3, max_len=64, compile_decode=True))
     for i in (0, 3):
         engine.add(i, *REQUESTS[i])
     out: dict[int, list[int]] = {}
@@ -178,8 +178,8 @@ def test_compiled_decode_matches_eager(tiny32, solo):
 def test_warm_up_changes_no_output_and_needs_an_idle_engine(tiny32, solo, prefill_chunk):
     """warm_up() runs every bucketed decode and prefill shape (traced when compiled) on padding
     rows only: later outputs equal the solo runs; it refuses to run while sequences are active."""
-    engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=prefill_chunk, bucket_shapes=True,
-                    compile_decode=True)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=5, max_len=64, prefill_chunk=prefill_chunk, bucket_shapes=True,
+                                            compile_decode=True))
     engine.warm_up()
     stats = engine.kv_stats()
     assert stats.blocks_used == 0 and stats.blocks_free == stats.blocks_total
@@ -199,7 +199,7 @@ def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch
     meets), and a warm-up left unfinished changes no output."""
     from mlx_serving.models.decoder import layers
 
-    engine = Engine(tiny32, max_batch=5, max_len=64, prefill_chunk=16, bucket_shapes=True)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=5, max_len=64, prefill_chunk=16, bucket_shapes=True))
     rows_seen: list[int] = []
     forward = layers.forward
     monkeypatch.setattr(layers, "forward", lambda state, cache, rows, *d: rows_seen.append(rows.tokens.shape[0])
@@ -214,7 +214,7 @@ def test_warm_up_in_pieces_builds_one_row_shapes_first(tiny32, solo, monkeypatch
     _drain(engine, out, {})
     assert [out[i] for i in range(len(REQUESTS))] == solo
     assert engine.warm_up() == 0 and engine.runner.warm_shapes_left == 0
-    cpu = Engine(tiny32, max_batch=2, max_len=64)  # no bucketing: nothing to build
+    cpu = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64))  # no bucketing: nothing to build
     assert cpu.runner.warm_shapes_left == 0 and cpu.warm_up() == 0
 
 
@@ -224,9 +224,9 @@ def test_engine_options_are_checked_by_name(tiny32):
     for kw, name in ((dict(max_step_tokens="64"), "max_step_tokens"), (dict(max_step_tokens=True), "max_step_tokens"),
                      (dict(bucket_shapes="yes"), "bucket_shapes"), (dict(compile_decode=1), "compile_decode")):
         with pytest.raises(ValueError, match=name):
-            Engine(tiny32, max_batch=2, max_len=64, **kw)
+            Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64, **kw))
     from mlx_serving.models.decoder.cuda_kernels import kernels_available
 
     if not kernels_available():
         with pytest.raises(ValueError, match="decode_path 'fused' needs MLX's CUDA build"):
-            Engine(tiny32, max_batch=2, max_len=64, decode_path="fused")
+            Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64, decode_path="fused"))

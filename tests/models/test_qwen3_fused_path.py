@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.decode_backends import FusedDecode, GenericDecode, decode_backend
 
 #: The fused backend over the kernels' reference implementations.
@@ -24,8 +24,8 @@ def _generate(state, compiled: bool, decode=REFERENCE) -> dict[int, list[int]]:
     """Greedy ids of a staggered continuous batch on the paged KV cache (4-token blocks: rows span several)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (4, 19, 1, 11, 7)]
-    engine = Engine(state, max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled, bucket_shapes=True,
-                    decode_path=decode, block_size=4)
+    engine = Engine(state, EngineConfig.of(max_batch=3, max_len=48, prefill_chunk=8, compile_decode=compiled,
+                                           bucket_shapes=True, decode_path=decode, block_size=4))
     assert engine.decode_backend is decode
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4]}  # staggered, more requests than slots

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 
-from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
@@ -76,7 +76,8 @@ def test_split_k_decode_attention_matches_reference(splits):
 
 def _greedy(state, prompts: list[list[int]], path: str, compiled: bool, new: int) -> dict[int, list[int]]:
     """Greedy ids of ``prompts`` as one continuous batch on the ``path`` decode backend."""
-    engine = Engine(state, max_batch=len(prompts), max_len=64, compile_decode=compiled, decode_path=path)
+    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=64, compile_decode=compiled,
+                                           decode_path=path))
     assert engine.decode_backend.name == path
     for i, p in enumerate(prompts):
         engine.add(i, p, SamplingParams(max_new_tokens=new, eos_token_ids=()))

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mlx_serving.models.generation import Engine, SamplingParams, generate
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, generate
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation.scheduler import SchedulerOutput
 
@@ -28,7 +28,7 @@ def _solo(state, prompt: list[int], p: SamplingParams) -> list[int]:
 
 
 def test_plan_is_a_value_and_update_folds_it_back(tiny32) -> None:
-    engine = Engine(tiny32, max_batch=2, max_len=64, prefill_chunk=4)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64, prefill_chunk=4))
     engine.add(0, list(range(1, 11)), SamplingParams(max_new_tokens=3, eos_token_ids=()))
     sched = engine.scheduler
     plan = sched.schedule()
@@ -54,8 +54,9 @@ def test_random_schedules_equal_solo_runs(tiny32, trial: int) -> None:
     rng = np.random.default_rng(100 + trial)
     rows, chunk = int(rng.integers(1, 4)), int(rng.choice([4, 8, 512]))
     budget = kv_bytes_per_token(tiny32) * int(rng.integers(65, 160))
-    engine = Engine(tiny32, max_batch=rows, max_len=64, prefill_chunk=chunk, kv_cache_bytes=budget, block_size=4,
-                    max_step_tokens=None if rng.random() < 0.5 else int(rng.integers(2, 12)))
+    engine = Engine(tiny32, EngineConfig.of(max_batch=rows, max_len=64, prefill_chunk=chunk, kv_cache_bytes=budget,
+                                            block_size=4,
+                                            max_step_tokens=None if rng.random() < 0.5 else int(rng.integers(2, 12))))
     shared = rng.integers(0, 150000, 12).tolist()  # some prompts share a prefix
     jobs = []
     for i in range(int(rng.integers(4, 9))):

@@ -15,7 +15,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from mlx_serving.models.generation import Engine
+from mlx_serving.models.generation import Engine, EngineConfig
 from mlx_serving.models.generation.sampling import SamplingParams
 from mlx_serving.models.text_generation import _structured
 from mlx_serving.models.text_generation._structured import compile_response_format, constraint_factory
@@ -311,7 +311,7 @@ FINITE = {  # schemas with a finite language: every constrained sequence must en
 
 
 def _engine_run(state, rows: list[tuple[list[int], SamplingParams]], factory=None) -> list[tuple[list[int], str]]:
-    engine = Engine(state, max_batch=len(rows), max_len=160, constraint_factory=factory)
+    engine = Engine(state, EngineConfig.of(max_batch=len(rows), max_len=160), constraint_factory=factory)
     for i, (prompt, params) in enumerate(rows):
         engine.add(i, prompt, params)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(rows))}

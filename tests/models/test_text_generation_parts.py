@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.generation import Engine, FinishReason, SamplingParams, generate
+from mlx_serving.models.generation import Engine, EngineConfig, FinishReason, SamplingParams, generate
 from mlx_serving.models.decoder.layers import State
 from mlx_serving.models.generation.sampling import MIN_TEMPERATURE, SamplerKind, sample_top_p
 from mlx_serving.models.text_generation import GenerationOptions, TokenEvent
@@ -346,7 +346,7 @@ def test_sample_top_p_is_safe_at_the_extremes() -> None:
 
 
 def test_engine_add_refuses_bad_rows_and_queues_nothing(tiny32: State) -> None:
-    engine = Engine(tiny32, 1, 32)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=1, max_len=32))
     for ids, params, match in (([1.5, 2.0], SamplingParams(2), "integer"), ([True], SamplingParams(2), "integer"),
                                (["a"], SamplingParams(2), "integer"), ([2**70], SamplingParams(2), "token ids"),
                                ([[1, 2], [3]], SamplingParams(2), "prompt_ids"),

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from mlx_serving.models import text_generation
-from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.layers import State
 from mlx_serving.serving import Serving
 from mlx_serving.tokenization import Tokenizer
@@ -51,7 +51,8 @@ def test_a_started_serving_builds_no_shape_on_a_request_path(tiny32: State) -> N
 def test_an_unwarmed_engine_counts_the_shapes_it_builds(tiny32: State) -> None:
     """The counter can fail: the same kind of traffic on an engine that skipped its warm-up counts
     every shape it meets as built on the path."""
-    engine = Engine(tiny32, 4, 192, 32, bucket_shapes=True, max_step_tokens=64)
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=192, prefill_chunk=32, bucket_shapes=True,
+                                            max_step_tokens=64))
     tok = Tokenizer.qwen3()
     for i, text in enumerate(_texts(4, 7)):
         engine.add(i, tok.encode(text), SamplingParams(max_new_tokens=4))
@@ -70,7 +71,8 @@ def test_prefix_hits_start_on_warmed_shapes(tiny32: State) -> None:
     prompts = [system + tok.encode(t) for t in _texts(6, 11)]
     outputs = {}
     for caching in (True, False):
-        engine = Engine(tiny32, 4, 256, 32, bucket_shapes=True, max_step_tokens=64, prefix_caching=caching)
+        engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=256, prefill_chunk=32, bucket_shapes=True,
+                                                max_step_tokens=64, prefix_caching=caching))
         engine.warm_up()
         out: dict[int, list[int]] = {}
         for wave in (prompts[:1], prompts[1:]):  # the first one caches the system part

@@ -12,6 +12,7 @@ text-generation one; ``--model A --model B`` serves both side by side, each unde
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from ..tokenization import Tokenizer
     from ._models import ServedModel
 
-__all__ = ["API_KEY_ENV", "add_parser", "run"]
+__all__ = ["API_KEY_ENV", "add_engine_arguments", "add_parser", "engine_options", "run"]
 
 API_KEY_ENV = "MLX_SERVING_API_KEY"
 _log = logging.getLogger("mlx_serving.server")
@@ -64,16 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, else none)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default max_tokens of a request that gives none")
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions per sequence (prompt + new tokens)")
-    p.add_argument("--max-batch", type=int, default=32, help="most sequences decoding at once (per worker)")
+    add_engine_arguments(p, rows=True)
     p.add_argument("--max-queue", type=int, default=512,
                    help="rows waiting (per worker) before requests are refused with 503 + Retry-After")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="default temperature of a request that gives none (0 = greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request that gives none")
-    p.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="scheduling: first come first served, or by each request's priority (lower first)")
-    p.add_argument("--kv-cache-fraction", type=float, default=None,
-                   help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is withdrawn (504; default: no limit)")
     p.add_argument("--stuck-after", type=float, default=60.0,
@@ -91,6 +88,88 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help="uvicorn's and the server's log level")
     p.set_defaults(run=run)
     return p
+
+
+def _optional_bytes(text: str) -> int | None:
+    """An argparse type: a byte count, or "none"."""
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count or 'none'") from None
+
+
+#: The engine's flags, each named after its ``GenerationOptions`` field (its ``dest``), vLLM's name
+#: first where vLLM has one: ``(flags, argparse keywords)``; the default is the field's.
+_ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--prefill-chunk",), dict(type=int, help="prompt tokens per sequence per engine step (chunked prefill)")),
+    (("--max-num-batched-tokens", "--max-step-tokens"), dict(
+        dest="max_step_tokens", type=int, metavar="TOKENS",
+        help="per-step token budget shared by decode rows and prefill chunks (default: 2048 where shapes are "
+             "bucketed, a GPU; else none)")),
+    (("--kv-cache-memory-bytes", "--kv-cache-bytes"), dict(
+        dest="kv_cache_bytes", type=int, metavar="BYTES",
+        help="KV-cache budget in bytes (default: --kv-cache-fraction, else 1 GiB on the CPU, half the available "
+             "memory on a GPU)")),
+    (("--kv-cache-fraction",), dict(
+        type=float, metavar="FRACTION",
+        help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")),
+    (("--enable-prefix-caching",), dict(
+        dest="prefix_caching", action=argparse.BooleanOptionalAction,
+        help="reuse the KV blocks of cached prompt prefixes")),
+    (("--block-size",), dict(type=int, help="tokens per KV block")),
+    (("--buffer-cache-bytes",), dict(
+        type=_optional_bytes, metavar="BYTES",
+        help="bound on MLX's buffer cache of freed buffers ('none': MLX's own)")),
+    (("--decode-path",), dict(
+        choices=("fused", "matmul", "sdpa"),
+        help="how one-token rows attend (default: the fused CUDA kernels where they run and fit, else matmul)")),
+    (("--compile-decode",), dict(
+        action=argparse.BooleanOptionalAction,
+        help="run decode steps through compiled graphs (default: with the fused decode path only)")),
+    (("--bucket-shapes",), dict(
+        action=argparse.BooleanOptionalAction,
+        help="pad steps to shape buckets, all built at start (default: on a GPU, off on the CPU)")),
+    (("--pack-prefill",), dict(
+        action=argparse.BooleanOptionalAction,
+        help="run a multi-row prefill as one packed row (default: the runner decides)")),
+    (("--max-causal-groups",), dict(type=int, help="most causal groups of one packed prefill's attention")),
+)
+
+
+#: The flags of an engine serving many sequences (``serve``), before :data:`_ENGINE_FLAGS`.
+_ROWS_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--max-batch", "--max-num-seqs"), dict(
+        dest="max_batch", type=int, help="most sequences decoding at once (per worker)")),
+    (("--policy", "--scheduling-policy"), dict(
+        choices=("fcfs", "priority"),
+        help="scheduling: first come first served, or by each request's priority (lower first)")),
+)
+
+
+def _dest(names: tuple[str, ...], kw: dict[str, Any]) -> str:
+    return str(kw.get("dest", names[0].lstrip("-").replace("-", "_")))
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, rows: bool) -> None:
+    """Add the text-generation engine's flags (docs/generation.md) to ``p``, each with its
+    ``GenerationOptions`` default; ``rows``: with ``--max-batch`` / ``--max-num-seqs`` and
+    ``--policy`` (``serve``; ``generate`` and ``chat`` run one sequence). :func:`engine_options`
+    reads them back."""
+    from ..models.text_generation import GenerationOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}
+    for names, kw in (_ROWS_FLAGS if rows else ()) + _ENGINE_FLAGS:
+        dest = _dest(names, kw)
+        p.add_argument(*names, **{"dest": dest, "default": defaults[dest], **kw})
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``GenerationOptions`` fields set by the flags :func:`add_engine_arguments` added to the
+    parser of ``args``, by name."""
+    dests = [_dest(names, kw) for names, kw in _ROWS_FLAGS + _ENGINE_FLAGS]
+    return {dest: getattr(args, dest) for dest in dests if hasattr(args, dest)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,9 +279,8 @@ def _default_name(model: str | None) -> str:
 def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..models.text_generation import GenerationOptions
 
-    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, max_batch=args.max_batch,
-                   temperature=args.temperature, top_p=args.top_p, kv_cache_fraction=args.kv_cache_fraction,
-                   policy=args.policy)
+    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
+                   top_p=args.top_p, **engine_options(args))
     GenerationOptions(**options)  # a bad option fails before the server starts
     if args.max_queue < args.max_batch:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch ({args.max_batch})")
@@ -325,10 +403,8 @@ def _architecture(path: Path, options: dict[str, Any]) -> str:
 
 
 def _describe(client: Client, options: dict[str, Any], workers: int) -> str:
-    """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens (65536 tokens), in process``."""
-    from ..models.decoder.kv_cache import BLOCK_SIZE
-
+    """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens per worker, in process``."""
     blocks = int(client.stats().backend.get("blocks_total", 0))
-    cache = f"KV cache {blocks} blocks x {BLOCK_SIZE} tokens" if blocks else "slot KV cache"
+    cache = f"KV cache {blocks} blocks x {options['block_size']} tokens" if blocks else "slot KV cache"
     where = f"{workers} worker processes" if workers > 1 else "in process"
     return f"max_len {options['max_len']}, max_batch {options['max_batch']}, {cache} per worker, {where}"

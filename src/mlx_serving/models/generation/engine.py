@@ -28,13 +28,14 @@ import numpy as np
 
 from ..decoder import cuda_kernels
 from ..decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend
+from .config import EngineConfig
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
-from ..decoder.kv_cache import BLOCK_SIZE, PagedKVCache, init_paged_kv_cache, plan_blocks
+from ..decoder.kv_cache import PagedKVCache, init_paged_kv_cache, plan_blocks
 from .kv_cache_manager import KVCacheManager, KVStats
 from .logits import make_chain
 from .model_runner import Flight, Landed, ModelRunner
-from .policy import Policy, make_policy
+from .policy import make_policy
 from ..decoder.layers import State
 from .protocol import ConstraintFactory
 from .request import Request
@@ -42,82 +43,60 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 
 
-__all__ = ["BUFFER_CACHE_BYTES", "Engine"]
-
-#: MLX's buffer cache bound an engine sets by default (``mx.set_cache_limit``): freed buffers MLX
-#: keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of 25.7 GB in
-#: use on the H200 at the text-generation defaults, issue 26).
-BUFFER_CACHE_BYTES = 1 << 30
+__all__ = ["Engine"]
 
 
 class Engine:
-    """Continuous-batching generator for one loaded model ``state`` (any registered family).
+    """Continuous-batching generator for one loaded model ``state`` (any registered family), built
+    from one :class:`~.config.EngineConfig` (``config``; its three parts document every field):
 
-    ``max_batch`` rows decode at once; ``max_len`` tokens (prompt + new tokens) per sequence;
-    ``prefill_chunk`` prompt tokens per sequence per step. KV memory is a pool of blocks of
-    ``block_size`` (16) tokens allocated up front for a budget: ``kv_cache_bytes`` (absolute), or
-    ``kv_cache_fraction`` of the device's available memory, or a default (1 GiB on the CPU, half
-    the available memory on a GPU), never more than ``max_batch x ceil(max_len / block_size)``
-    blocks (see :mod:`.kv_cache`). ``prefix_caching`` (default on) reuses the blocks of cached
-    prefixes. ``policy``: "fcfs" (default) or "priority" (:mod:`.policy`; ``add(..., priority=)``,
-    lower first) orders the waiting sequences and picks who is preempted. ``max_step_tokens``: a
-    per-step token budget shared by the decode rows (one token each, always scheduled) and the
-    prefill chunks (given in start order from what is left); None (default): every prefilling
-    sequence gets its ``prefill_chunk``. With shape bucketing the budget never cuts a chunk short
-    (a chunk waits for a step with room; the oldest prefilling sequence always gets its chunk) and
-    a cached prefix is reused in whole ``prefill_chunk`` multiples, so every chunk starts on a
-    warmed shape.
+    - ``config.scheduler``: ``max_batch`` rows decode at once; ``prefill_chunk`` prompt tokens per
+      sequence per step; ``max_step_tokens``, the per-step token budget shared by the decode rows
+      and the prefill chunks; ``policy`` ("fcfs", "priority": ``add(..., priority=)``, lower
+      first, or a :class:`~.policy.Policy`) orders the waiting sequences and picks who is preempted.
+    - ``config.cache``: ``max_len`` tokens (prompt + new tokens) per sequence; KV memory is a pool
+      of blocks of ``block_size`` (16) tokens allocated up front for a budget (``kv_cache_bytes``,
+      or ``kv_cache_fraction`` of the device's available memory, or a default: 1 GiB on the CPU,
+      half the available memory on a GPU), never more than ``max_batch x ceil(max_len /
+      block_size)`` blocks (:func:`~..decoder.kv_cache.plan_blocks`); ``prefix_caching`` reuses
+      the blocks of cached prefixes; ``buffer_cache_bytes`` bounds MLX's buffer cache
+      (process-wide, set here).
+    - ``config.decode``: ``decode_path`` (chosen once, as :attr:`decode_backend`),
+      ``compile_decode``, ``bucket_shapes`` (:meth:`warm_up` runs every bucket once; with buckets
+      the step budget never cuts a chunk short: a chunk waits for a step with room, the oldest
+      prefilling sequence always gets its chunk, and a cached prefix is reused in whole
+      ``prefill_chunk`` multiples, so every chunk starts on a warmed shape), ``pack_prefill`` /
+      ``max_causal_groups`` (how a multi-row prefill runs, :class:`~.model_runner.ModelRunner`).
 
-    ``decode_path``: how one-token rows attend (:func:`~.decode_backends.decode_backend`: "fused",
-    "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they run and fit,
-    else "matmul"); chosen once, as :attr:`decode_backend`. ``compile_decode`` runs decode steps
-    through ``mx.compile``d graphs; None (default) means on with the fused path and off elsewhere.
-    ``bucket_shapes`` pads batches to shape buckets (:mod:`.model_runner`); None (default) means on
-    for a GPU, off on the CPU. ``pack_prefill`` / ``max_causal_groups``: how a multi-row prefill
-    runs (:class:`~.model_runner.ModelRunner`). :meth:`warm_up` runs every bucket once.
-    ``buffer_cache_bytes``: the bound set on MLX's buffer cache (:data:`BUFFER_CACHE_BYTES`; None:
-    left as it is). Raises
-    ValueError when the budget holds no sequence of ``max_len``. Not thread-safe: drive it from one
-    thread.
+    Raises ValueError when the KV budget holds no sequence of ``max_len``, or for the fused decode
+    path where its CUDA kernels cannot run; TypeError when ``config`` is not an EngineConfig.
+    Not thread-safe: drive it from one thread.
 
     Sampling follows each sequence's :class:`~.sampling.SamplingParams` through its sampler chain
     (:mod:`.logits`), for the whole batch on the device. ``constraint_factory`` makes the
     :class:`~.protocol.TokenConstraint` of a sequence whose ``params.grammar`` is set.
     """
 
-    def __init__(self, state: State, max_batch: int, max_len: int, prefill_chunk: int = 512,
-                 kv_cache_bytes: int | None = None, *, compile_decode: bool | None = None,
-                 bucket_shapes: bool | None = None, kv_cache_fraction: float | None = None,
-                 prefix_caching: bool = True, block_size: int = BLOCK_SIZE, policy: str | Policy = "fcfs",
-                 max_step_tokens: int | None = None, constraint_factory: ConstraintFactory | None = None,
-                 decode_path: str | DecodeBackend | None = None, pack_prefill: bool | None = None,
-                 max_causal_groups: int = 4, buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES):
-        if max_batch < 1 or max_len < 1 or prefill_chunk < 1 or block_size < 1:
-            raise ValueError(f"max_batch, max_len, prefill_chunk and block_size must be >= 1, got "
-                             f"{max_batch}, {max_len}, {prefill_chunk}, {block_size}")
-        if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int)
-                                            or max_step_tokens < 1):
-            raise ValueError(f"max_step_tokens must be None or an integer >= 1, got {max_step_tokens!r}")
-        for name, flag in (("bucket_shapes", bucket_shapes), ("compile_decode", compile_decode),
-                           ("pack_prefill", pack_prefill)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ValueError(f"{name} must be None or a bool, got {flag!r}")
-        if buffer_cache_bytes is not None:
-            mx.set_cache_limit(buffer_cache_bytes)  # process-wide, as MLX's cache is
-        self.state, self.max_len, self.prefill_chunk = state, max_len, prefill_chunk
-        self.max_step_tokens = max_step_tokens
-        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, decode_path))
-        blocks = plan_blocks(state, max_batch, max_len, kv_cache_bytes, kv_cache_fraction, block_size)
-        bucket = mx.default_device() == mx.gpu if bucket_shapes is None else bucket_shapes
-        align = prefill_chunk if bucket and prefill_chunk % block_size == 0 else 0  # hits start on warmed shapes
-        kv = KVCacheManager(blocks, block_size, prefix_caching, prefix_align=align)
-        self.scheduler = Scheduler(max_batch, kv, make_policy(policy), prefill_chunk, max_step_tokens,
+    def __init__(self, state: State, config: EngineConfig, *, constraint_factory: ConstraintFactory | None = None):
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig (EngineConfig.of(max_batch=..., ...)), "
+                            f"got {type(config).__name__}")
+        s, c, d = config.scheduler, config.cache, config.decode
+        if c.buffer_cache_bytes is not None:
+            mx.set_cache_limit(c.buffer_cache_bytes)  # process-wide, as MLX's cache is
+        self.state, self.config = state, config
+        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path))
+        blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size)
+        bucket = d.bucketed()
+        align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
+        kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
+        self.scheduler = Scheduler(s.max_batch, kv, make_policy(s.policy), s.prefill_chunk, s.max_step_tokens,
                                    whole_chunks=bucket)  # chunk starts stay on the warmed shapes
-        compile_decode = self.decode_backend.reads_own_length if compile_decode is None else compile_decode
-        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, block_size), max_batch, max_len,
-                                  prefill_chunk, self.decode_backend, compile_decode=compile_decode,
-                                  bucket_shapes=bucket, pack_prefill=pack_prefill,
-                                  max_causal_groups=max_causal_groups)
+        compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
+        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
+                                  s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
+                                  bucket_shapes=bucket, pack_prefill=d.pack_prefill,
+                                  max_causal_groups=d.max_causal_groups)
         self.iteration_tokens = IterationTokens()  # tokens per step (the serving's stats)
         self._by_id: dict[int, Request] = {}
         self._flight: Flight | None = None
@@ -157,7 +136,7 @@ class Engine:
         return self.scheduler.kv.stats()
 
     def _fits(self, prompt_len: int, max_new_tokens: int) -> bool:
-        return 1 <= prompt_len and prompt_len + max_new_tokens <= self.max_len
+        return 1 <= prompt_len and prompt_len + max_new_tokens <= self.config.cache.max_len
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -182,7 +161,7 @@ class Engine:
         prompt = _prompt_array(prompt_ids, vocab)
         if not self._fits(prompt.size, params.max_new_tokens):
             raise ValueError(f"prompt of {prompt.size} tokens + max_new_tokens {params.max_new_tokens} "
-                             f"exceeds max_len {self.max_len}")
+                             f"exceeds max_len {self.config.cache.max_len}")
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
             raise ValueError(f"priority must be an integer, got {type(priority).__name__}")
         chain = make_chain(params, vocab)

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence, cast
 
+from .config import EngineConfig
 from .engine import Engine
 from .events import FinishReason
 from ..decoder.layers import State
@@ -53,7 +54,7 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     eos = tuple(state.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     first = SamplingParams(max_new_tokens, temperature, top_p, seed, eos)  # validates
     params = [first if seed is None else replace(first, seed=seed + i) for i in range(len(prompts))]
-    engine = Engine(state, max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk)
+    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk))
     try:  # the engine releases its KV cache here, on the caller's thread
         out, reasons, timing = _run(engine, prompts, params, profile_timing)
     finally:

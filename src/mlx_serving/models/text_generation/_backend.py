@@ -29,15 +29,12 @@ class GenerationBackend:
         self._model, self._opts, self._constraints = state, options, constraint_factory
 
     def init(self, mode: str, arg: object, partitions: int) -> Engine:
-        """Allocate the partition's engine (its KV block pool for the ``kv_cache_bytes`` budget, or the
+        """Allocate the partition's engine from the options' one engine configuration
+        (``GenerationOptions.engine``: its KV block pool for the ``kv_cache_bytes`` budget, or the
         default one; see docs/generation.md) and build every shape its steps can meet
         (``Engine.warm_up()``; a no-op on the CPU) before the serving reports ready, so that no
         request waits on a build."""
-        o = self._opts
-        engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
-                        kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching, policy=o.policy,
-                        constraint_factory=self._constraints, max_step_tokens=o.step_tokens(),
-                        bucket_shapes=o.bucket_shapes)
+        engine = Engine(self._model, self._opts.engine, constraint_factory=self._constraints)
         engine.warm_up()
         return engine
 

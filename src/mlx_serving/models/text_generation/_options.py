@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
-import mlx.core as mx
-
+from ..decoder.kv_cache import BLOCK_SIZE
+from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig
 from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
@@ -26,10 +27,12 @@ MAX_STOP_CHARS = 256
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    """Defaults for every request of one text-generation serving.
+    """Defaults for every request of one text-generation serving, and its engine's configuration
+    (:attr:`engine`, derived from the fields below once, here).
+
+    Serving fields:
 
     max_new_tokens: most generated tokens per prompt (an EOS counts), >= 1.
-    max_len: KV-cache positions per sequence (prompt + new tokens), >= 2.
     temperature: a finite number >= 0; 0 = greedy (argmax), > 0 samples at that temperature
       (seeded by the request's ``seed``).
     top_p: in (0, 1]; with temperature > 0, sample from the smallest set of most probable tokens
@@ -39,23 +42,35 @@ class GenerationOptions:
     stop: stop strings (a string or a list of at most 16, each 1..256 characters); generation ends
       when the text contains one (it is not returned).
     profile_timing: add per-request ``timing`` (ms) to results and final stream events.
+
+    Engine fields (the fields of :class:`~..generation.config.EngineConfig`'s parts, by name; each
+    part documents and checks its own; docs/generation.md):
+
+    max_len: KV-cache positions per sequence (prompt + new tokens), >= 2 here.
     max_batch: most sequences decoding at once (KV-cache slots); also the default
       ``batch_size`` of ``Serving.start``.
     prefill_chunk: prompt tokens per sequence per engine step (chunked prefill).
-    kv_cache_bytes: optional KV-cache budget in bytes (the paged block pool; docs/generation.md).
+    max_step_tokens: the per-step token budget (decode rows one each, then whole prefill chunks);
+      None: :data:`GPU_STEP_TOKENS` where shapes are bucketed, else unbounded.
+    policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
+      first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
+      queue in the policy's order); the running sequence preempted when KV blocks run out is the
+      newest (fcfs) or the lowest-priority one.
+    kv_cache_bytes: optional KV-cache budget in bytes (the paged block pool).
     kv_cache_fraction: optional KV-cache budget as a fraction in (0, 1] of the device's available
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
-    max_step_tokens: the per-step token budget (decode rows one each, then whole prefill chunks;
-      docs/generation.md); None: :data:`GPU_STEP_TOKENS` where shapes are bucketed, else unbounded.
+    block_size: tokens per KV block (16).
+    buffer_cache_bytes: the bound on MLX's buffer cache (1 GiB; None: MLX's own).
+    decode_path: "fused", "matmul", "sdpa" or None (the fused CUDA kernels where they run and fit,
+      else "matmul").
+    compile_decode: ``mx.compile`` the decode steps (None: with the fused path only).
     bucket_shapes: pad steps to the shape buckets and build every bucket at start (None: on a GPU,
-      off on the CPU; docs/generation.md).
-    policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
-      first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
-      queue in the policy's order); the running
-      sequence preempted when KV blocks run out is the newest (fcfs) or the lowest-priority one.
+      off on the CPU).
+    pack_prefill: run a multi-row prefill as one packed row (None: the runner decides).
+    max_causal_groups: most causal groups of one packed prefill's attention.
 
-    Raises ValueError for any value out of range.
+    Raises ValueError naming the field for any value out of range.
     """
 
     max_new_tokens: int = 100
@@ -73,34 +88,32 @@ class GenerationOptions:
     policy: str = "fcfs"
     max_step_tokens: int | None = None
     bucket_shapes: bool | None = None
-
-    def step_tokens(self) -> int | None:
-        """The engine's ``max_step_tokens`` (see the field)."""
-        bucketed = mx.default_device() == mx.gpu if self.bucket_shapes is None else self.bucket_shapes
-        return self.max_step_tokens if self.max_step_tokens is not None else (GPU_STEP_TOKENS if bucketed else None)
+    block_size: int = BLOCK_SIZE
+    buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+    decode_path: str | None = None
+    compile_decode: bool | None = None
+    pack_prefill: bool | None = None
+    max_causal_groups: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
         SamplingParams(self.max_new_tokens, self.temperature, self.top_p)  # validates
-        if self.max_len < 2:
+        config = self.engine  # checks every engine field (by its part) and keeps the config
+        if config.cache.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.max_new_tokens >= self.max_len:
             raise ValueError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}: "
                              "no prompt would fit")
-        if self.max_batch < 1 or self.prefill_chunk < 1:
-            raise ValueError(f"max_batch and prefill_chunk must be >= 1, got {self.max_batch}, {self.prefill_chunk}")
-        f = self.kv_cache_fraction
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
-            raise ValueError(f"kv_cache_fraction must be None or a number in (0, 1], got {_show(f)}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {_show(self.policy)}")
-        if not isinstance(self.prefix_caching, bool):
-            raise ValueError(f"prefix_caching must be a bool, got {_show(self.prefix_caching)}")
-        m = self.max_step_tokens
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
-            raise ValueError(f"max_step_tokens must be None or an integer >= 1, got {_show(m)}")
-        if self.bucket_shapes is not None and not isinstance(self.bucket_shapes, bool):
-            raise ValueError(f"bucket_shapes must be None or a bool, got {_show(self.bucket_shapes)}")
+
+    @cached_property
+    def engine(self) -> EngineConfig:
+        """The serving's engine configuration: the engine fields by name, with ``max_step_tokens``
+        None resolved to :data:`GPU_STEP_TOKENS` where shapes are bucketed. Built (and checked)
+        when the options are."""
+        config = EngineConfig.of(**{name: getattr(self, name) for name in EngineConfig.field_names()})
+        if config.scheduler.max_step_tokens is None and config.decode.bucketed():
+            config = replace(config, scheduler=replace(config.scheduler, max_step_tokens=GPU_STEP_TOKENS))
+        return config
 
 
 def _stop_tuple(stop: object) -> tuple[str, ...]:

@@ -1,0 +1,193 @@
+"""The one engine configuration: :class:`EngineConfig`, split by concern as vLLM's ``VllmConfig``.
+
+:class:`SchedulerConfig` (rows, chunked prefill, the per-step token budget, the queue policy),
+:class:`CacheConfig` (sequence length, the paged KV block pool, prefix caching, MLX's buffer
+cache) and :class:`DecodeConfig` (how steps run: decode path, compilation, shape buckets, packed
+prefill). Each part checks its own fields when built (ValueError naming the field); the
+text-generation serving builds one from its options (``GenerationOptions.engine``), the CLI from
+its flags through those options, and :class:`~.engine.Engine` reads it: built once, passed down,
+never copied field by field. :meth:`EngineConfig.of` builds one from flat keywords (the fields of
+the three parts by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..decoder.decode_backends import DECODE_PATHS, DecodeBackend
+from ..decoder.kv_cache import BLOCK_SIZE
+from .policy import Policy
+from .sampling import _show
+
+__all__ = ["BUFFER_CACHE_BYTES", "POLICIES", "CacheConfig", "DecodeConfig", "EngineConfig", "SchedulerConfig"]
+
+#: MLX's buffer cache bound an engine sets by default (``mx.set_cache_limit``): freed buffers MLX
+#: keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of 25.7 GB in
+#: use on the H200 at the text-generation defaults, issue 26).
+BUFFER_CACHE_BYTES = 1 << 30
+
+#: The queue policies by name (:func:`~.policy.make_policy`).
+POLICIES = ("fcfs", "priority")
+
+
+def _positive(name: str, value: object, *, optional: bool = False) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer >= 1 (or None when ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}an integer >= 1, got {_show(value)}")
+
+
+def _flag(name: str, value: object, *, optional: bool = True) -> None:
+    """ValueError naming ``name`` unless ``value`` is a bool (or None when ``optional``)."""
+    if not isinstance(value, bool) and not (optional and value is None):
+        raise ValueError(f"{name} must be {'None or ' if optional else ''}a bool, got {_show(value)}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Who runs each step (:class:`~.scheduler.Scheduler`).
+
+    max_batch: most sequences decoding at once (rows), >= 1 (vLLM's ``max_num_seqs``).
+    prefill_chunk: most prompt tokens per sequence per step (chunked prefill), >= 1.
+    max_step_tokens: the per-step token budget shared by the decode rows (one token each, always
+      scheduled) and the prefill chunks (given in start order from what is left); None: every
+      prefilling sequence gets its ``prefill_chunk`` (vLLM's ``max_num_batched_tokens``). With
+      shape bucketing the budget never cuts a chunk short (see :class:`DecodeConfig`).
+    policy: "fcfs" (first come, first served) or "priority" (``Engine.add(..., priority=)``,
+      lower first) or a :class:`~.policy.Policy` object: orders the waiting sequences and picks
+      who is preempted.
+
+    Raises ValueError naming the field for a value out of range.
+    """
+
+    max_batch: int = 32
+    prefill_chunk: int = 512
+    max_step_tokens: int | None = None
+    policy: str | Policy = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive("max_batch", self.max_batch)
+        _positive("prefill_chunk", self.prefill_chunk)
+        _positive("max_step_tokens", self.max_step_tokens, optional=True)
+        if isinstance(self.policy, str) and self.policy not in POLICIES:
+            raise ValueError(f"policy must be 'fcfs', 'priority' or a Policy object, got {_show(self.policy)}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV memory (:mod:`..decoder.kv_cache`, :class:`~.kv_cache_manager.KVCacheManager`).
+
+    max_len: KV positions per sequence (prompt + new tokens), >= 1.
+    block_size: tokens per KV block, >= 1 (16).
+    kv_cache_bytes: the block pool's budget in bytes; None: ``kv_cache_fraction``, else the default
+      (1 GiB on the CPU, half the available memory on a GPU); never more blocks than
+      ``max_batch x ceil(max_len / block_size)``. A budget that holds no sequence of ``max_len``
+      raises ValueError when the engine is built.
+    kv_cache_fraction: the budget as a fraction in (0, 1] of the device's available memory (when
+      ``kv_cache_bytes`` is None; vLLM's ``gpu_memory_utilization`` covers the weights too).
+    prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
+    buffer_cache_bytes: the bound set on MLX's buffer cache when the engine is built, process-wide
+      (:data:`BUFFER_CACHE_BYTES`, 1 GiB); None: left as it is.
+
+    Raises ValueError naming the field for a value out of range.
+    """
+
+    max_len: int = 2048
+    block_size: int = BLOCK_SIZE
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float | None = None
+    prefix_caching: bool = True
+    buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+
+    def __post_init__(self) -> None:
+        _positive("max_len", self.max_len)
+        _positive("block_size", self.block_size)
+        k = self.kv_cache_bytes  # its range against max_len: plan_blocks, when the engine is built
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+            raise ValueError(f"kv_cache_bytes must be None or an integer, got {_show(k)}")
+        f = self.kv_cache_fraction
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1):
+            raise ValueError(f"kv_cache_fraction must be None or a number in (0, 1], got {_show(f)}")
+        _flag("prefix_caching", self.prefix_caching, optional=False)
+        b = self.buffer_cache_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise ValueError(f"buffer_cache_bytes must be None or an integer >= 0, got {_show(b)}")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How steps run on the device (:class:`~.model_runner.ModelRunner`).
+
+    decode_path: how one-token rows attend (:func:`~..decoder.decode_backends.decode_backend`):
+      "fused", "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they
+      run and fit, else "matmul".
+    compile_decode: run decode steps through ``mx.compile``d graphs; None: on with the fused path,
+      off elsewhere.
+    bucket_shapes: pad batches to shape buckets, built by ``Engine.warm_up``; None: on for a GPU,
+      off on the CPU (:meth:`bucketed`). With buckets the step budget never cuts a prefill chunk
+      short (a chunk waits for a step with room) and a cached prefix is reused in whole
+      ``prefill_chunk`` multiples, so every chunk starts on a warmed shape.
+    pack_prefill: run a multi-row prefill as one packed row (None: the runner decides).
+    max_causal_groups: most causal groups of one packed prefill's attention, >= 1.
+
+    Raises ValueError naming the field for a value out of range (an unknown ``decode_path`` name
+    included; whether the fused path runs here is checked when the engine is built).
+    """
+
+    decode_path: str | DecodeBackend | None = None
+    compile_decode: bool | None = None
+    bucket_shapes: bool | None = None
+    pack_prefill: bool | None = None
+    max_causal_groups: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.decode_path, str) and self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {list(DECODE_PATHS)} or None, got {_show(self.decode_path)}")
+        _flag("compile_decode", self.compile_decode)
+        _flag("bucket_shapes", self.bucket_shapes)
+        _flag("pack_prefill", self.pack_prefill)
+        _positive("max_causal_groups", self.max_causal_groups)
+
+    def bucketed(self) -> bool:
+        """Whether steps are padded to shape buckets on the default device (``bucket_shapes``, or
+        None: a GPU)."""
+        return mx.default_device() == mx.gpu if self.bucket_shapes is None else self.bucket_shapes
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an :class:`~.engine.Engine` is built with, by concern: ``scheduler``, ``cache``,
+    ``decode`` (each checked when built)."""
+
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    @classmethod
+    def of(cls, **options: Any) -> EngineConfig:
+        """The config with ``options`` (fields of the three parts, by name; the rest at their
+        defaults), e.g. ``EngineConfig.of(max_batch=4, max_len=256, block_size=8)``. Raises
+        TypeError for a name no part has, ValueError (naming it) for a bad value."""
+        unknown = sorted(set(options) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(f"unknown engine options {unknown} (known: {sorted(cls.field_names())})")
+
+        def pick(part: type) -> dict[str, Any]:
+            return {k: v for k, v in options.items() if k in _names(part)}
+
+        return cls(SchedulerConfig(**pick(SchedulerConfig)), CacheConfig(**pick(CacheConfig)),
+                   DecodeConfig(**pick(DecodeConfig)))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The fields of the three parts, by name (no two parts share one)."""
+        return tuple(name for part in (SchedulerConfig, CacheConfig, DecodeConfig) for name in _names(part))
+
+
+def _names(part: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(part))
