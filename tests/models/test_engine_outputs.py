@@ -274,7 +274,7 @@ def test_constrained_rows_follow_their_masks_in_a_mixed_batch(tiny32, solo) -> N
 def test_blocked_tokens_are_never_among_the_top_logprobs(tiny32) -> None:
     """3 tokens allowed, 5 alternatives asked: the 3 allowed ones, finite, and nothing masked."""
     params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=2, grammar="subset:1000:1003", logprobs=5)
-    events = run(Engine(tiny32, 2, 64, constraint_factory=factory), [(_prompt(84, 5), params)])[0]
+    events = run(Engine(tiny32, EngineConfig.of(max_batch=2, max_len=64), constraint_factory=factory), [(_prompt(84, 5), params)])[0]
     assert len(events) == 4
     for e in events:
         assert sorted(t for t, _ in e.top_logprobs) == [1000, 1001, 1002]
