@@ -13,7 +13,8 @@
   to ``batch_size`` rows, started or not, as a plain backend is, so ``batch_size`` always bounds
   the rows running. Rows handed over and not started count as queued (``max_queue``, stats).
 
-Every method runs with the scheduler's lock held.
+Every method runs with the scheduler's lock held, but ``running``, which a partition's own thread
+also reads without it.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class Admission(Protocol):
         """``rows`` rows were handed to ``part`` (its backend admits them next)."""
         ...
 
-    def withdrawn(self, row: Row) -> None:
-        """A handed row left before finishing (cancelled, expired, rejected, failed)."""
+    def withdrawn(self, part: Partition, row: Row) -> None:
+        """``row``, handed to ``part``, left before finishing (cancelled, expired, rejected, failed)."""
         ...
 
     def sync(self, part: Partition) -> None:
@@ -99,7 +100,7 @@ class PlainAdmission:
     def taken(self, part: Partition, rows: int) -> None:
         pass
 
-    def withdrawn(self, row: Row) -> None:
+    def withdrawn(self, part: Partition, row: Row) -> None:
         pass
 
     def sync(self, part: Partition) -> None:
@@ -136,10 +137,9 @@ class QueueingAdmission:
     def taken(self, part: Partition, rows: int) -> None:
         self._waiting[part.index] += rows
 
-    def withdrawn(self, row: Row) -> None:
-        if not row.stepped and row.partition is not None:
-            index = row.partition.index
-            self._waiting[index] = max(0, self._waiting[index] - 1)
+    def withdrawn(self, part: Partition, row: Row) -> None:
+        if not row.stepped:
+            self._waiting[part.index] = max(0, self._waiting[part.index] - 1)
 
     def sync(self, part: Partition) -> None:
         if not part.to_cancel:

@@ -118,7 +118,7 @@ class IterativeScheduler:
                 del row.partition.active[row.id]
                 row.partition.to_cancel.append(row.id)
                 self._c.running -= 1
-                self._admission.withdrawn(row)
+                self._admission.withdrawn(row.partition, row)
         self._cond.notify_all()
 
     def stats(self) -> ServingStats:
@@ -275,7 +275,7 @@ class IterativeScheduler:
                     continue
                 row.done = True
                 self._c.running -= 1
-                self._admission.withdrawn(row)
+                self._admission.withdrawn(part, row)
                 if row.request.channel.close(error):
                     self._c.rejected += 1
                     self._drop(row.request.rows)
