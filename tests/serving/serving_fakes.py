@@ -126,3 +126,50 @@ class CountdownBackend:
 def countdown(*ns: int) -> Batch:
     """One row per step count."""
     return Batch.stack(list(ns))
+
+
+class QueueingCountdown(CountdownBackend):
+    """A CountdownBackend with its own scheduler (``waiting``): ``admit`` queues rows; each step
+    first starts the shortest queued rows (fewest steps; ties by arrival) while fewer than ``slots``
+    run, then counts down the running ones. Records the most rows ever running at once and the
+    order rows started in."""
+
+    def __init__(self, slots: int, step_delay: float = 0.0):
+        super().__init__(slots=slots, step_delay=step_delay)
+        self.most_running = 0
+        self.started: list[int] = []
+        self.lock = threading.Lock()  # guards the records read by the test thread
+
+    def init(self, mode: str, arg: Any, partitions: int) -> dict:
+        state = super().init(mode, arg, partitions)
+        state["queue"] = {}
+        return state
+
+    def admit(self, state: dict, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
+        self.admissions.append([row_id for row_id, _ in rows])
+        state["queue"].update((row_id, int(n)) for row_id, n in rows)
+        return []
+
+    def free_slots(self, state: dict) -> int:
+        return max(0, self.slots - len(state["rows"]) - len(state["queue"]))
+
+    def waiting(self, state: dict) -> int:
+        return len(state["queue"])
+
+    def step(self, state: dict) -> list[tuple[int, Any, bool]]:
+        queue = state["queue"]
+        for row_id in sorted(queue, key=lambda r: (queue[r], r))[: self.slots - len(state["rows"])]:
+            state["rows"][row_id] = queue.pop(row_id)
+            with self.lock:
+                self.started.append(row_id)
+        with self.lock:
+            self.most_running = max(self.most_running, len(state["rows"]))
+        return super().step(state)
+
+    def cancel(self, state: dict, row_ids: list[int]) -> None:
+        for row_id in row_ids:
+            state["queue"].pop(row_id, None)
+        super().cancel(state, row_ids)
+
+    def active(self, state: dict) -> int:
+        return len(state["rows"]) + len(state["queue"])

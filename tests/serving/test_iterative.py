@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from mlx_serving.serving import BackendError, DeadlineExceeded, Serving, ServingOverloaded
-from serving_fakes import CountdownBackend, countdown
+from serving_fakes import CountdownBackend, QueueingCountdown, countdown
 
 
 def per_row(items):
@@ -180,6 +180,45 @@ def test_max_queue_for_iterative_servings():
         assert len(running.result(5)) == 30 and len(queued.result(5)) == 2
 
 
+def test_a_queueing_backend_holds_the_one_queue_orders_it_and_counts_it_as_queued():
+    """One slot, busy: three requests queue (9, 7 then 5 steps); the serving hands them all to the
+    backend, which starts the shortest first; they count as queued at once (max_queue included),
+    and a withdrawn one leaves the queued count at once."""
+    backend = QueueingCountdown(slots=1, step_delay=0.001)
+    with Serving.new(backend).start(batch_size=1, batch_timeout=0, max_queue=3) as h, ThreadPoolExecutor(2) as pool:
+        with Serving.stream(h, countdown(1_000_000)) as busy:  # closed even when an assertion fails
+            next(busy)
+            nine = pool.submit(Serving.batched_run, h, countdown(9))
+            wait_for(lambda: h.stats().queued == 1)
+            seven = Serving.stream(h, countdown(7))
+            wait_for(lambda: h.stats().queued == 2)
+            five = pool.submit(Serving.batched_run, h, countdown(5))
+            wait_for(lambda: backend.waiting(backend.states[0]) == 3)  # all three in the backend's queue
+            stats = h.stats()
+            assert (stats.queued, stats.running, stats.rows_in_flight) == (3, 1, 4)
+            with pytest.raises(ServingOverloaded):
+                Serving.batched_run(h, countdown(1))
+            seven.close()  # withdrawn while waiting in the backend
+            stats = h.stats()
+            assert (stats.queued, stats.running, stats.cancelled) == (2, 1, 1)
+        assert per_row(five.result(10)) == {0: [4, 3, 2, 1, 0]} and len(nine.result(10)) == 9
+        wait_for(lambda: h.stats().rows_in_flight == 0)
+        stats = h.stats()
+    assert backend.started == [0, 3, 1]  # row ids in arrival order: busy, 9, 7, 5; the backend's order
+    assert (stats.queued, stats.running, stats.completed, stats.cancelled) == (0, 0, 2, 2)
+
+
+def test_batch_size_below_a_queueing_backends_capacity_bounds_the_rows_running():
+    """The backend could run 4 rows at once (its free_slots when idle) but batch_size is 2: the
+    serving holds it to 2 rows, so no more than 2 ever run; every row still completes."""
+    backend = QueueingCountdown(slots=4, step_delay=0.001)
+    with Serving.new(backend).start(batch_size=2, batch_timeout=0.05) as h:
+        per = per_row(Serving.batched_run(h, countdown(5, 4, 3, 2, 1, 6)))
+        stats = h.stats()
+    assert per == {i: list(range(n - 1, -1, -1)) for i, n in enumerate((5, 4, 3, 2, 1, 6))}
+    assert backend.most_running == 2 and stats.completed == 1
+
+
 def test_partitions_each_run_their_own_step_loop():
     backend = CountdownBackend(step_delay=0.01)
     with Serving.new(backend).start(name="iter", batch_size=1, batch_timeout=0, partitions=2) as h:
@@ -229,8 +268,12 @@ async def _enumerate(aiter):
 
 
 @pytest.mark.anyio
-async def test_200_random_concurrent_requests_with_random_cancellations_never_hang():
-    backend = CountdownBackend(slots=24, step_delay=0.001)
+@pytest.mark.parametrize("make", [lambda: CountdownBackend(slots=24, step_delay=0.001),
+                                  lambda: QueueingCountdown(slots=16, step_delay=0.001)], ids=["plain", "queueing"])
+async def test_200_random_concurrent_requests_with_random_cancellations_never_hang(make):
+    """Every request ends, and every stats snapshot splits its rows in flight into queued and
+    running, none negative and at most batch_size running (the queueing backend holds the queue)."""
+    backend = make()
     rng = random.Random(1234)
     outcomes = {"ok": 0, "cancelled": 0, "expired": 0, "broken": 0}
 
@@ -257,14 +300,24 @@ async def test_200_random_concurrent_requests_with_random_cancellations_never_ha
             assert per == {0: list(range(n - 1, -1, -1))}
             outcomes["ok"] += 1
 
+    snapshots = []
+
+    async def poll():
+        while True:
+            snapshots.append(h.stats())
+            await anyio.sleep(0.001)
+
     async with Serving.new(backend).start(batch_size=16, batch_timeout=0.002, max_queue=1000) as h:
         with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                for _ in range(200):
-                    mode = rng.choice(["run", "run", "cancel", "deadline", "break"])
-                    tg.start_soon(client, rng.randint(1, 30), mode, rng.uniform(0.001, 0.05))
-                    if rng.random() < 0.3:
-                        await anyio.sleep(rng.uniform(0, 0.005))
+            async with anyio.create_task_group() as outer:
+                outer.start_soon(poll)
+                async with anyio.create_task_group() as tg:
+                    for _ in range(200):
+                        mode = rng.choice(["run", "run", "cancel", "deadline", "break"])
+                        tg.start_soon(client, rng.randint(1, 30), mode, rng.uniform(0.001, 0.05))
+                        if rng.random() < 0.3:
+                            await anyio.sleep(rng.uniform(0, 0.005))
+                outer.cancel_scope.cancel()
             while h.stats().rows_in_flight:
                 await anyio.sleep(0.01)
         stats = h.stats()
@@ -272,6 +325,9 @@ async def test_200_random_concurrent_requests_with_random_cancellations_never_ha
     assert outcomes["ok"] > 0 and outcomes["cancelled"] + outcomes["broken"] > 0
     assert stats.completed + stats.cancelled + stats.expired == 200
     assert all(backend.active(state) == 0 for state in backend.states)
+    assert snapshots and all(0 <= s.running <= 16 and s.queued >= 0 and s.queued + s.running == s.rows_in_flight
+                             for s in snapshots)
+    assert getattr(backend, "most_running", 16) <= 16
 
 
 class FeedLog(Collect):

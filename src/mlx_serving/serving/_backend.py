@@ -56,9 +56,12 @@ class IterativeBackend(Protocol[State]):
     - ``active(state)``: rows admitted and not finished.
     - optional ``waiting(state) -> int``: the backend has its own scheduler: it accepts rows it
       cannot start yet, orders them by its own policy and reports here how many it holds unstarted
-      (read from any thread: a plain counter). The serving then hands it every queued row instead
-      of ``free_slots`` at a time (one queue, the backend's), and counts these rows as queued
-      (``max_queue``, ``ServingStats.queued``).
+      (called on the partition's thread). Its ``active`` counts the rows it holds, started or not,
+      and ``free_slots`` of an idle state (nothing active) is the most rows it runs at once. When
+      that is at most ``batch_size`` the serving hands it every queued row (one queue, the
+      backend's); otherwise it holds it to ``batch_size`` rows, started or not, so ``batch_size``
+      bounds the rows running. Handed rows not started count as queued (``max_queue``,
+      ``ServingStats.queued``). See ``serving._admission``.
     - optional ``stats(state) -> Mapping[str, float]``: the backend's own counters, reported in
       ``ServingStats.backend`` (summed over partitions). Called from any thread: read plain
       counters only (also after ``close``).

@@ -3,18 +3,14 @@
 Rows wait in one FIFO. A partition with no active rows waits for the first arrival, then keeps
 an admission window open for ``batch_timeout`` seconds (or until enough rows wait to fill it) so
 that arrivals in the window are admitted together. While rows are active the partition loops:
-cancel withdrawn rows, admit up to ``min(batch_size - active, free_slots)`` waiting rows, expire
-rows past their deadline, run one step, deliver each row's events to its caller.
+cancel withdrawn rows, admit waiting rows, expire rows past their deadline, run one step, deliver
+each row's events to its caller.
 
-A backend with its own scheduler (an optional ``waiting(state)``: it queues the rows it cannot
-start yet and orders them by its own policy, as the text-generation engine does) is handed the
-queue instead: each iteration a partition takes every waiting row (with several partitions its
-share, ``ceil(queued / partitions)``, or what it can start now if more), so there is one queue,
-the backend's (``ServingStats.queued`` / ``running`` then split by its ``waiting`` count, which
-can lag a row's hand-off or cancellation by one step). That holds while the backend can start no more rows than ``batch_size`` leaves
-(the text-generation default, ``batch_size`` = ``max_batch``); a smaller ``batch_size`` falls back
-to admitting ``min(batch_size - active, free_slots)`` rows at a time. Its waiting rows still count as queued for ``max_queue`` and the stats, and the
-serving keeps deadlines and cancellation for them.
+How many waiting rows a partition takes, and how the rows handed to the backend split into queued
+and running, is the admission strategy's (``_admission``, chosen once here): the serving's FIFO,
+``min(batch_size - active, free_slots)`` rows at a time, for a plain backend; the backend's own
+queue for one with ``waiting(state)`` (the text-generation engine), whose handed rows still count
+as queued for ``max_queue`` and the stats, and whose deadlines and cancellation the serving keeps.
 """
 
 from __future__ import annotations
@@ -29,7 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._backend import IterativeBackend, QueueingBackend, is_queueing
+from ._admission import Partition, Row, admission_for, plain_quota
+from ._backend import IterativeBackend
 from ._batch import Batch
 from ._channel import Waker, wake
 from ._counters import Counters, too_big
@@ -43,24 +40,6 @@ _log = logging.getLogger("mlx_serving.serving")
 S = TypeVar("S")  # an iterative backend's state
 
 
-class _Row:
-    __slots__ = ("request", "index", "payload", "id", "partition", "done")
-
-    def __init__(self, request: Request, index: int, payload: Any, row_id: int):
-        self.request, self.index, self.payload, self.id = request, index, payload, row_id
-        self.partition: _Partition | None = None
-        self.done = False
-
-
-class _Partition:
-    __slots__ = ("index", "state", "active", "to_cancel")
-
-    def __init__(self, index: int, state: Any):
-        self.index, self.state = index, state
-        self.active: dict[int, _Row] = {}
-        self.to_cancel: list[int] = []
-
-
 class IterativeScheduler:
     """Continuous-batching scheduler (see module docstring); one step loop per partition."""
 
@@ -68,17 +47,16 @@ class IterativeScheduler:
                  telemetry: Callable[[TelemetryEvent], None] | None):
         self._backend, self._opts, self._batch_size = backend, options, batch_size
         self._telemetry = telemetry
-        self._parts = [_Partition(i, s) for i, s in enumerate(states)]
+        self._parts = [Partition(i, s) for i, s in enumerate(states)]
+        self._admission = admission_for(backend, batch_size, self._parts)
         self._cond = threading.Condition(threading.RLock())
         self.orphans: deque[Request] = deque()
-        self._waiting: deque[_Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
+        self._waiting: deque[Row] = deque()  # may hold withdrawn rows (done=True), skipped on take
         self._deadlines: list[tuple[float, int, Request]] = []
         self._ids = itertools.count()
         self._stopping = False
         self._aborting = False
         self._c = Counters()
-        # the backend when it orders its own queue (it has ``waiting``), else None
-        self._queueing: QueueingBackend | None = backend if is_queueing(backend) else None
 
     def bind_state(self, index: int, state: object) -> None:
         """Set partition ``index``'s backend state (inline runs initialize it lazily)."""
@@ -94,12 +72,12 @@ class IterativeScheduler:
                 raise ServingStopped("the serving is stopped")
             max_queue = self._opts.max_queue
             too_big(len(payloads), max_queue, self._c)
-            queued = self._c.queued + self._backend_waiting()
+            queued = self._c.queued + self._admission.waiting()
             if max_queue is not None and queued + len(payloads) > max_queue:
                 self._c.rejected += 1
                 raise ServingOverloaded(f"{queued} rows queued; max_queue is {max_queue}")
             request.owner = self
-            request.rows = [_Row(request, i, p, next(self._ids)) for i, p in enumerate(payloads)]
+            request.rows = [Row(request, i, p, next(self._ids)) for i, p in enumerate(payloads)]
             self._waiting.extend(request.rows)
             self._c.queued += len(payloads)
             if request.deadline is not None:
@@ -129,7 +107,7 @@ class IterativeScheduler:
             if request.rows_left == 0 and request.channel.close():
                 self._c.completed += 1
 
-    def _drop(self, rows: list[_Row]) -> None:
+    def _drop(self, rows: list[Row]) -> None:
         for row in rows:
             if row.done:
                 continue
@@ -140,22 +118,15 @@ class IterativeScheduler:
                 del row.partition.active[row.id]
                 row.partition.to_cancel.append(row.id)
                 self._c.running -= 1
+                self._admission.withdrawn(row.partition, row)
         self._cond.notify_all()
 
     def stats(self) -> ServingStats:
         with self._cond:
             snapshot = self._c.snapshot()
-            waiting = self._backend_waiting()
+            waiting = self._admission.waiting()
         return replace(snapshot, queued=snapshot.queued + waiting, running=snapshot.running - waiting,
                        backend=add_backend_stats(self._backend, [p.state for p in self._parts]))
-
-    def _backend_waiting(self) -> int:
-        """Rows a queueing backend holds and has not started, over every partition (0 for others).
-        Its ``waiting(state)`` reads a plain counter: safe from any thread."""
-        queueing = self._queueing
-        if queueing is None:
-            return 0
-        return sum(queueing.waiting(p.state) for p in self._parts if p.state is not None)
 
     def add_counts_to(self, total: Counters) -> None:
         """Add this scheduler's counters into ``total`` (the inline runtime's sum)."""
@@ -195,29 +166,28 @@ class IterativeScheduler:
         """After partition ``index``'s step loop ended, on its executor thread: :func:`close_state`."""
         close_state(self._backend, self._parts[index].state)
 
-    def _iteration(self, part: _Partition, drain: bool) -> bool:
+    def _iteration(self, part: Partition, drain: bool) -> bool:
         """Cancel, admit, expire, step once. False when the loop should end."""
         backend = self._backend
         reap(self.orphans)
         self._apply_cancels(part)
-        active = backend.active(part.state)
-        free = backend.free_slots(part.state)
-        room = min(self._batch_size - active, free)
-        hand_off = self._queueing is not None and free <= self._batch_size - self._running(part)  # within batch_size
-        rows = self._take(part, active, max(room, 1) if active == 0 else room, drain, free if hand_off else None)
+        rows = self._take(part, backend.active(part.state), backend.free_slots(part.state), drain)
         if rows is None:
             return False
         start = time.perf_counter()
         if rows:
             self._admit(part, rows)
+            with self._cond:
+                self._admission.sync(part)
         self._expire(time.monotonic())
         self._apply_cancels(part)
         if backend.active(part.state) > 0:
             self._step(part)
-        emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, self._running(part), part.index))
+        rows_run = self._admission.running(part)
+        emit(self._telemetry, TelemetryEvent("step", time.perf_counter() - start, rows_run, part.index))
         return True
 
-    def _recover(self, part: _Partition, cause: BaseException) -> None:
+    def _recover(self, part: Partition, cause: BaseException) -> None:
         """Fail the partition's active rows (or, if none, the next waiting request) with ``cause``."""
         with self._cond:
             requests = [r.request for r in part.active.values()]
@@ -230,25 +200,24 @@ class IterativeScheduler:
         except BaseException:
             _log.exception("IterativeBackend.cancel failed while recovering from %r", cause)
 
-    def _apply_cancels(self, part: _Partition) -> None:
+    def _apply_cancels(self, part: Partition) -> None:
         with self._cond:
             ids, part.to_cancel = part.to_cancel, []
         if ids:
             self._backend.cancel(part.state, ids)
+            with self._cond:
+                self._admission.sync(part)
 
-    def _take(self, part: _Partition, active: int, room: int, drain: bool, free: int | None) -> list[_Row] | None:
-        """Waiting rows to admit now ([] to just step); None when the loop should end. ``room``:
-        the window's target and the count taken, unless ``free`` is given (a queueing backend that
-        starts at most ``free`` rows now, within ``batch_size``): then its share of the queue, at
-        least ``free``."""
+    def _take(self, part: Partition, active: int, free: int, drain: bool) -> list[Row] | None:
+        """Waiting rows to hand to ``part`` now, as many as the admission strategy's quota ([] to
+        just step); None when the loop should end. ``active`` / ``free``: its backend's counts."""
         with self._cond:
             if active == 0 and not part.to_cancel:
-                if not self._wait_window(part, room, drain):
+                if not self._wait_window(part, plain_quota(self._batch_size, 0, free), drain):
                     return None
-            if free is not None:
-                room = max(free, -(-self._c.queued // len(self._parts)))
-            rows: list[_Row] = []
-            while self._waiting and len(rows) < room:
+            quota = self._admission.quota(part, active, free, self._c.queued)
+            rows: list[Row] = []
+            while self._waiting and len(rows) < quota:
                 row = self._waiting.popleft()
                 if row.done:
                     continue
@@ -257,9 +226,10 @@ class IterativeScheduler:
                 rows.append(row)
             self._c.queued -= len(rows)
             self._c.running += len(rows)
+            self._admission.taken(part, len(rows))
             return rows
 
-    def _wait_window(self, part: _Partition, room: int, drain: bool) -> bool:
+    def _wait_window(self, part: Partition, room: int, drain: bool) -> bool:
         """Idle: wait for a first arrival, then the batch_timeout window. False: end the loop."""
         while True:
             while self._c.queued == 0:
@@ -280,7 +250,7 @@ class IterativeScheduler:
             if self._c.queued:
                 return True
 
-    def _admit(self, part: _Partition, rows: list[_Row]) -> None:
+    def _admit(self, part: Partition, rows: list[Row]) -> None:
         """Admit ``rows``. If the backend raises for a group, undo it (``cancel``) and admit the
         rows one by one, so the error fails only the row that caused it."""
         try:
@@ -296,7 +266,7 @@ class IterativeScheduler:
             return
         self._reject(part, rejected)
 
-    def _reject(self, part: _Partition, rejected: list[tuple[int, BaseException]]) -> None:
+    def _reject(self, part: Partition, rejected: list[tuple[int, BaseException]]) -> None:
         """Rows the backend can never fit: each fails its own request with the backend's error."""
         for row_id, error in rejected:
             with self._cond:
@@ -305,6 +275,7 @@ class IterativeScheduler:
                     continue
                 row.done = True
                 self._c.running -= 1
+                self._admission.withdrawn(part, row)
                 if row.request.channel.close(error):
                     self._c.rejected += 1
                     self._drop(row.request.rows)
@@ -317,7 +288,7 @@ class IterativeScheduler:
         for request in expired:
             request.expire()
 
-    def _step(self, part: _Partition) -> None:
+    def _step(self, part: Partition) -> None:
         try:
             events = self._backend.step(part.state)
         except BaseException as exc:
@@ -330,15 +301,17 @@ class IterativeScheduler:
         finally:
             wake(wakers)
 
-    def _deliver(self, part: _Partition, events: list[tuple[int, Any, bool]], wakers: list[Waker]) -> None:
+    def _deliver(self, part: Partition, events: list[tuple[int, Any, bool]], wakers: list[Waker]) -> None:
         """Put each event on its row's channel; end done rows (lock held)."""
         self._c.steps_run += 1
-        self._c.fill_sum += self._running(part) / self._batch_size
+        self._admission.sync(part)
+        self._c.fill_sum += self._admission.running(part) / self._batch_size
         active = part.active
         for row_id, event, done in events:
             row = active.get(row_id)
             if row is None:
                 continue
+            row.stepped = True
             request = row.request
             request.channel.put(RowEvent(row.index, event), wakers)
             if done:
@@ -349,12 +322,7 @@ class IterativeScheduler:
                 if request.rows_left == 0 and request.channel.close(deferred=wakers):
                     self._c.completed += 1
 
-    def _running(self, part: _Partition) -> int:
-        """Rows of the partition the backend has started (a queueing backend's waiting ones left out)."""
-        queueing = self._queueing
-        return len(part.active) - (queueing.waiting(part.state) if queueing is not None else 0)
-
-    def _fail_rows(self, part: _Partition, rows: list[_Row], cause: BaseException) -> None:
+    def _fail_rows(self, part: Partition, rows: list[Row], cause: BaseException) -> None:
         """A backend call raised: fail the requests of these rows, cancel what it still holds."""
         for request in {id(r.request): r.request for r in rows}.values():
             request.fail(_backend_error(cause))
