@@ -213,6 +213,8 @@ def _rows_named(param: str, fields: Mapping[str, str] | None = None) -> Iterator
     except RequestTooLarge as exc:
         raise APIError(400, str(exc), param=param) from None
     except InvalidInput as exc:
+        if fields is None:  # the caller maps it (embeddings: input_error)
+            raise
         raise from_exception(exc, fields) from None
 
 
