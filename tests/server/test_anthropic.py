@@ -58,7 +58,8 @@ def greedy(client: anthropic.Anthropic) -> anthropic.types.Message:
 
 def _tokenize(api: Server, messages: list[dict]) -> int:
     """The chat route's prompt tokens for OpenAI-shaped ``messages``."""
-    response = httpx.post(f"{api.url}/tokenize", json={"messages": messages}, headers={"authorization": f"Bearer {KEY}"})
+    response = httpx.post(f"{api.url}/tokenize", json={"messages": messages},
+                          headers={"authorization": f"Bearer {KEY}"})
     return response.json()["count"]
 
 

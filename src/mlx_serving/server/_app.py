@@ -6,10 +6,10 @@ the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), s
 on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
 /v1/responses`` (:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's
-Messages API, :mod:`._anthropic`), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``,
-``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and methods included, has
-OpenAI's shape (the Messages API's: Anthropic's); every response carries ``x-request-id`` (the request's own, or a new one); CORS
-answers only for ``allowed_origins``.
+Messages API, :mod:`._anthropic`), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /health``, ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and
+methods included, has OpenAI's shape (the Messages API's: Anthropic's); every response carries
+``x-request-id`` (the request's own, or a new one); CORS answers only for ``allowed_origins``.
 """
 
 from __future__ import annotations
@@ -121,9 +121,10 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     that mapping, called on a thread when the app starts (``/health`` answers 503 "loading" until it
     returns; the app closes those clients at shutdown; if it raises, ``/health`` answers 503
     "failed" and ``on_load_error(exc)`` is called). ``api_key``: when set, ``/v1/*`` needs
-    ``Authorization: Bearer <api_key>`` (401 otherwise; ``/v1/messages`` takes ``x-api-key: <api_key>`` too). ``request_timeout``: the deadline in
-    seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
-    ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
+    ``Authorization: Bearer <api_key>`` (401 otherwise; ``/v1/messages`` takes ``x-api-key: <api_key>``
+    too). ``request_timeout``: the deadline in seconds of a request that gives none (504 past it;
+    None: no deadline). ``stuck_after``: ``/health`` answers 503 "stuck" when a model holds rows
+    without progress for this long.
     ``max_body_bytes``: larger request bodies are refused with 413 before they are read whole.
     ``allowed_origins``: origins (``https://host:port``, or ``*``) a browser may call the API from
     (CORS; none by default: cross-origin pages get no CORS headers). ``shutdown_grace``: seconds
@@ -323,17 +324,19 @@ def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, req
         arrival = time.perf_counter()
         turn = _anthropic.turn(await _body(request))
         name, model = served.pick(turn.prompt.model, "generate")
-        record = _Recorder(metrics, name, turn.call, arrival)
         client = model.client
-        if turn.call.stream:
-            counted = model.tokenizer is not None
-            tokens = await anyio.to_thread.run_sync(_anthropic.count_tokens, turn.prompt, model.tokenizer) if counted else 0
+        if turn.call.stream:  # message_start carries the prompt's tokens: counted first (0 with no tokenizer)
+            tokens = 0 if model.tokenizer is None else await anyio.to_thread.run_sync(
+                _anthropic.count_tokens, turn.prompt, model.tokenizer)
+            record = _Recorder(metrics, name, turn.call, arrival)
             stream = await client.stream_async(turn.call.input, deadline=request_timeout)
             # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
             return EventSourceResponse(_anthropic.events(stream, name, turn.stop_sequences, tokens, record, drain),
                                        sep="\n", shutdown_event=drain,  # type: ignore[arg-type]
                                        shutdown_grace_period=drain.grace + 1)
-        result = await _unless_disconnected(request, lambda: client.run_async(turn.call.input, deadline=request_timeout))
+        record = _Recorder(metrics, name, turn.call, arrival)
+        result = await _unless_disconnected(request, lambda: client.run_async(turn.call.input,
+                                                                              deadline=request_timeout))
         if result is _GONE:
             record.aborted()
             return Response(status_code=499)

@@ -10,8 +10,8 @@ become chat tools; ``tool_choice`` auto / any / tool / none map to the chat rout
 ``max_new_tokens``, ``stop_sequences`` -> ``stop`` (kept in the output, so that the reply can say
 which one matched: :mod:`._output` cuts it), ``thinking`` -> ``enable_thinking`` (enabled: true,
 disabled: false, adaptive: the template's default), ``output_config.format`` -> a ``json_schema``
-``response_format``; sampling fields keep their names. Image and document blocks, and a final assistant message (a prefill), are
-refused with APIError 400 naming the block.
+``response_format``; sampling fields keep their names. Image and document blocks, and a final
+assistant message (a prefill), are refused with APIError 400 naming the block.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def turn(body: Json) -> Turn:
     if mapped.enable_thinking is not None:
         spec["enable_thinking"] = mapped.enable_thinking
     if request.output_config is not None and request.output_config.format is not None:
-        spec["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
-                                                                          "schema": request.output_config.format.schema}}
+        schema = request.output_config.format.schema
+        spec["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     for key in ("temperature", "top_p", "top_k"):
         if getattr(request, key) is not None:
             spec[key] = getattr(request, key)
