@@ -5,10 +5,11 @@ Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``Serv
 the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it never branches
 on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
 /v1/responses`` (:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``,
-``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and methods included, has
-OpenAI's shape; every response carries ``x-request-id`` (the request's own, or a new one); CORS
-answers only for ``allowed_origins``.
+``GET /v1/models/{id}``, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's
+Messages API, :mod:`._anthropic`), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /health``, ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and
+methods included, has OpenAI's shape (the Messages API's: Anthropic's); every response carries
+``x-request-id`` (the request's own, or a new one); CORS answers only for ``allowed_origins``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..serving import AsyncStream, Client, InvalidInput, RequestTooLarge, ServingError, ServingStats
 from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
+from . import _anthropic
 from ._embeddings import embedding_call, embedding_response, input_error
 from ._errors import RETRY_AFTER_S, APIError, from_exception
 from ._metrics import Metrics
@@ -119,9 +121,10 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     that mapping, called on a thread when the app starts (``/health`` answers 503 "loading" until it
     returns; the app closes those clients at shutdown; if it raises, ``/health`` answers 503
     "failed" and ``on_load_error(exc)`` is called). ``api_key``: when set, ``/v1/*`` needs
-    ``Authorization: Bearer <api_key>`` (401 otherwise). ``request_timeout``: the deadline in
-    seconds of a request that gives none (504 past it; None: no deadline). ``stuck_after``:
-    ``/health`` answers 503 "stuck" when a model holds rows without progress for this long.
+    ``Authorization: Bearer <api_key>`` (401 otherwise; ``/v1/messages`` takes ``x-api-key: <api_key>``
+    too). ``request_timeout``: the deadline in seconds of a request that gives none (504 past it;
+    None: no deadline). ``stuck_after``: ``/health`` answers 503 "stuck" when a model holds rows
+    without progress for this long.
     ``max_body_bytes``: larger request bodies are refused with 413 before they are read whole.
     ``allowed_origins``: origins (``https://host:port``, or ``*``) a browser may call the API from
     (CORS; none by default: cross-origin pages get no CORS headers). ``shutdown_grace``: seconds
@@ -167,6 +170,7 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     _error_handlers(app)
     app.state.client_timeout = client_timeout
     app.include_router(_v1_router(served, metrics, api_key, request_timeout, drain))
+    app.include_router(_messages_router(served, metrics, api_key, request_timeout, drain))
     app.include_router(_token_router(served, api_key))
     _add_service_routes(app, served, metrics)
     _add_middleware(app, allowed_origins)
@@ -239,14 +243,21 @@ def _error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
 
 
-def _auth(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+def _auth(api_key: str | None, header: str | None = None) -> Callable[[Request], Awaitable[None]]:
+    """The API key check: ``Authorization: Bearer <key>``, or ``<header>: <key>`` when given."""
+    how = "'Authorization: Bearer <key>'" + (f" or '{header}: <key>'" if header else "")
+
     async def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                           "authentication_error", code="invalid_api_key")
+        if scheme.lower() != "bearer" and header is not None:
+            token = request.headers.get(header, "")
+        elif scheme.lower() != "bearer":
+            token = ""
+        if not token or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, f"a valid API key is required: send {how}", "authentication_error",
+                           code="invalid_api_key")
     return check
 
 
@@ -305,6 +316,47 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     async def retrieve_model(model_id: str) -> Response:
         name, model = served.pick(model_id)
         return JSONResponse(model_object(name, model, served.created))
+
+    return router
+
+
+def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None,
+                     drain: Drain) -> APIRouter:
+    """Anthropic's Messages API (:mod:`._anthropic`): ``POST /v1/messages`` and ``POST
+    /v1/messages/count_tokens``, errors in Anthropic's shape, the key as ``x-api-key`` or Bearer."""
+    router = APIRouter(prefix="/v1", route_class=_anthropic.AnthropicRoute,
+                       dependencies=[Depends(_auth(api_key, "x-api-key"))])
+
+    @router.post("/messages")
+    async def create_message(request: Request) -> Response:
+        arrival = time.perf_counter()
+        turn = _anthropic.turn(await _body(request))
+        name, model = served.pick(turn.prompt.model, "generate")
+        client = model.client
+        if turn.call.stream:  # message_start carries the prompt's tokens: counted first (0 with no tokenizer)
+            tokens = 0 if model.tokenizer is None else await anyio.to_thread.run_sync(
+                _anthropic.count_tokens, turn.prompt, model.tokenizer)
+            record = _Recorder(metrics, name, turn.call, arrival)
+            stream = await client.stream_async(turn.call.input, deadline=request_timeout)
+            # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
+            return EventSourceResponse(_anthropic.events(stream, name, turn.stop_sequences, tokens, record, drain),
+                                       sep="\n", shutdown_event=drain,  # type: ignore[arg-type]
+                                       shutdown_grace_period=drain.grace + 1)
+        record = _Recorder(metrics, name, turn.call, arrival)
+        result = await _unless_disconnected(request, lambda: client.run_async(turn.call.input,
+                                                                              deadline=request_timeout))
+        if result is _GONE:
+            record.aborted()
+            return Response(status_code=499)
+        record.result(result)
+        return JSONResponse(_anthropic.message(result, name, turn.stop_sequences))
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        prompt = _anthropic.prompt(await _body(request))
+        _, model = served.pick(prompt.model, "generate")
+        return JSONResponse({"input_tokens": await anyio.to_thread.run_sync(_anthropic.count_tokens, prompt,
+                                                                            model.tokenizer)})
 
     return router
 
