@@ -3,8 +3,10 @@
 Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...), or a
 :class:`~._models.ServedModel` holding one with its context length and tokenizer; the app uses only
 the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it never branches
-on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
-/v1/responses`` (:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
+on which client it holds; a model may also be a :class:`~._models.Lazy`, loaded at its first request
+and unloaded once idle (:mod:`._registry`: every route gets its model from ``await served.pick``).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``, ``GET /health``,
 ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and methods included, has
 OpenAI's shape; every response carries ``x-request-id`` (the request's own, or a new one); CORS
