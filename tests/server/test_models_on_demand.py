@@ -194,6 +194,16 @@ def test_a_failing_load_names_the_model_and_spares_the_others(tiny_ckpt: Path):
         assert _count(url, "model_loads_total", "broken", outcome="failed") == 2
 
 
+def test_models_given_loaded_stay_loaded_beside_lazy_ones(tiny_ckpt: Path, tiny_serving: Serving):
+    lazy = Factory(tiny_ckpt)
+    with Serving.start(tiny_serving) as handle:
+        with serve(create_app({"given": handle, "lazy": Lazy(lazy)}, max_loaded_models=2, keep_alive=0)) as url:
+            assert _statuses(url) == {"given": "loaded", "lazy": "unloaded"}
+            assert _chat(url, "lazy") == "lazy" and _chat(url, "given", keep_alive=0) == "given"
+            wait_for(lambda: _statuses(url) == {"given": "loaded", "lazy": "unloaded"}, what="lazy to unload")
+        assert not _closed(handle)  # the caller's to close
+
+
 def test_serve_with_a_cap_below_the_models_loads_them_on_demand(tiny_ckpt: Path):
     with serve_process(tiny_ckpt, "--model", str(tiny_ckpt), "--served-model-name", "a", "--served-model-name", "b",
                        "--max-loaded-models", "1", "--max-len", "320", "--log-level", "warning") as (url, _):
