@@ -6,8 +6,8 @@ through a ``ServingPool`` of that many worker processes: the app holds either as
 checkpoint that ships sentence-transformers' pooling files (or a GGUF file that declares llama.cpp's
 ``pooling_type``) is served as a text-embedding model (``/v1/embeddings``), any other as a
 text-generation one; ``--model A --model B`` serves both side by side, each under its
-``--served-model-name``. With ``--load-on-demand`` (implied by a ``--keep-alive`` other than never, or by a
-``--max-loaded-models`` below the number of models) each model loads at its first request instead.
+``--served-model-name``. With ``--load-on-demand`` (implied by a ``--keep-alive`` other than never,
+or by a ``--max-loaded-models`` below the number of models) each model loads at its first request.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help="most inputs per forward of an embedding model (per worker) (default: 32, or --max-queue "
                         "when smaller)")
     p.add_argument("--load-on-demand", action="store_true",
-                   help="load each model at its first request, not at start (implied by a --keep-alive other than never, or by a "
-                        "--max-loaded-models below the number of models)")
+                   help="load each model at its first request, not at start (implied by a --keep-alive other "
+                        "than never, or by a --max-loaded-models below the number of models)")
     p.add_argument("--keep-alive", type=_keep_alive, default=None, metavar="DURATION",
                    help="how long a model loaded on demand stays loaded once idle: seconds or a duration (30s, 5m, "
                         "1h30m); -1 or never: until evicted (default); a request's keep_alive field overrides it")
