@@ -3,18 +3,19 @@
 import FastAPI (``create_app`` imports it on first use).
 
 ``create_app(models, *, api_key=None, request_timeout=None, stuck_after=60.0, allowed_origins=(),
-shutdown_grace=10.0, client_timeout=30.0)`` builds the ASGI app over ``{name: Client or ServedModel}``
-(docs/server.md); ``client_timeout_protocol(seconds)`` is uvicorn's HTTP protocol with a deadline on
+shutdown_grace=10.0, client_timeout=30.0, keep_alive=None, max_loaded_models=None, load_wait=600.0)``
+builds the ASGI app over ``{name: Client or ServedModel or Lazy}`` (docs/server.md; a ``Lazy`` is a
+model loaded at its first request and unloaded once idle past its keep-alive); ``client_timeout_protocol(seconds)`` is uvicorn's HTTP protocol with a deadline on
 each request head (uvicorn imported on first use); ``draining_server(config, app)`` is uvicorn's
 server giving the app's whole (non-streamed) responses the shutdown grace too; ``ServedModel`` (a client with its context
-length and tokenizer) is importable without FastAPI.
+length and tokenizer) and ``Lazy`` are importable without FastAPI.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._models import ServedModel
+from ._models import Lazy, ServedModel
 
 if TYPE_CHECKING:
     import asyncio
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
     from ._app import create_app  # its signature, for the type checker; at run time, the wrapper below
 
-__all__ = ["ServedModel", "client_timeout_protocol", "create_app", "draining_server"]
+__all__ = ["Lazy", "ServedModel", "client_timeout_protocol", "create_app", "draining_server"]
 
 
 if not TYPE_CHECKING:

@@ -3,8 +3,10 @@
 Each model is a :class:`~mlx_serving.serving.Client` (a started handle, a ``ServingPool``, ...), or a
 :class:`~._models.ServedModel` holding one with its context length and tokenizer; the app uses only
 the contract's verbs (``run_async``, ``stream_async``, ``stats``, ``aclose``), so it never branches
-on which client it holds. Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
-/v1/responses`` (:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
+on which client it holds; a model may also be a :class:`~._models.Lazy`, loaded at its first request
+and unloaded once idle (:mod:`._registry`: every route gets its model from ``await served.pick``).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``
+(:mod:`._responses_api`), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's
 Messages API, :mod:`._anthropic`), ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
 ``GET /health``, ``GET /metrics``, ``GET /`` (the chat page). Every error, unknown routes and
@@ -18,7 +20,6 @@ import json
 import logging
 import math
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -35,13 +36,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.middleware.cors import CORSMiddleware
 
-from ..serving import AsyncStream, Client, InvalidInput, RequestTooLarge, ServingError, ServingStats
-from ..serving._progress import Progress  # the stuck rule the Ray deployment's health check uses too
+from ..serving import AsyncStream, InvalidInput, RequestTooLarge, ServingError
 from . import _anthropic
 from ._embeddings import embedding_call, embedding_response, input_error
 from ._errors import RETRY_AFTER_S, APIError, from_exception
 from ._metrics import Metrics
-from ._models import ServedModel, Task, detokenize, model_object, tokenize
+from ._keep_alive import NEVER
+from ._models import detokenize, tokenize
+from ._registry import LeaseScope, Loader, ModelRegistry, Models
 from ._requests import Call, chat_call, completion_call, messages_of
 from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
 from ._responses_api import ResponsesAPI
@@ -56,68 +58,16 @@ _log = logging.getLogger("mlx_serving.server")
 #: refuses prompts that cannot fit before tokenizing them), far below what would strain memory.
 MAX_BODY_BYTES = 32 << 20
 
-Models = Mapping[str, Client | ServedModel]
-Loader = Callable[[], Models]
-
-
-class _Served:
-    """The served models and their loading state (``loading`` -> ``ready`` or ``failed``)."""
-
-    def __init__(self, stuck_after: float) -> None:
-        self.status, self.error = "loading", ""
-        self.models: dict[str, ServedModel] = {}
-        self.owned = False
-        self.created = int(time.time())
-        self._stuck_after = stuck_after
-        self.progress: dict[str, Progress] = {}
-
-    def ready(self, models: Models, owned: bool) -> None:
-        if not models:
-            raise ValueError("no model to serve: give at least one {name: client}")
-        self.models = {name: m if isinstance(m, ServedModel) else ServedModel(m) for name, m in models.items()}
-        self.owned = owned
-        self.progress = {name: Progress(self._stuck_after) for name in models}
-        self.status = "ready"
-
-    def not_ready(self) -> dict[str, str]:
-        """``/health``'s body before ``ready``: the status and why (``detail``; ``error`` when failed)."""
-        if self.status == "failed":
-            return {"status": "failed", "detail": "loading the models failed; the server serves nothing",
-                    "error": self.error}
-        waited = time.time() - self.created
-        return {"status": "loading", "detail": f"the models are loading ({waited:.0f} s so far); retry later"}
-
-    def pick(self, model: Any, task: Task | None = None) -> tuple[str, ServedModel]:
-        """The model a request names (None: the first one, of ``task`` when given); APIError 404
-        for an unknown one, 400 naming ``model`` for one of another ``task``, 503 while loading."""
-        if self.status != "ready":
-            raise APIError(503, f"the server is {self.status}: no model is ready yet", "server_error",
-                           code=self.status, headers={"Retry-After": str(RETRY_AFTER_S)})
-        if model is None:
-            found = [(n, m) for n, m in self.models.items() if task is None or m.task == task]
-            name, chosen = found[0] if found else next(iter(self.models.items()))
-        elif isinstance(model, str) and model in self.models:
-            name, chosen = model, self.models[model]
-        else:
-            raise APIError(404, f"the model {model!r:.200} does not exist (served: {sorted(self.models)})",
-                           param="model", code="model_not_found")
-        if task is not None:
-            chosen.check_task(name, task)
-        return name, chosen
-
-    def stats(self) -> dict[str, ServingStats]:
-        """Every model's ``ServingStats`` (blocking for a pool: call off the event loop)."""
-        return {name: m.client.stats() for name, m in self.models.items()}
-
-
 def create_app(models: Models | Loader, *, api_key: str | None = None, request_timeout: float | None = None,
                stuck_after: float = 60.0, max_body_bytes: int = MAX_BODY_BYTES,
                on_load_error: Callable[[BaseException], None] | None = None,
                allowed_origins: tuple[str, ...] = (), shutdown_grace: float = 10.0,
-               client_timeout: float | None = 30.0) -> FastAPI:
+               client_timeout: float | None = 30.0, keep_alive: float | None = None,
+               max_loaded_models: int | None = None, load_wait: float = 600.0) -> FastAPI:
     """The server's ASGI app.
 
-    ``models``: ``{name: client or ServedModel}``, served as given (the caller closes them), or a function returning
+    ``models``: ``{name: client or ServedModel or Lazy}``, a client served as given (the caller closes
+    it), a ``Lazy`` loaded at its first request (docs/server.md, "Models on demand"), or a function returning
     that mapping, called on a thread when the app starts (``/health`` answers 503 "loading" until it
     returns; the app closes those clients at shutdown; if it raises, ``/health`` answers 503
     "failed" and ``on_load_error(exc)`` is called). ``api_key``: when set, ``/v1/*`` needs
@@ -132,36 +82,24 @@ def create_app(models: Models | Loader, *, api_key: str | None = None, request_t
     error event and ``[DONE]`` (run uvicorn with a ``timeout_graceful_shutdown`` above it).
     ``client_timeout``: seconds a client may take to send its request body (408 past it; None: no
     limit; idle connections and slow headers are :func:`~._timeouts.client_timeout_protocol`'s).
-    Raises ValueError for an empty mapping or a negative ``shutdown_grace``.
+    ``keep_alive``: seconds a ``Lazy`` model stays loaded once idle (None: until evicted; a request's
+    ``keep_alive`` field overrides it); ``max_loaded_models``: most models loaded at once (None: no
+    cap; past it the least recently used idle ``Lazy`` model is unloaded); ``load_wait``: seconds a
+    request waits for its model to load (503 + Retry-After past it).
+    Raises ValueError for an empty mapping, a negative ``shutdown_grace`` or ``keep_alive``, a
+    ``max_loaded_models`` below 1 or a ``load_wait`` not > 0.
     """
-    served = _Served(stuck_after)
+    served = ModelRegistry(stuck_after, NEVER if keep_alive is None else keep_alive, max_loaded_models, load_wait)
     drain = Drain(shutdown_grace)
-    loader = models if callable(models) else None
+    loader: Loader | None = models if callable(models) else None
     if not callable(models):
         served.ready(models, owned=False)
-    metrics = Metrics(served.stats)
-    loader_thread: list[threading.Thread] = []
-
-    def load(loader: Loader) -> None:
-        try:
-            served.ready(loader(), owned=True)
-        except BaseException as exc:  # noqa: BLE001 - reported through /health and the callback
-            served.status, served.error = "failed", f"{type(exc).__name__}: {exc}"
-            _log.error("loading the models failed: %s", served.error)
-            if on_load_error is not None:
-                on_load_error(exc)
+    metrics = Metrics(served.stats, served.lifecycle)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if loader is not None:
-            loader_thread.append(threading.Thread(target=load, args=(loader,), name="mlx-serving-load", daemon=True))
-            loader_thread[0].start()
-        yield
-        if loader_thread:
-            await anyio.to_thread.run_sync(loader_thread[0].join)
-        if served.owned:
-            for model in served.models.values():
-                await model.client.aclose()
+        async with served.running(loader, on_load_error):
+            yield
 
     app = FastAPI(title="mlx-serving", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   max_body_size=max_body_bytes)
@@ -187,6 +125,7 @@ def _add_middleware(app: FastAPI, allowed_origins: tuple[str, ...]) -> None:
         response.headers["x-request-id"] = rid
         return response
 
+    app.add_middleware(LeaseScope)  # a picked model stays loaded until its request ends
     if allowed_origins:
         app.add_middleware(_CORS, allow_origins=list(allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type", "x-request-id"],
@@ -261,7 +200,7 @@ def _auth(api_key: str | None, header: str | None = None) -> Callable[[Request],
     return check
 
 
-def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None,
+def _v1_router(served: ModelRegistry, metrics: Metrics, api_key: str | None, request_timeout: float | None,
                drain: Drain) -> APIRouter:
     """The ``/v1`` routes: chat, completions, responses, embeddings and models."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
@@ -269,9 +208,10 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
     async def complete(request: Request, kind: Kind) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, model = served.pick(body.get("model"), "generate")
-        client = model.client
+        keep_alive = body.pop("keep_alive", None)
         call = chat_call(body) if kind == "chat" else completion_call(body)
+        name, model = await served.pick(body.get("model"), "generate", keep_alive)
+        client = model.client
         deadline = call.deadline if call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, call, arrival)
         rows_field = "prompt" if call.prompts > 1 else "n"  # what made more rows than the queue holds
@@ -308,19 +248,18 @@ def _v1_router(served: _Served, metrics: Metrics, api_key: str | None, request_t
 
     @router.get("/models")
     async def list_models() -> Response:
-        served.pick(None)  # 503 while loading
-        data = [model_object(name, m, served.created) for name, m in served.models.items()]
-        return JSONResponse({"object": "list", "data": data})
+        served.check_ready()  # 503 while loading
+        return JSONResponse({"object": "list", "data": served.models()})
 
     @router.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        name, model = served.pick(model_id)
-        return JSONResponse(model_object(name, model, served.created))
+        served.check_ready()
+        return JSONResponse(served.describe(model_id))
 
     return router
 
 
-def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, request_timeout: float | None,
+def _messages_router(served: ModelRegistry, metrics: Metrics, api_key: str | None, request_timeout: float | None,
                      drain: Drain) -> APIRouter:
     """Anthropic's Messages API (:mod:`._anthropic`): ``POST /v1/messages`` and ``POST
     /v1/messages/count_tokens``, errors in Anthropic's shape, the key as ``x-api-key`` or Bearer."""
@@ -330,8 +269,10 @@ def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, req
     @router.post("/messages")
     async def create_message(request: Request) -> Response:
         arrival = time.perf_counter()
-        turn = _anthropic.turn(await _body(request))
-        name, model = served.pick(turn.prompt.model, "generate")
+        body = await _body(request)
+        keep_alive = body.pop("keep_alive", None)
+        turn = _anthropic.turn(body)
+        name, model = await served.pick(turn.prompt.model, "generate", keep_alive)
         client = model.client
         if turn.call.stream:  # message_start carries the prompt's tokens: counted first (0 with no tokenizer)
             tokens = 0 if model.tokenizer is None else await anyio.to_thread.run_sync(
@@ -344,7 +285,7 @@ def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, req
                                        shutdown_grace_period=drain.grace + 1)
         record = _Recorder(metrics, name, turn.call, arrival)
         result = await _unless_disconnected(request, lambda: client.run_async(turn.call.input,
-                                                                              deadline=request_timeout))
+                                                                              deadline=request_timeout), drain)
         if result is _GONE:
             record.aborted()
             return Response(status_code=499)
@@ -353,15 +294,17 @@ def _messages_router(served: _Served, metrics: Metrics, api_key: str | None, req
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
-        prompt = _anthropic.prompt(await _body(request))
-        _, model = served.pick(prompt.model, "generate")
+        body = await _body(request)
+        keep_alive = body.pop("keep_alive", None)
+        prompt = _anthropic.prompt(body)
+        _, model = await served.pick(prompt.model, "generate", keep_alive)
         return JSONResponse({"input_tokens": await anyio.to_thread.run_sync(_anthropic.count_tokens, prompt,
                                                                             model.tokenizer)})
 
     return router
 
 
-def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None,
+def _responses_routes(router: APIRouter, served: ModelRegistry, metrics: Metrics, request_timeout: float | None,
                       drain: Drain) -> None:
     """OpenAI's Responses API on ``router``: ``POST /responses``, ``GET`` / ``DELETE /responses/{id}``."""
     responses = ResponsesAPI()  # this app's stored responses (previous_response_id, GET /v1/responses/{id})
@@ -370,8 +313,9 @@ def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, requ
     async def create_response(request: Request) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, model = served.pick(body.get("model"), "generate")
+        keep_alive = body.pop("keep_alive", None)
         turn = responses.turn(body)
+        name, model = await served.pick(body.get("model"), "generate", keep_alive)
         deadline = turn.call.deadline if turn.call.deadline is not None else request_timeout
         record = _Recorder(metrics, name, turn.call, arrival)
         if turn.call.stream:
@@ -396,7 +340,7 @@ def _responses_routes(router: APIRouter, served: _Served, metrics: Metrics, requ
         return JSONResponse(responses.store.delete(response_id))
 
 
-def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, request_timeout: float | None,
+def _embeddings_route(router: APIRouter, served: ModelRegistry, metrics: Metrics, request_timeout: float | None,
                       drain: Drain) -> None:
     """``POST /embeddings`` on ``router`` (an embedding model's; :mod:`._embeddings`)."""
 
@@ -404,8 +348,9 @@ def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, requ
     async def embeddings(request: Request) -> Response:
         arrival = time.perf_counter()
         body = await _body(request)
-        name, model = served.pick(body.get("model"), "embed")
+        keep_alive = body.pop("keep_alive", None)
         call = embedding_call(body)
+        name, model = await served.pick(body.get("model"), "embed", keep_alive)
         try:
             with _rows_named("input"):
                 result = await _unless_disconnected(
@@ -418,38 +363,38 @@ def _embeddings_route(router: APIRouter, served: _Served, metrics: Metrics, requ
         return JSONResponse(embedding_response(result, name, call.encoding_format))
 
 
-def _token_router(served: _Served, api_key: str | None) -> APIRouter:
+def _token_router(served: ModelRegistry, api_key: str | None) -> APIRouter:
     """vLLM's ``/tokenize`` and ``/detokenize`` (behind the API key, as ``/v1``)."""
     router = APIRouter(dependencies=[Depends(_auth(api_key))])
 
     @router.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
         body = await _body(request)
-        name, model = served.pick(body.get("model"))
+        name, model = await served.pick(body.get("model"))
         messages = messages_of(body) if "messages" in body else None
         return JSONResponse(await anyio.to_thread.run_sync(tokenize, body, name, model, messages))
 
     @router.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
         body = await _body(request)
-        name, model = served.pick(body.get("model"))
+        name, model = await served.pick(body.get("model"))
         return JSONResponse(await anyio.to_thread.run_sync(detokenize, body, name, model))
 
     return router
 
 
-def _add_service_routes(app: FastAPI, served: _Served, metrics: Metrics) -> None:
+def _add_service_routes(app: FastAPI, served: ModelRegistry, metrics: Metrics) -> None:
     @app.get("/health")
     async def health() -> Response:
         if served.status != "ready":
             return JSONResponse(served.not_ready(), 503, {"Retry-After": str(RETRY_AFTER_S)})
         stats = await anyio.to_thread.run_sync(served.stats)
-        for name, s in stats.items():
-            idle = served.progress[name].stuck_for(s)
-            if idle is not None:
-                return JSONResponse({"status": "stuck", "model": name,
-                                     "detail": f"{s.rows_in_flight} rows in flight and no progress for {idle:.1f} s"},
-                                    503)
+        stuck = served.stuck(stats)
+        if stuck is not None:
+            name, idle = stuck
+            return JSONResponse({"status": "stuck", "model": name,
+                                 "detail": f"{stats[name].rows_in_flight} rows in flight and no progress for "
+                                           f"{idle:.1f} s"}, 503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")

@@ -6,7 +6,8 @@ through a ``ServingPool`` of that many worker processes: the app holds either as
 checkpoint that ships sentence-transformers' pooling files (or a GGUF file that declares llama.cpp's
 ``pooling_type``) is served as a text-embedding model (``/v1/embeddings``), any other as a
 text-generation one; ``--model A --model B`` serves both side by side, each under its
-``--served-model-name``.
+``--served-model-name``. With ``--load-on-demand`` (implied by a ``--keep-alive`` other than never,
+or by a ``--max-loaded-models`` below the number of models) each model loads at its first request.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._keep_alive import NEVER, parse_keep_alive
+
 if TYPE_CHECKING:
     from ..serving import Client, Serving
     from ..tokenization import Tokenizer
-    from ._models import ServedModel
+    from ._models import Lazy, ServedModel
 
 __all__ = ["API_KEY_ENV", "add_engine_arguments", "add_parser", "engine_options", "run"]
 
@@ -57,6 +60,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
     p.add_argument("--embedding-batch", type=int, default=None, metavar="N",
                    help="most inputs per forward of an embedding model (per worker) (default: 32, or --max-queue "
                         "when smaller)")
+    p.add_argument("--load-on-demand", action="store_true",
+                   help="load each model at its first request, not at start (implied by a --keep-alive other "
+                        "than never, or by a --max-loaded-models below the number of models)")
+    p.add_argument("--keep-alive", type=_keep_alive, default=None, metavar="DURATION",
+                   help="how long a model loaded on demand stays loaded once idle: seconds or a duration (30s, 5m, "
+                        "1h30m); -1 or never: until evicted (default); a request's keep_alive field overrides it")
+    p.add_argument("--max-loaded-models", type=_at_least_one, default=None, metavar="N",
+                   help="most models loaded at once; past it the least recently used idle one is unloaded "
+                        "(default: all of them)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--workers", type=int, default=1,
@@ -201,10 +213,15 @@ def run(args: argparse.Namespace) -> int:
         server[0].should_exit = True
 
     embedding = _embedding_options(args)
-    app = create_app(functools.partial(_load, models, options, args.workers, args.max_queue, embedding), api_key=api_key,
+    load = functools.partial(_load, options=options, workers=args.workers, max_queue=args.max_queue,
+                             embedding=embedding)
+    keep_alive = None if args.keep_alive in (None, NEVER) else args.keep_alive
+    on_demand = args.load_on_demand or keep_alive is not None or len(models) > (args.max_loaded_models or len(models))
+    app = create_app(_on_demand(models, load) if on_demand else functools.partial(load, models), api_key=api_key,
                      request_timeout=args.request_timeout, stuck_after=args.stuck_after, on_load_error=load_failed,
                      allowed_origins=tuple(args.allowed_origins or ()), shutdown_grace=args.shutdown_grace,
-                     client_timeout=args.client_timeout)
+                     client_timeout=args.client_timeout, keep_alive=keep_alive,
+                     max_loaded_models=args.max_loaded_models)
     config = uvicorn.Config(app, host=host, port=args.port, log_level=args.log_level,
                             http=client_timeout_protocol(args.client_timeout),
                             timeout_graceful_shutdown=math.ceil(args.shutdown_grace) + 5)
@@ -224,6 +241,33 @@ def _seconds(low: float, open_low: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds {'>' if open_low else '>='} {low:g}")
         return value
     return seconds
+
+
+def _keep_alive(text: str) -> float:
+    """An argparse type: ``parse_keep_alive(text)`` (seconds, or NEVER)."""
+    try:
+        return parse_keep_alive(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("keep_alive", "--keep-alive")) from None
+
+
+def _at_least_one(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def _on_demand(models: list[tuple[str, str | None]], load: Callable[..., dict[str, Any]]) -> dict[str, Lazy]:
+    """``{name: Lazy}``: each model loaded alone by ``load(models)`` at its first request."""
+    from ._models import Lazy
+
+    return {name: Lazy(functools.partial(_load_one, load, name, spec)) for name, spec in models}
+
+
+def _load_one(load: Callable[..., dict[str, Any]], name: str, spec: str | None) -> Any:
+    """``load([(name, spec)])``'s one model."""
+    return load([(name, spec)])[name]
 
 
 def _fewer_malloc_arenas() -> None:

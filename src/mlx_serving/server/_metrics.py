@@ -35,13 +35,19 @@ the prefix cache, as vLLM counts them), ``num_preemptions_total``,
 ``expired``, ``rejected``) and ``iteration_tokens_total`` (a histogram of the tokens each engine
 step computed, prefill and decode, from the backend's ``iteration_tokens_le_<bound>`` buckets).
 
+Read from the model registry at each scrape (models loaded on demand, docs/server.md):
+``model_loaded`` (a gauge per model: 1 while loaded, else 0; ``sum()`` is the number of loaded
+models), ``model_loads_total{outcome}`` (loads that ended: ``ok`` or ``failed``) and
+``model_unloads_total{reason}`` (``keep_alive``: idle past its keep-alive; ``evicted``: the least
+recently used idle model, unloaded to make room under ``max_loaded_models``).
+
 Histogram buckets are vLLM v1's (``vllm/v1/metrics/loggers.py``; token counts: its 1-2-5 series).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -49,7 +55,7 @@ from prometheus_client.registry import Collector
 
 from ..serving import ServingStats
 
-__all__ = ["PREFIX", "Metrics"]
+__all__ = ["PREFIX", "Lifecycle", "Metrics"]
 
 _Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
 
@@ -67,11 +73,24 @@ _N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 StatsSource = Callable[[], Mapping[str, ServingStats]]
 
 
-class Metrics:
-    """The server's metrics registry. ``stats``: a function returning each served model's
-    ``ServingStats`` (called at every scrape, on the scraping thread)."""
+class Lifecycle(NamedTuple):
+    """A served model's load state and history: ``loaded`` now, ``loads`` ended per outcome
+    (``{"ok": n, "failed": n}``), ``unloads`` per reason (``{"keep_alive": n, "evicted": n}``)."""
 
-    def __init__(self, stats: StatsSource) -> None:
+    loaded: bool
+    loads: Mapping[str, int]
+    unloads: Mapping[str, int]
+
+
+LifecycleSource = Callable[[], Mapping[str, Lifecycle]]
+
+
+class Metrics:
+    """The server's metrics registry. ``stats``: a function returning each loaded model's
+    ``ServingStats``; ``lifecycle``: one returning each served model's ``Lifecycle`` (None: no
+    lifecycle series) (both called at every scrape, on the scraping thread)."""
+
+    def __init__(self, stats: StatsSource, lifecycle: LifecycleSource | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -104,6 +123,8 @@ class Metrics:
         self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
                                [*labels, "finished_reason"], registry=self.registry)
         self.registry.register(_StatsCollector(stats))
+        if lifecycle is not None:
+            self.registry.register(_LifecycleCollector(lifecycle))
 
     def finished(self, model: str, final: Mapping[str, Any], e2e_s: float, first_of_prompt: bool) -> None:
         """Observe one completion's final item (``e2e_s``: seconds since the request arrived;
@@ -196,6 +217,27 @@ class _StatsCollector(Collector):
             if buckets:
                 iteration.add_metric([model], buckets, kv.get("iteration_tokens_sum", 0))
         yield from (running, waiting, usage, queries, hits, preemptions, outcomes, iteration)
+
+
+class _LifecycleCollector(Collector):
+    """``model_loaded``, ``model_loads_total`` and ``model_unloads_total`` read at scrape time."""
+
+    def __init__(self, lifecycle: LifecycleSource) -> None:
+        self._lifecycle = lifecycle
+
+    def collect(self) -> Iterator[Metric]:
+        loaded = _per_model(GaugeMetricFamily, "model_loaded", "1 while the model is loaded, else 0.")
+        loads = CounterMetricFamily(PREFIX + "model_loads", "Model loads ended, by outcome (ok, failed).",
+                                    labels=["model_name", "outcome"])
+        unloads = CounterMetricFamily(PREFIX + "model_unloads", "Model unloads, by reason (keep_alive, evicted).",
+                                      labels=["model_name", "reason"])
+        for model, life in self._lifecycle().items():
+            loaded.add_metric([model], 1 if life.loaded else 0)
+            for outcome in ("ok", "failed"):
+                loads.add_metric([model, outcome], life.loads.get(outcome, 0))
+            for reason in ("keep_alive", "evicted"):
+                unloads.add_metric([model, reason], life.unloads.get(reason, 0))
+        yield from (loaded, loads, unloads)
 
 
 def _iteration_buckets(backend: Mapping[str, float]) -> list[tuple[str, float]]:

@@ -5,6 +5,7 @@ tokenizer without generating: ``GET /v1/models/{id}``, ``POST /tokenize``, ``POS
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, cast
 from ..serving import Client
@@ -12,7 +13,7 @@ from ..serving._json import JSON, JSONObject
 from ..tokenization import Tokenizer
 from ._errors import APIError
 
-__all__ = ["MAX_TOKENIZE_IDS", "ServedModel", "Task", "detokenize", "model_object", "tokenize"]
+__all__ = ["MAX_TOKENIZE_IDS", "Lazy", "ServedModel", "Task", "detokenize", "model_object", "tokenize"]
 
 #: What a served model does: text generation (the chat, completions and responses routes) or
 #: embedding (``/v1/embeddings``).
@@ -42,13 +43,26 @@ class ServedModel:
                                 f"model: use {route}", param="model", code="wrong_model_task")
 
 
-def model_object(name: str, model: ServedModel, created: int) -> JSONObject:
-    """The ``model`` object of ``/v1/models``: OpenAI's fields, vLLM's ``max_model_len`` and the
-    model's ``task`` ("generate" or "embed")."""
-    out: JSONObject = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving",
-                       "task": model.task}
-    if model.max_model_len is not None:
-        out["max_model_len"] = model.max_model_len
+@dataclass(frozen=True)
+class Lazy:
+    """A model the server loads at its first request (and again after it unloaded it): ``load()``
+    builds and starts its client, blocking (it runs on a thread), and returns it or a
+    ``ServedModel`` holding it; the server closes that client (``aclose``) when it unloads it."""
+
+    load: Callable[[], Client | ServedModel]
+
+
+def model_object(name: str, created: int, status: str, task: Task | None, max_model_len: int | None) -> JSONObject:
+    """The ``model`` object of ``/v1/models``: OpenAI's fields, the model's ``task`` ("generate" or
+    "embed"), vLLM's ``max_model_len`` (each left out while not known: a model loaded on demand
+    before its first load) and its ``status`` ("loaded", "loading", "unloading", "unloaded" or
+    "failed")."""
+    out: JSONObject = {"id": name, "object": "model", "created": created, "owned_by": "mlx-serving"}
+    if task is not None:
+        out["task"] = task
+    if max_model_len is not None:
+        out["max_model_len"] = max_model_len
+    out["status"] = status
     return out
 
 

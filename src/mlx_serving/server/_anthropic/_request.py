@@ -76,7 +76,8 @@ def turn(body: Json) -> Turn:
     stops = tuple(request.stop_sequences or ())
     if stops:
         spec.update(stop=list(stops), include_stop_str_in_output=True)
-    call = Call(spec, stream=bool(request.stream), include_usage=False, deadline=None, n=1, prompts=1)
+    call = Call(spec, stream=bool(request.stream), include_usage=False, deadline=None, n=1, prompts=1,
+                fields={"max_new_tokens": "max_tokens", "stop": "stop_sequences"})
     return Turn(mapped, call, stops)
 
 
