@@ -5,7 +5,6 @@ are served, and the counters return to zero."""
 from __future__ import annotations
 
 import asyncio
-import resource
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 
 from mlx_serving.serving import BackendError, Batch, Serving
 from serving_fakes import CountdownBackend, countdown
+from portable import peak_rss_kib
 
 
 class ForeignCancel(BaseException):
@@ -111,7 +111,7 @@ def test_finished_requests_with_long_deadlines_do_not_accumulate():
     deadline heap, ~20 KB, until its deadline passed)."""
 
     def rss_mb() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return peak_rss_kib() / 1024
 
     with Serving.new(CountdownBackend()).start(batch_size=8, batch_timeout=0.0) as h:
         for _ in range(2_000):

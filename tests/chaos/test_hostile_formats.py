@@ -58,17 +58,20 @@ def test_an_exploding_regex_is_bounded_in_memory() -> None:
     mask (what the engine does for a new grammar): peak RSS grows by less than 200 MB in all
     (llguidance's defaults: ~150 MB each, kept by the matcher cache)."""
     script = textwrap.dedent("""
-        import resource
+        import resource, sys
         from mlx_serving.tokenization import Tokenizer
         from mlx_serving.models.text_generation import _structured
+        def peak_rss_kib():  # ru_maxrss: KiB on Linux, bytes on macOS
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak // 1024 if sys.platform == "darwin" else peak
         tok = Tokenizer.qwen3()
         factory = _structured.constraint_factory(tok, tok.vocab_size)
         factory(_structured.compile_response_format({"type": "regex", "regex": "(yes|no)"}), (151645,)).allowed()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = peak_rss_kib()
         for ch in "abcd":
             grammar = _structured.compile_response_format({"type": "regex", "regex": ch + "{1000}{1000}"})
             factory(grammar, (151645,)).allowed()
-        print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+        print((peak_rss_kib() - before) / 1024)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import resource
 import shutil
 import threading
 import time
@@ -28,6 +27,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from mlx_serving.tokenization import ChatTemplate, ChatTemplateError, TokenizationError, Tokenizer, data_path
 from mlx_serving.tokenization import _chat
+from portable import peak_rss_kib
 
 #: A hostile case must fail within this much CPU time of this process (the render's own budget is
 #: 0.5 s of CPU time): CPU time, not wall-clock time, so that other work on the cores cannot fail it.
@@ -127,9 +127,9 @@ def test_oversized_files_are_refused_without_reading_them(tdir):
     for name, size in (("tokenizer.json", 65 * 2**20), ("tokenizer_config.json", 17 * 2**20)):
         with open(tdir / name, "ab") as f:
             f.truncate(size)  # sparse: nothing written
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = peak_rss_kib()
         _refused(tdir, TokenizationError, name, "bytes allowed")
-        assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB
+        assert peak_rss_kib() - before < 256 * 1024  # KiB
         _put(tdir, name, SMALL if name == "tokenizer.json" else data_path(name).read_bytes())
 
 
@@ -160,9 +160,9 @@ def test_gzip_bomb_stops_at_the_cap(tdir):
     64 MiB, quickly and without holding more than that."""
     member = gzip.compress(b"\0" * 2**20, compresslevel=9)
     _gz_dir(tdir, member * 10_240)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_kib()
     _refused(tdir, TokenizationError, "tokenizer.json.gz", "decompresses to more than")
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB
+    assert peak_rss_kib() - before < 256 * 1024  # KiB
 
 
 def test_gzip_bomb_in_one_member(tdir):
@@ -386,12 +386,12 @@ HOSTILE = {
 
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_template_is_stopped(name):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_rss_kib()
     t0 = time.process_time()
     with pytest.raises(ChatTemplateError):
         ChatTemplate(HOSTILE[name]).apply(CHAT)
     elapsed = time.process_time() - t0
-    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    grown = peak_rss_kib() - before
     assert elapsed < CPU_S, elapsed
     assert grown < 768 * 1024, f"peak memory grew by {grown // 1024} MB"  # KiB
 

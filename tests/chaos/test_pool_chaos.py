@@ -82,7 +82,7 @@ class Outcome:
 def chaos():
     gc.collect()
     before = types.SimpleNamespace(
-        fds=set(os.listdir("/proc/self/fd")),
+        fds=open_fds(),
         threads=pool_threads(),
         children=child_pids(),
         tracker=resource_tracker._resource_tracker._pid,
@@ -209,6 +209,6 @@ def test_close_with_a_stopped_worker_is_quick_and_leaves_nothing(chaos):
     assert all(h.state == "stopped" and not h.alive for h in pool.health())
     gc.collect()
     assert pool_threads() <= chaos.before.threads
-    assert set(os.listdir("/proc/self/fd")) <= chaos.before.fds
+    assert open_fds() <= chaos.before.fds
     assert child_pids() <= chaos.before.children
     assert resource_tracker._resource_tracker._pid == chaos.before.tracker  # none started by the pool

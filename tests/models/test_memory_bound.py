@@ -17,7 +17,7 @@ import sys
 import pytest
 
 QUICKSTART = r'''
-import json, resource, time
+import json, resource, sys, time
 from mlx_serving import Serving, text_generation
 from mlx_serving.models.sources import seeded_checkpoint
 
@@ -34,7 +34,7 @@ with Serving.start(serving, batch_size=4, batch_timeout=0.01) as handle:
             pass
 serving.close()
 print(json.dumps({"load_s": t1 - t0, "first_run_s": t2 - t1,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)}))
 '''
 
 

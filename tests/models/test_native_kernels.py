@@ -22,7 +22,8 @@ from mlx_serving.models.loader import load
 
 kernel = native.quantized_matmul_cpu()
 attention = native.paged_attention_cpu()
-pytestmark = pytest.mark.skipif(kernel is None, reason=f"native kernel unavailable: {native.unavailable_reason()}")
+pytestmark = [pytest.mark.cpu_kernels,
+              pytest.mark.skipif(kernel is None, reason=f"native kernel unavailable: {native.unavailable_reason()}")]
 
 
 @pytest.fixture(params=["auto", "portable"])

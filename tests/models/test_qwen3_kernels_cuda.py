@@ -12,7 +12,7 @@ from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")]
 
 
 def test_add_rms_norm_matches_reference():

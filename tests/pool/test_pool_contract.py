@@ -33,6 +33,7 @@ from mlx_serving.serving import (
     Stream,
     WorkerCrashed,
 )
+from portable import child_pids, open_fds
 
 
 pytestmark = pytest.mark.timeout(600)  # a cap that only ends a hang (pyproject's 120 s is tight on a busy machine)
@@ -215,19 +216,9 @@ def test_a_script_without_a_main_guard_gets_the_childs_traceback(tmp_path: Path)
     assert "bootstrapping phase" in done.stderr  # also relayed as the child wrote it
 
 
-def child_pids() -> set[int]:
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            pids.update(int(pid) for pid in (task / "children").read_text().split())
-        except FileNotFoundError:
-            continue
-    return pids
-
-
 def test_close_leaves_no_thread_fd_or_process():
     gc.collect()
-    fds, threads, children = set(os.listdir("/proc/self/fd")), pool_threads(), child_pids()
+    fds, threads, children = open_fds(), pool_threads(), child_pids()
     tracker = multiprocessing.resource_tracker._resource_tracker._pid
     with ServingPool("pool_servings:counter", workers=2) as short:
         assert {t.name for t in pool_threads() - threads} >= {"serving-pool-monitor"}
@@ -238,7 +229,7 @@ def test_close_leaves_no_thread_fd_or_process():
         assert [short.run(1) for _ in range(4)] == [[(0, 1)]] * 4
     gc.collect()
     assert pool_threads() <= threads
-    assert set(os.listdir("/proc/self/fd")) <= fds
+    assert open_fds() <= fds
     assert child_pids() <= children
     assert multiprocessing.resource_tracker._resource_tracker._pid == tracker
 

@@ -13,6 +13,7 @@ family's :class:`~models.config.DecoderConfig` hooks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -24,6 +25,7 @@ from ._weights import Fused, Linear, Reader
 from .config import DecoderConfig
 from .families import read_config
 from .decoder.layers import Layer, State, rope_frequencies
+from .decoder.memory import check_fits
 from .native import QuantizedMatmul, paged_attention_cpu, quantized_matmul_cpu
 
 __all__ = ["load"]
@@ -43,6 +45,15 @@ def _bias_flag(module: str) -> str:
     if module in _ATTENTION:
         return "attention_bias"
     return "o_proj_bias" if module == "self_attn.o_proj" else "mlp_bias"
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _stored_bytes(infos: dict[str, TensorInfo]) -> int:
+    """Bytes the tensors take as stored (safetensors dtypes; an unknown one counted as 4 bytes)."""
+    return sum(_DTYPE_BYTES.get(i.dtype, 4) * math.prod(i.shape) for i in infos.values())
 
 
 def _check_tensors(path: Path, infos: dict[str, TensorInfo], c: DecoderConfig) -> None:
@@ -122,6 +133,8 @@ def load(path: str | Path, dtype: str | mx.Dtype | None = None, *, dequantize: b
         if config.tie_word_embeddings is None:
             config = replace(config, tie_word_embeddings="lm_head.weight" not in infos)
         _check_tensors(path, infos, config)
+        check_fits(_stored_bytes(infos), f"the weights of {path.name}", "the model's size (a smaller or more "
+                   "quantized checkpoint)")  # before any weight is read
 
     tensors, compute = cast_floating(read_tensors(path, check), dtype)
     r = Reader(path, tensors, config.quantization)

@@ -19,7 +19,7 @@ from ._errors import (
 )
 from ._handle import ServingHandle
 from ._options import ProcessOptions
-from ._pool import PoolStats, ProcessBackend, ServingPool, WorkerHealth, WorkerStats
+from ._pool import POOL_WORKERS_ENV, PoolStats, ProcessBackend, ServingPool, WorkerHealth, WorkerStats
 from ._serving import Serving
 from ._telemetry import ServingStats, TelemetryEvent
 
@@ -32,6 +32,7 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidInput",
     "IterativeBackend",
+    "POOL_WORKERS_ENV",
     "PoolStats",
     "ProcessBackend",
     "ProcessOptions",

@@ -33,6 +33,7 @@ from functools import cache
 import mlx.core as mx
 
 from .cuda_build import CudaKernel
+from .memory import on_cuda
 
 __all__ = ["add_rms_norm", "decode_attention", "kernels_available", "split_count", "supports", "swiglu"]
 
@@ -311,8 +312,7 @@ def _int32(a: mx.array) -> mx.array:
 
 def kernels_available() -> bool:
     """True when the default device is a GPU of MLX's CUDA build (where these kernels run)."""
-    cuda = getattr(mx, "cuda", None)  # absent from some non-CUDA builds
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return on_cuda()
 
 
 def supports(hidden_size: int, head_dim: int) -> bool:

@@ -8,25 +8,27 @@ gather of ``(B, S)`` rows, then a transpose to ``(B, Hkv, S, D)``) single MLX op
 null block: padding tokens write there and padded block-table entries point there; it is never
 attended and never handed to a sequence.
 
-The budget (:func:`plan_blocks`): ``kv_cache_bytes`` absolute, or ``kv_cache_fraction`` of the
-device's available memory, or by default 1 GiB on the CPU (half the available memory on a GPU);
+The budget (:func:`kv_budget`, :func:`plan_blocks`): ``kv_cache_bytes`` absolute, or
+``kv_cache_fraction`` of the device's available memory (:mod:`.memory`: after the weights, split
+among a pool's workers), or by default 1 GiB on the CPU (half the available memory on a GPU);
 never more than every row at full length needs (``max_batch x ceil(max_len / block_size)``
-blocks) and never less
-than one sequence of ``max_len``. The pool is allocated up front for that budget.
+blocks), and never past the budget: one that holds no sequence of ``max_len`` is refused. The pool
+is allocated up front for that budget.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from . import memory
 
-__all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "ModelConfig", "ModelState", "PagedKVCache", "available_memory", "init_paged_kv_cache",
+
+__all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "ModelConfig", "ModelState", "PagedKVCache", "init_paged_kv_cache", "kv_budget",
            "kv_bytes_per_token", "plan_blocks", "row_blocks"]
 
 
@@ -97,42 +99,43 @@ def kv_bytes_per_token(state: ModelState) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * state.dtype.size
 
 
-def available_memory() -> int:
-    """Bytes the default device can still use: on a GPU its memory size (MLX's
-    ``device_info``) less MLX's active memory; on the CPU the available physical memory."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
-        total = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
-        if total:
-            return max(0, total - mx.get_active_memory())
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return DEFAULT_CPU_BYTES
+def kv_budget(kv_cache_bytes: int | None = None, kv_cache_fraction: float | None = None) -> tuple[int, str]:
+    """This process's KV budget in bytes and what set it, in words naming the option:
+    ``kv_cache_bytes`` (the machine's, split among a ``ServingPool``'s workers), else
+    ``kv_cache_fraction`` of :func:`.memory.available_memory` (already this process's share), else
+    the default (half of that on a GPU, :data:`DEFAULT_CPU_BYTES` split among a pool's workers on
+    the CPU). Raises ValueError for a fraction outside (0, 1], and for bytes the device cannot hold
+    (GPUs: :func:`.memory.check_fits`)."""
+    if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
+        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction!r}")
+    share = memory.pool_share()
+    if kv_cache_bytes is not None:
+        mine = kv_cache_bytes // share  # the machine's budget, split among a pool's workers
+        memory.check_fits(mine, f"kv_cache_bytes={kv_cache_bytes}", "kv_cache_bytes (--kv-cache-memory-bytes)")
+        return mine, f"kv_cache_bytes={kv_cache_bytes}" + (f" split among {share} pool workers" if share > 1 else "")
+    if kv_cache_fraction is not None:
+        return int(memory.available_memory() * kv_cache_fraction), f"kv_cache_fraction={kv_cache_fraction}"
+    if memory.device_limit() is not None:
+        return memory.available_memory() // 2, "the default budget, half the device memory left"
+    return DEFAULT_CPU_BYTES // share, "the default CPU budget"
 
 
 def plan_blocks(state: ModelState, max_batch: int, max_len: int, kv_cache_bytes: int | None = None,
                 kv_cache_fraction: float | None = None, block_size: int = BLOCK_SIZE) -> int:
-    """Usable KV blocks (the null block not counted) for the budget described in the module
-    docstring. Raises ValueError for a budget that holds no sequence of ``max_len`` (the same
-    bound as the slot design: ``(max_len + 1)`` tokens) or a fraction outside (0, 1]."""
+    """Usable KV blocks (the null block not counted) for the budget (:func:`kv_budget`): as many
+    as it holds, never more than every row at full length needs. Never past the budget: raises
+    ValueError, naming the options to change, when it holds no sequence of ``max_len`` (``max_len
+    + 1`` tokens, the slot design's bound), or as :func:`kv_budget`."""
     per_token = kv_bytes_per_token(state)
-    if kv_cache_fraction is not None and not 0 < kv_cache_fraction <= 1:
-        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction!r}")
-    if kv_cache_bytes is not None:
-        budget = kv_cache_bytes
-        if kv_cache_bytes < per_token * (max_len + 1):
-            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds no sequence of max_len={max_len} "
-                             f"({per_token * (max_len + 1)} bytes each)")
-    elif kv_cache_fraction is not None:
-        budget = int(available_memory() * kv_cache_fraction)
-    elif mx.default_device() == mx.gpu:
-        budget = available_memory() // 2
-    else:
-        budget = DEFAULT_CPU_BYTES
+    budget, source = kv_budget(kv_cache_bytes, kv_cache_fraction)
     one_seq = -(-max_len // block_size)  # blocks of one sequence of max_len (whole blocks)
     blocks = min(budget // (per_token * block_size), max_batch * one_seq)  # never more than every row needs
-    return max(blocks, one_seq)
+    need = per_token * (max_len + 1)
+    if budget < need or blocks < one_seq:
+        raise ValueError(f"{source} holds no sequence of max_len={max_len} ({need} bytes each, {budget} in the "
+                         "budget): lower max_len (--max-len) or raise kv_cache_bytes (--kv-cache-memory-bytes) "
+                         "or kv_cache_fraction (--kv-cache-fraction)")
+    return blocks
 
 
 def init_paged_kv_cache(state: ModelState, num_blocks: int, block_size: int = BLOCK_SIZE) -> PagedKVCache:

@@ -16,10 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-
 from ..decoder.decode_backends import DECODE_PATHS, DecodeBackend
 from ..decoder.kv_cache import BLOCK_SIZE
+from ..decoder.memory import on_cuda
 from .policy import Policy
 from .sampling import _show
 
@@ -155,8 +154,9 @@ class DecodeConfig:
 
     def bucketed(self) -> bool:
         """Whether steps are padded to shape buckets on the default device (``bucket_shapes``, or
-        None: a GPU)."""
-        return mx.default_device() == mx.gpu if self.bucket_shapes is None else self.bucket_shapes
+        None: MLX's CUDA build, where a new shape costs a graph build; not Metal or the CPU, which
+        run prompts packed and unpadded)."""
+        return on_cuda() if self.bucket_shapes is None else self.bucket_shapes
 
 
 @dataclass(frozen=True)

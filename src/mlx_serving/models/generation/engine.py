@@ -32,6 +32,7 @@ from .config import EngineConfig
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
 from ..decoder.kv_cache import PagedKVCache, init_paged_kv_cache, plan_blocks
+from ..decoder.memory import wire
 from .kv_cache_manager import KVCacheManager, KVStats
 from .logits import make_chain
 from .model_runner import Flight, Landed, ModelRunner
@@ -97,6 +98,7 @@ class Engine:
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=d.pack_prefill,
                                   max_causal_groups=d.max_causal_groups)
+        wire()  # Metal: the weights and the KV pool stay resident, bounded (decoder/memory.py)
         self.iteration_tokens = IterationTokens()  # tokens per step (the serving's stats)
         self._by_id: dict[int, Request] = {}
         self._flight: Flight | None = None

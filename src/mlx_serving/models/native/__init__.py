@@ -131,11 +131,18 @@ def _command(output: Path) -> list[str]:
     mlx_dir = Path(mx.__file__).parent
     nb_dir = Path(nanobind.__file__).parent
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
-    return [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx",
+    return [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", *_platform_flags(), "-DNB_DOMAIN=mlx",
             "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb_dir / 'include'}",
             f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
             *(str(_DIR / name) for name in _SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(output)]
+
+
+def _platform_flags() -> list[str]:
+    """OpenMP where the compiler has it (GCC / LLVM clang on Linux); on macOS, Apple's clang has no
+    ``-fopenmp`` (the kernels then run their loops on one thread) and a Python extension leaves
+    the interpreter's symbols to load time (``-undefined dynamic_lookup``)."""
+    return ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else ["-fopenmp"]
 
 
 def _import(path: Path) -> ModuleType:

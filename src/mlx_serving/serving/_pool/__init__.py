@@ -11,7 +11,7 @@ process), ``_remote`` (exceptions across the boundary), ``_stderr`` (relaying a 
 """
 
 from ._pool import ServingPool
-from ._process import ProcessBackend
+from ._process import POOL_WORKERS_ENV, ProcessBackend
 from ._stats import PoolStats, WorkerHealth, WorkerStats
 
-__all__ = ["PoolStats", "ProcessBackend", "ServingPool", "WorkerHealth", "WorkerStats"]
+__all__ = ["POOL_WORKERS_ENV", "PoolStats", "ProcessBackend", "ServingPool", "WorkerHealth", "WorkerStats"]

@@ -27,7 +27,11 @@ from ._stderr import exit_report, start_with_stderr_relay
 from ._wire import Ready, Shutdown, StartFailed, decode_from_worker, encode_payload, recv_frame
 from ._worker import Factory, main, resolve_factory
 
-__all__ = ["ProcessBackend"]
+__all__ = ["POOL_WORKERS_ENV", "ProcessBackend"]
+
+#: Set in each worker process to the pool's worker count: the processes share one machine, so
+#: memory budgets taken from it (a text-generation serving's KV cache) are split between them.
+POOL_WORKERS_ENV = "MLX_SERVING_POOL_WORKERS"
 
 _SPAWN_LOCK = threading.Lock()  # os.environ and fd 2 are process-wide: one spawn at a time edits them
 _TAIL_WAIT = 0.5  # seconds to wait for a dead worker's last stderr output
@@ -78,7 +82,8 @@ class ProcessBackend:
         if self._events is not None:
             raise RuntimeError("this ProcessBackend serves a pool already; make one per pool")
         _check_factory(factory)
-        self._envs = _envs(self._worker_env, workers)
+        shared = {POOL_WORKERS_ENV: str(workers)}  # the workers share this machine's memory
+        self._envs = [{**shared, **env} for env in _envs(self._worker_env, workers)]
         self._factory, self._process_options, self._events = factory, process_options, events
         if self._liveness_timeout is not None:
             self._monitor = threading.Thread(
