@@ -25,9 +25,12 @@ from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.serving import DeadlineExceeded, Serving, ServingHandle, ServingOverloaded, TelemetryEvent
 from mlx_serving.tokenization import Tokenizer
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(600)  # ends a hang only
 
-WAIT_S = 30.0  # bound on any single blocking wait (deadline of every request)
+#: Bound on any single blocking wait and the deadline of every request that must complete: it only
+#: ends a hang (each takes well under a second on an idle machine), with room for cores shared with
+#: other busy processes. What the tests assert is counted (tokens, stats), never timed.
+WAIT_S = 120.0
 WORDS = ("the quick brown fox jumps over a lazy dog while seven small birds sing about rain "
          "and green hills under grey clouds near old stone walls").split()
 PREFILL_CHUNK = 8
@@ -176,7 +179,7 @@ def test_simultaneous_mixed_requests_match_solo_runs(tokenizer, tiny32, solo):
 def test_long_request_does_not_hold_short_ones_hostage(tokenizer, tiny32):
     s = make(tokenizer, tiny32, max_batch=4, max_len=128)
     with s.start() as h:
-        long = Serving.stream(h, {"text": text(4, 9), "max_new_tokens": 100}, deadline=60)
+        long = Serving.stream(h, {"text": text(4, 9), "max_new_tokens": 100}, deadline=WAIT_S)
         next(long)  # the long request is decoding
         shorts: list[Outcome] = []
 
@@ -224,7 +227,7 @@ def test_row_leaves_on_eos_and_frees_its_slot(tokenizer, tiny32, solo):
 def test_cancel_frees_the_slot_for_a_queued_request(tokenizer, tiny32, solo):
     s = make(tokenizer, tiny32, max_batch=1, max_len=128)  # one KV slot
     with s.start(batch_size=4) as h:
-        a = Serving.stream(h, {"text": text(3, 7), "max_new_tokens": 100}, deadline=60)
+        a = Serving.stream(h, {"text": text(3, 7), "max_new_tokens": 100}, deadline=WAIT_S)
         next(a)  # a holds the only slot
         done: list[Any] = []
         t = threading.Thread(target=lambda: done.append(Serving.batched_run(h, REQS[3], deadline=WAIT_S)))
@@ -266,8 +269,8 @@ def test_kv_budget_admission_by_blocks(tokenizer, tiny32, solo):
     s = make(tokenizer, tiny32, max_batch=8, max_len=max_len, kv_cache_bytes=2 * per_seq + per_seq // 2)
     s = s.telemetry(step_rows(rows))
     with s.start(max_queue=16) as h:
-        long = [Serving.stream(h, {"text": text(3, 30 + i), "max_new_tokens": 40}, deadline=60) for i in range(2)]
-        queued = [Serving.stream(h, REQS[i % len(REQS)], deadline=60) for i in range(8)]
+        long = [Serving.stream(h, {"text": text(3, 30 + i), "max_new_tokens": 40}, deadline=WAIT_S) for i in range(2)]
+        queued = [Serving.stream(h, REQS[i % len(REQS)], deadline=WAIT_S) for i in range(8)]
         assert [read(x)[1:] for x in long] == [(40, "length")] * 2
         assert [read(x) for x in queued] == [solo[i % len(REQS)] for i in range(8)]
         stats = h.stats()
@@ -312,16 +315,16 @@ def test_no_hang_under_200_random_requests_with_cancellations(tokenizer, tiny32,
     async def one(i: int, req: dict[str, Any], mode: str, t: float) -> None:
         nonlocal expired
         if mode == "run":
-            finished[i] = outcome(await Serving.batched_run_async(h, req, deadline=60))
+            finished[i] = outcome(await Serving.batched_run_async(h, req, deadline=WAIT_S))
         elif mode == "cancel":
             with anyio.move_on_after(t):
-                await Serving.batched_run_async(h, req, deadline=60)
+                await Serving.batched_run_async(h, req, deadline=WAIT_S)
         elif mode == "stream_break":
-            async with await Serving.stream_async(h, req, deadline=60) as stream:
+            async with await Serving.stream_async(h, req, deadline=WAIT_S) as stream:
                 async for _ in stream:
                     break
         elif mode == "thread":
-            finished[i] = outcome(await anyio.to_thread.run_sync(lambda: Serving.batched_run(h, req, deadline=60)))
+            finished[i] = outcome(await anyio.to_thread.run_sync(lambda: Serving.batched_run(h, req, deadline=WAIT_S)))
         else:
             try:
                 await Serving.batched_run_async(h, req, deadline=t)
@@ -329,7 +332,7 @@ def test_no_hang_under_200_random_requests_with_cancellations(tokenizer, tiny32,
                 expired += 1
 
     async def main() -> None:
-        with anyio.fail_after(75):
+        with anyio.fail_after(2 * WAIT_S):
             async with anyio.create_task_group() as tg:
                 for i, spec in enumerate(specs):
                     tg.start_soon(one, i, *spec)

@@ -21,43 +21,77 @@ async def test_run_async_does_model_work_on_the_servings_executor_thread(recordi
     assert len(recording.inits) == 1
 
 
-async def _max_gap_while(coro_fn) -> tuple[object, float]:
-    """Run ``coro_fn()`` while a heartbeat ticks every 10 ms; return its result and the largest gap."""
-    gaps, result = [0.0], {}
+#: Only ends a hang: how long a backend waits for the event loop to tick (it ticks every 10 ms
+#: unless something blocks it).
+_HANG_S = 60.0
 
-    async def heartbeat(stop: anyio.Event):
-        last = time.monotonic()
+
+class _Ticks:
+    """Heartbeats of the event loop, counted; ``wait(n)`` (on another thread) blocks until ``n`` more
+    beats came, so work that waits for them can only finish if the loop runs meanwhile: a count,
+    not a duration, which no load on the machine can make flaky."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def beat(self, stop: anyio.Event) -> None:
         while not stop.is_set():
             await anyio.sleep(0.01)
-            gaps.append(time.monotonic() - last)
-            last = time.monotonic()
+            self.count += 1
 
+    def wait(self, n: int) -> bool:
+        """True once ``n`` more beats came; False if the loop stayed blocked for ``_HANG_S``."""
+        target, end = self.count + n, time.monotonic() + _HANG_S
+        while self.count < target:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.002)
+        return True
+
+
+async def _with_heartbeat(ticks: _Ticks, coro_fn) -> object:
+    """``await coro_fn()`` while ``ticks`` counts the loop's heartbeats."""
     async with anyio.create_task_group() as tg:
         stop = anyio.Event()
-        tg.start_soon(heartbeat, stop)
-        result["value"] = await coro_fn()
-        stop.set()
-    return result["value"], max(gaps)
+        tg.start_soon(ticks.beat, stop)
+        try:
+            return await coro_fn()
+        finally:
+            stop.set()
+
+
+class _TickingBackend(RecordingBackend):
+    """A batch ends only after the event loop ticked 3 times while it ran (it would never end if it
+    ran on the loop); ``saw_ticks`` records, per batch, whether they came."""
+
+    def __init__(self, ticks: _Ticks) -> None:
+        super().__init__()
+        self.ticks, self.saw_ticks = ticks, []
+
+    def handle_batch(self, batch, partition, state):
+        self.saw_ticks.append(self.ticks.wait(3))
+        return super().handle_batch(batch, partition, state)
 
 
 async def test_batched_run_async_batches_concurrent_tasks_and_keeps_the_loop_free():
-    backend = RecordingBackend(delay=0.3)
+    ticks = _Ticks()
+    backend = _TickingBackend(ticks)
     results = {}
 
     async def call(i):
         results[i] = (await Serving.batched_run_async(h, rows(i))).tolist()
 
     async def calls():
-        with anyio.fail_after(5):
+        with anyio.fail_after(2 * _HANG_S):
             async with anyio.create_task_group() as tg:
                 for i in range(8):
                     tg.start_soon(call, i)
 
-    async with Serving.new(backend).start(batch_size=8, batch_timeout=5) as h:
-        _, gap = await _max_gap_while(calls)
+    async with Serving.new(backend).start(batch_size=8, batch_timeout=_HANG_S) as h:
+        await _with_heartbeat(ticks, calls)
     assert results == {i: [2 * i] for i in range(8)}
     assert len(backend.batches) == 1 and sorted(backend.batches[0][0]) == list(range(8))
-    assert gap < 0.2  # the loop ticked while the 0.3 s batch ran
+    assert backend.saw_ticks == [True]  # the loop ticked while the batch ran
 
 
 async def test_cancelled_while_queued_never_runs():
@@ -96,12 +130,13 @@ async def test_deadline_and_overload_async():
             tg.start_soon(Serving.batched_run_async, h, rows(1))
             await anyio.to_thread.run_sync(backend.wait_started)
             start = time.monotonic()
-            with pytest.raises(DeadlineExceeded):
-                await Serving.batched_run_async(h, rows(2), deadline=0.2)
-            assert 0.15 < time.monotonic() - start < 2
+            with pytest.raises(DeadlineExceeded):  # the gate is shut: only the deadline ends this call
+                with anyio.fail_after(_HANG_S):
+                    await Serving.batched_run_async(h, rows(2), deadline=0.2)
+            assert 0.15 < time.monotonic() - start  # not before its deadline
             async with anyio.create_task_group() as queued:
                 queued.start_soon(Serving.batched_run_async, h, rows(3))
-                with anyio.fail_after(5):
+                with anyio.fail_after(_HANG_S):
                     while h.stats().queued == 0:
                         await anyio.sleep(0.01)
                 with pytest.raises(ServingOverloaded):
@@ -146,10 +181,25 @@ class _SlowInit(RecordingBackend):
         return super().init(mode, arg, partitions)
 
 
+class _TickingInit(RecordingBackend):
+    """A backend whose init ends only after the event loop ticked 3 times while it ran (loading,
+    warm-up); ``saw_ticks`` records whether they came."""
+
+    def __init__(self, ticks: _Ticks) -> None:
+        super().__init__()
+        self.ticks, self.saw_ticks = ticks, []
+
+    def init(self, mode, arg, partitions):
+        self.saw_ticks.append(self.ticks.wait(3))
+        return super().init(mode, arg, partitions)
+
+
 async def test_start_async_runs_init_off_the_loop_and_returns_a_working_handle():
-    serving = Serving.new(_SlowInit()).batch_size(4)
-    handle, gap = await _max_gap_while(lambda: Serving.start_async(serving, batch_timeout=0.01))
-    assert gap < 0.2, f"the event loop stalled {gap:.2f} s during init"
+    ticks = _Ticks()
+    backend = _TickingInit(ticks)
+    handle = await _with_heartbeat(ticks, lambda: Serving.start_async(Serving.new(backend).batch_size(4),
+                                                                      batch_timeout=0.01))
+    assert backend.saw_ticks == [True], "the event loop did not tick while init ran"
     async with handle:
         assert (await Serving.batched_run_async(handle, rows(3))).tolist() == [6]
 

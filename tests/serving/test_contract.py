@@ -24,8 +24,12 @@ from mlx_serving.serving import (
 from mlx_serving.serving._channel import Channel
 from serving_fakes import CountdownBackend, countdown
 
+#: Wall-clock caps here only end a hang (the awaited work takes milliseconds): room for cores shared
+#: with other busy processes. What the tests assert is counted, never timed against this.
+HANG_S = 60.0
 
-def wait_for(predicate, timeout=5.0):
+
+def wait_for(predicate, timeout=HANG_S):
     end = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < end, "condition never became true"
