@@ -6,10 +6,10 @@ template when it has one, as mlx-lm's ``generate`` does (``--raw`` / ``--ignore-
 plain completion of the prompt as it is); ``mlx-serving chat [options]`` is an interactive chat
 that keeps the conversation across turns (the model needs a chat template). Without
 ``--max-new-tokens`` a reply has at most 100 tokens, half of ``--max-len`` when that is smaller,
-capped to what the prompt leaves of ``--max-len``. Both print a timing line on stderr after each generation:
-prompt tokens and tok/s (prompt tokens / prefill time), generated tokens and decode tok/s
-(tokens after the first / decode time), peak memory (``mx.get_peak_memory()``) and the finish
-reason; a number that cannot be computed prints as ``-``.
+capped to what the prompt leaves of ``--max-len``. Both print a timing line on stderr after each
+generation: prompt tokens and tok/s (prompt tokens / prefill time), generated tokens and decode
+tok/s (tokens after the first / decode time), peak memory (``mx.get_peak_memory()``) and the
+finish reason; a number that cannot be computed prints as ``-``.
 
 Both call the model through the client contract (``serving.stream(request)`` as a context
 manager, ``serving.close()`` at the end). Exit status: 0; 2 for a bad option, input or
