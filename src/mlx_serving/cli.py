@@ -1,11 +1,15 @@
 """The ``mlx-serving`` command (also ``python -m mlx_serving``).
 
 ``mlx-serving generate PROMPT [options]`` streams one generation to stdout as it is produced
-(``-`` reads the prompt from stdin); ``mlx-serving chat [options]`` is an interactive chat that
-keeps the conversation across turns. Both print a timing line on stderr after each generation:
-prompt tokens and tok/s (prompt tokens / prefill time), generated tokens and decode tok/s
-(tokens after the first / decode time), peak memory (``mx.get_peak_memory()``) and the finish
-reason; a number that cannot be computed prints as ``-``.
+(``-`` reads the prompt from stdin): the prompt is one user message rendered with the model's chat
+template when it has one, as mlx-lm's ``generate`` does (``--raw`` / ``--ignore-chat-template``: a
+plain completion of the prompt as it is); ``mlx-serving chat [options]`` is an interactive chat
+that keeps the conversation across turns (the model needs a chat template). Without
+``--max-new-tokens`` a reply has at most 100 tokens, half of ``--max-len`` when that is smaller,
+capped to what the prompt leaves of ``--max-len``. Both print a timing line on stderr after each
+generation: prompt tokens and tok/s (prompt tokens / prefill time), generated tokens and decode
+tok/s (tokens after the first / decode time), peak memory (``mx.get_peak_memory()``) and the
+finish reason; a number that cannot be computed prints as ``-``.
 
 Both call the model through the client contract (``serving.stream(request)`` as a context
 manager, ``serving.close()`` at the end). Exit status: 0; 2 for a bad option, input or
@@ -28,6 +32,7 @@ from .serving import Serving
 
 from .models import text_generation
 from .models.sources import DEFAULT_MODEL, resolve
+from .tokenization import Tokenizer
 from .server._cli import add_engine_arguments, engine_options
 from .server._cli import add_parser as add_serve_parser  # imports FastAPI only when serve runs
 
@@ -39,6 +44,7 @@ _MODEL_HELP = (f"the model: a checkpoint directory, a .gguf file, a Hugging Face
                f"converted on first use; docs/models.md)")
 _CHAT_HELP = "/reset clears the history, /exit (or Ctrl-D) ends, /help shows this"
 _EXIT, _RESET, _HELP = ("/exit", "/quit"), "/reset", "/help"
+_NEEDS_TEMPLATE = "chat, --chat and --system-prompt need one (generate --raw: a plain completion)"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -59,8 +65,9 @@ def _seed(text: str) -> int:
 
 def _common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=_MODEL_HELP)
-    p.add_argument("--max-new-tokens", "-m", "--max-tokens", type=int, default=100,
-                   help="most generated tokens per reply (an EOS counts)")
+    p.add_argument("--max-new-tokens", "-m", "--max-tokens", type=int, default=None,
+                   help="most generated tokens per reply (an EOS counts); left out: 100, at most half of --max-len "
+                        "and capped to what the prompt leaves of it (default: 100)")
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions (prompt + new tokens)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy decoding; > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass when sampling (1 = plain temperature sampling)")
@@ -73,6 +80,9 @@ def _common_options(p: argparse.ArgumentParser) -> None:
                    help="random seed for sampling, an integer >= 0 (default: fresh entropy)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="stop string, not returned (repeatable)")
+    p.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="keep only the prompt's last N tokens (of the chat-rendered prompt; -1: as many as fit "
+                        "with the new tokens) (default: off)")
 
 
 _EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
@@ -93,12 +103,16 @@ def _parser() -> argparse.ArgumentParser:
                          help="stream the generation for one prompt",
                          description="Stream the generation for one prompt to stdout.")
     gen.add_argument("prompt", nargs="?", default=None,
-                     help="the prompt; '-' reads it from stdin (trailing newlines dropped)")
+                     help="the prompt, sent as one user message through the model's chat template when it has one "
+                          "(--raw: as it is); '-' reads it from stdin (trailing newlines dropped)")
     gen.add_argument("-p", "--prompt", dest="prompt_option", default=None, metavar="PROMPT",
-                     help="the prompt, as mlx-lm's flag: applies the chat template as mlx-lm does (implies --chat), instead of "
-                          "the positional argument (default: none)")
+                     help="the prompt, as mlx-lm's flag (the same as the positional argument) (default: none)")
     _common_options(gen)
-    gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt (one user message)")
+    gen.add_argument("--raw", "--ignore-chat-template", action="store_true",
+                     help="a plain completion: the prompt goes to the model as it is, without the chat template")
+    gen.add_argument("--chat", action="store_true",
+                     help="require the chat template (an error when the model has none; the default applies it "
+                          "when there is one)")
     gen.add_argument("--system-prompt", default=None, metavar="PROMPT",
                      help="a system message before the prompt, implies --chat (default: none)")
     add_engine_arguments(gen, rows=False)
@@ -118,18 +132,28 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _serving(args: argparse.Namespace, *, chat: bool = False) -> Serving:
-    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
-                   top_p=args.top_p, chat=chat, stop=args.stop, max_batch=1, **engine_options(args))
+def _serving(args: argparse.Namespace, *, chat: bool | None) -> Serving:
+    """The serving of ``args.model``; ``chat``: plain-text prompts go through the chat template
+    (True: the model must have one, ValueError otherwise; None: when it has one; False: never).
+    ``--max-new-tokens`` left out: GenerationOptions' default (100, at most half of --max-len)."""
+    options: dict[str, Any] = dict(max_len=args.max_len, temperature=args.temperature, top_p=args.top_p,
+                                   stop=args.stop, max_batch=1, **engine_options(args))
+    if args.max_new_tokens is not None:
+        options["max_new_tokens"] = args.max_new_tokens
     text_generation.GenerationOptions(**options)  # a bad option fails before the note and the loading
     model = resolve(args.model)
     print(f"model: {model.name} ({model.origin})", file=sys.stderr, flush=True)
-    return text_generation.from_mlx4bit(model.path, **options)
+    tokenizer = Tokenizer.from_dir(model.path)
+    templated = tokenizer.chat_template is not None
+    if chat and not templated:
+        raise ValueError(f"{model.name} has no chat template: {_NEEDS_TEMPLATE}")
+    return text_generation.from_mlx4bit(model.path, tokenizer, chat=templated if chat is None else chat, **options)
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """The per-request sampling options given on the command line (the serving checks them)."""
-    given = {"top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}
+    """The per-request options given on the command line (the serving checks them)."""
+    given = {"top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+             "truncate_prompt_tokens": args.truncate_prompt_tokens}
     return {key: value for key, value in given.items() if value is not None}
 
 
@@ -158,10 +182,13 @@ def _stream_reply(serving: Serving, request: dict[str, Any], out: IO[str]) -> tu
 def _generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.prompt_option is None):
         raise ValueError("give the prompt once: as the positional argument or with -p/--prompt")
+    required = args.chat or args.system_prompt is not None
+    if args.raw and required:
+        raise ValueError("--raw sends the prompt without the chat template: it cannot be combined with --chat or "
+                         "--system-prompt")
     given = args.prompt if args.prompt is not None else args.prompt_option
     prompt = sys.stdin.read().rstrip("\n") if given == "-" else given
-    chat = args.chat or args.system_prompt is not None or args.prompt_option is not None  # mlx-lm's -p: chat
-    serving = _serving(args, chat=chat)
+    serving = _serving(args, chat=False if args.raw else (True if required else None))
     try:
         text: dict[str, Any] = {"text": prompt} if args.system_prompt is None else {"messages": [
             {"role": "system", "content": args.system_prompt}, {"role": "user", "content": prompt}]}
@@ -176,7 +203,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    serving = _serving(args)
+    serving = _serving(args, chat=True)
     try:
         _chat_loop(serving, args)
         return 0

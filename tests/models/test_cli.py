@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import copy
 import io
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,7 +122,7 @@ def test_generate_streams_pieces_equal_to_the_non_streamed_text(
     out = _Stdout()
     monkeypatch.setattr(sys, "stdout", out)
     assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL]) == 0
-    expected = _greedy_text(tiny_ckpt, "Hello")
+    expected = _greedy_text(tiny_ckpt, "Hello", chat=True)  # the model's chat template, as mlx-lm's generate
     assert out.getvalue() == expected + "\n"
     pieces = [e for e in out.events if e not in ("<flush>", "\n")]
     assert len(pieces) > 1 and "".join(pieces) == expected  # printed piece by piece
@@ -137,6 +139,9 @@ def test_generate_dash_reads_the_prompt_from_stdin(
     _stdin(monkeypatch, "Hello there\n")
     assert cli.main(["generate", "-", "--model", str(tiny_ckpt), *_SMALL]) == 0
     assert recorders[0].requests == [{"text": "Hello there"}]
+    assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hello there", chat=True) + "\n"  # as an argument
+    _stdin(monkeypatch, "Hello there\n")
+    assert cli.main(["generate", "-", "--raw", "--model", str(tiny_ckpt), *_SMALL]) == 0
     assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hello there") + "\n"
 
 
@@ -155,7 +160,7 @@ def test_generate_passes_sampling_options_and_chat(
 
 def test_generate_passes_top_k_min_p_and_repetition_penalty(
         tiny_ckpt: Path, capsys: pytest.CaptureFixture[str], recorders: list[_Recorder]) -> None:
-    args = ["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, "--temperature", "0.8", "--seed", "3",
+    args = ["generate", "Hi", "--raw", "--model", str(tiny_ckpt), *_SMALL, "--temperature", "0.8", "--seed", "3",
             "--top-k", "5", "--min-p", "0.1", "--repetition-penalty", "1.3"]
     assert cli.main(args) == 0
     request = {"text": "Hi", "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.3, "seed": 3}
@@ -181,9 +186,95 @@ def test_mlx_lm_flag_names_are_accepted(
     assert "give the prompt once" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def plain_ckpt(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint without a chat template (a base model's tokenizer_config.json)."""
+    folder = tmp_path_factory.mktemp("plain") / "plain"
+    shutil.copytree(tiny_ckpt, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_the_prompt_goes_through_the_chat_template_unless_raw(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 item 5: as mlx-lm's generate, the prompt is one user message in the model's chat
+    template; ``--raw`` or mlx-lm's ``--ignore-chat-template`` sends it as it is."""
+    chat, plain = _greedy_text(tiny_ckpt, "Hi", chat=True), _greedy_text(tiny_ckpt, "Hi")
+    assert chat != plain
+    for flags, expected in ([[], chat], [["--chat"], chat], [["--raw"], plain], [["--ignore-chat-template"], plain]):
+        assert cli.main(["generate", "Hi", "--model", str(tiny_ckpt), *_SMALL, *flags]) == 0
+        assert capsys.readouterr().out == expected + "\n", flags
+    assert cli.main(["generate", "-p", "Hi", "--ignore-chat-template", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    assert capsys.readouterr().out == plain + "\n"  # mlx-lm's spelling, both flags
+    for flags in (["--chat"], ["--system-prompt", "Be brief."]):
+        assert cli.main(["generate", "Hi", "--raw", *flags, "--model", str(tiny_ckpt), *_SMALL]) == 2
+        err = capsys.readouterr().err
+        assert "--raw" in err and "model:" not in err
+
+
+def test_a_model_without_a_chat_template_completes_the_prompt_and_refuses_chat(
+        plain_ckpt: Path, tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "Hi", "--model", str(plain_ckpt), *_SMALL]) == 0
+    assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hi") + "\n"  # the same weights, no template
+    for args in (["generate", "Hi", "--chat"], ["generate", "Hi", "--system-prompt", "Be brief."], ["chat"]):
+        assert cli.main([*args, "--model", str(plain_ckpt), *_SMALL]) == 2
+        assert "plain has no chat template: chat, --chat and --system-prompt need one" in capsys.readouterr().err
+
+
+def _timing(err: str) -> re.Match[str]:
+    m = _TIMING.search(err)
+    assert m, err
+    return m
+
+
+def test_a_smaller_max_len_fits_the_default_new_tokens(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 40 item 6: without --max-new-tokens, a reply gets at most 100 tokens, half of --max-len
+    when smaller, and no more than the prompt leaves; a given one that cannot fit is refused."""
+    ten = "word " * 9 + "word"  # 10 tokens
+    assert cli.main(["generate", ten, "--raw", "--model", str(tiny_ckpt), "--max-len", "16"]) == 0
+    m = _timing(capsys.readouterr().err)
+    assert int(m.group(1)) == 10 and int(m.group(3)) <= 6  # min(16 // 2, 16 - 10)
+    assert cli.main(["generate", "Hi", "--raw", "--model", str(tiny_ckpt), "--max-len", "16", "--seed", "0",
+                     "--temperature", "1e6"]) == 0  # near-uniform sampling: an early EOS is unlikely
+    m = _timing(capsys.readouterr().err)
+    assert int(m.group(3)) <= 8 and (m.group(6) == "stop" or int(m.group(3)) == 8)
+    _stdin(monkeypatch, "Hello\n")
+    assert cli.main(["chat", "--model", str(tiny_ckpt), "--max-len", "64"]) == 0
+    assert _timing(capsys.readouterr().err)
+    assert cli.main(["generate", "Hi", "--model", str(tiny_ckpt), "--max-len", "64", "--max-new-tokens", "64"]) == 2
+    assert "max_new_tokens 64 must be < max_len 64" in capsys.readouterr().err
+
+
+def test_an_over_long_prompt_names_the_flags_and_truncation_fits_it(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    long = "word " * 79 + "word"  # 80 tokens
+    assert cli.main(["generate", long, "--raw", "--model", str(tiny_ckpt), "--max-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt of 80 tokens exceeds max_len 64" in err and "truncate_prompt_tokens" in err and "--max-len" in err
+    assert cli.main(["generate", long, "--raw", "--model", str(tiny_ckpt), "--max-len", "64",
+                     "--truncate-prompt-tokens", "-1"]) == 0
+    assert int(_timing(capsys.readouterr().err).group(1)) == 32  # 64 - the default 32 new tokens
+    assert cli.main(["generate", long, "--model", str(tiny_ckpt), "--max-len", "64", "--max-new-tokens", "4",
+                     "--truncate-prompt-tokens", "20"]) == 0  # the chat-rendered prompt's last 20 tokens
+    assert int(_timing(capsys.readouterr().err).group(1)) == 20
+
+
+def test_the_readme_command_answers_with_the_default_model(smollm2_dir: Path) -> None:
+    """The positional prompt, no --chat, no --max-new-tokens: the default model answers (it printed
+    an empty reply without the chat template); a smaller --max-len needs no other flag."""
+    for flags in ([], ["--max-len", "64"]):
+        done = subprocess.run([sys.executable, "-m", "mlx_serving", "generate", "What is the capital of France?",
+                               *flags], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "The capital of France is Paris.", flags
+
+
 def test_timing_line_has_prompt_and_decode_rates_and_peak_memory(
         tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL]) == 0
+    assert cli.main(["generate", "Hello", "--raw", "--model", str(tiny_ckpt), *_SMALL]) == 0
     err = capsys.readouterr().err
     m = _TIMING.search(err)
     assert m, err
@@ -195,7 +286,7 @@ def test_timing_line_has_prompt_and_decode_rates_and_peak_memory(
 def test_timing_line_after_a_stop_string(tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     full = _greedy_text(tiny_ckpt, "Hello")
     stop = full[3:6]
-    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL, "--stop", stop]) == 0
+    assert cli.main(["generate", "Hello", "--raw", "--model", str(tiny_ckpt), *_SMALL, "--stop", stop]) == 0
     out, err = capsys.readouterr()
     assert out == full[: full.index(stop)] + "\n"
     m = _TIMING.search(err)
@@ -273,7 +364,7 @@ def test_generate_builds_its_engine_from_the_flags(
         return _from_mlx4bit(*args, **kwargs)
 
     monkeypatch.setattr(text_generation, "from_mlx4bit", from_mlx4bit)
-    assert cli.main(["generate", "Hello", "--model", str(tiny_ckpt), *_SMALL, *_ENGINE_ARGS]) == 0
+    assert cli.main(["generate", "Hello", "--raw", "--model", str(tiny_ckpt), *_SMALL, *_ENGINE_ARGS]) == 0
     assert capsys.readouterr().out == _greedy_text(tiny_ckpt, "Hello") + "\n"  # the same tokens
     engine = text_generation.GenerationOptions(**given[0]).engine
     assert (engine.cache.block_size, engine.cache.prefix_caching, engine.decode.decode_path) == (8, False, "sdpa")

@@ -106,7 +106,11 @@ BAD = [
     ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages", "assistant messages only"),
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages", "lone surrogate"),
     # the prompt's length: the prompt, or the request's max_new_tokens when a smaller one would fit
-    ({"text": "x" * 1000}, "text", "exceeds max_len"),
+    ({"text": "x" * 2000}, "text", "exceeds max_len"),  # 250 tokens
+    ({"text": "x" * 1000, "min_tokens": 4}, "min_tokens", "lower min_tokens to at most 3"),  # 125 tokens
+    (_text(truncate_prompt_tokens=0), "truncate_prompt_tokens", "-1 or an integer >= 1"),
+    (_text(truncate_prompt_tokens=-2), "truncate_prompt_tokens", "-1 or an integer >= 1"),
+    (_text(truncate_prompt_tokens="5"), "truncate_prompt_tokens", "-1 or an integer >= 1"),
     ({"text": "x" * 100_000}, "text", "refused before tokenizing"),
     ({"messages": [{"role": "user", "content": "x" * 100_000}]}, "messages", "refused before tokenizing"),
     (_text(max_new_tokens=200), "max_new_tokens", "exceeds max_len"),

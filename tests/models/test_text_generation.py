@@ -176,7 +176,7 @@ def test_bad_request_fails_only_its_caller_in_process_mode(gen: Serving) -> None
     ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"max_len": 1}, "max_len"), ({"stop": [""]}, "stop"),
-    ({"max_len": 64}, "max_new_tokens 100 must be < max_len 64"),
+    ({"max_len": 64, "max_new_tokens": 100}, "max_new_tokens 100 must be < max_len 64"),
 ])
 def test_bad_serving_options_raise_at_construction(tok: Tokenizer, tiny32: State, options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -63,6 +63,24 @@ def test_malformed_chat_envelopes(body: dict, param: str):
     assert info.value.status == 400 and info.value.param == param
 
 
+def test_max_new_tokens_is_named_as_the_request_named_it_wherever_a_message_says_it():
+    """An over-long prompt blames the prompt and says to lower max_new_tokens: the server's message
+    says the field the client sent (issue 40 item 6); so does an untyped ValueError's."""
+    error = from_exception(InvalidInput("prompt of 9 tokens exceeds max_len 8 (with max_new_tokens 1)", "text"),
+                           {"max_new_tokens": "max_completion_tokens"})
+    assert (error.param, error.message) == ("prompt", "prompt of 9 tokens exceeds max_len 8 (with "
+                                                      "max_completion_tokens 1)")
+    assert from_exception(InvalidInput("no max_new_tokens here", None)).message == "no max_tokens here"
+    assert from_exception(ValueError("max_new_tokens must be >= 1")).message == "max_tokens must be >= 1"
+
+
+def test_truncate_prompt_tokens_passes_through():
+    call = completion_call({"prompt": "hi", "truncate_prompt_tokens": 5})
+    assert call.input == {"text": "hi", "truncate_prompt_tokens": 5}
+    assert chat_call({"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": -1}).input[
+        "truncate_prompt_tokens"] == -1
+
+
 def test_token_id_prompts_are_refused():
     with pytest.raises(APIError, match="token-id prompts"):
         completion_call({"prompt": [1, 2, 3]})

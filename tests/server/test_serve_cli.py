@@ -165,3 +165,61 @@ def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 130
+
+
+# ---- a smaller context (issue 40 item 6) ---------------------------------------------------------
+
+_P250, _P300 = "x" * 2000, "x" * 2400  # 250 and 300 tokens of "xxxxxxxx" (the Qwen3 tokenizer)
+
+
+@pytest.fixture(scope="module")
+def small_context(tiny_ckpt: Path) -> Iterator[openai.OpenAI]:
+    """``serve --max-len 256`` and no --max-new-tokens (it refused to start: the default 256 left no room)."""
+    with serve_process(tiny_ckpt, "--max-len", "256", "--log-level", "warning") as (url, _):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def test_a_request_without_max_tokens_gets_the_default_capped_to_what_fits(small_context: openai.OpenAI):
+    """The default (256, at most half of --max-len: 128) where it fits, else what the prompt leaves."""
+    for prompt, tokens in (("hi", 128), (_P250, 6)):
+        done = small_context.completions.create(model="tiny", prompt=prompt, extra_body={"ignore_eos": True})
+        assert (done.choices[0].finish_reason, done.usage.completion_tokens) == ("length", tokens), prompt
+        assert done.usage.prompt_tokens + tokens <= 256
+
+
+def test_an_over_long_request_names_the_field_to_lower_and_the_flag_to_raise(small_context: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as bad:
+        small_context.completions.create(model="tiny", prompt=_P250, max_tokens=10)
+    error = bad.value.body
+    assert error["param"] == "max_tokens"
+    assert error["message"].startswith("prompt of 250 tokens + max_tokens 10 = 260 exceeds max_len 256: lower "
+                                       "max_tokens to at most 6, or raise max_len (--max-len of mlx-serving serve")
+    with pytest.raises(openai.BadRequestError) as bad:
+        small_context.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 1600}],
+                                              max_completion_tokens=100)  # 200 tokens and the template's
+    chat_error = bad.value.body
+    assert chat_error["param"] == "max_completion_tokens"
+    assert "+ max_completion_tokens 100 = " in chat_error["message"]
+    assert "lower max_completion_tokens to at most" in chat_error["message"]
+    with pytest.raises(openai.BadRequestError) as bad:  # the prompt alone does not fit
+        small_context.completions.create(model="tiny", prompt=_P300)
+    prompt_error = bad.value.body
+    assert prompt_error["param"] == "prompt" and "prompt of 300 tokens exceeds max_len 256" in prompt_error["message"]
+    assert "truncate_prompt_tokens" in prompt_error["message"] and "--max-len" in prompt_error["message"]
+    assert all("max_new_tokens" not in e["message"] for e in (error, chat_error, prompt_error))
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(small_context: openai.OpenAI):
+    """vLLM's field: N keeps the last N tokens (of the rendered prompt for chat); -1 as many as fit
+    with the new tokens (here the default 128)."""
+    done = small_context.completions.create(model="tiny", prompt=_P300, max_tokens=2,
+                                            extra_body={"truncate_prompt_tokens": 20})
+    assert done.usage.prompt_tokens == 20
+    done = small_context.completions.create(model="tiny", prompt=_P300, extra_body={"truncate_prompt_tokens": -1})
+    assert done.usage.prompt_tokens == 128
+    chat = small_context.chat.completions.create(model="tiny", messages=[{"role": "user", "content": _P300}],
+                                                 max_tokens=2, extra_body={"truncate_prompt_tokens": 30})
+    assert chat.usage.prompt_tokens == 30
+    with pytest.raises(openai.BadRequestError) as bad:
+        small_context.completions.create(model="tiny", prompt="hi", extra_body={"truncate_prompt_tokens": 0})
+    assert bad.value.body["param"] == "truncate_prompt_tokens"

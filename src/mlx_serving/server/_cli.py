@@ -36,6 +36,7 @@ __all__ = ["API_KEY_ENV", "add_engine_arguments", "add_parser", "engine_options"
 
 API_KEY_ENV = "MLX_SERVING_API_KEY"
 _log = logging.getLogger("mlx_serving.server")
+_SERVE_MAX_NEW_TOKENS = 256  # --max-new-tokens' default (capped at half of --max-len)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], formatter_class: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
@@ -75,7 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
                    help="worker processes per model: 1 = a started serving in this process, N > 1 = a ServingPool")
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set, else none)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="default max_tokens of a request that gives none")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default max_tokens of a request that gives none, capped per request to what its prompt "
+                        f"leaves of --max-len (default: {_SERVE_MAX_NEW_TOKENS}, or half of --max-len when smaller)")
     p.add_argument("--max-len", type=int, default=2048, help="KV-cache positions per sequence (prompt + new tokens)")
     add_engine_arguments(p, rows=True)
     p.add_argument("--max-queue", type=int, default=512,
@@ -322,8 +325,12 @@ def _default_name(model: str | None) -> str:
 
 def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..models.text_generation import GenerationOptions
+    from ..models.text_generation._options import default_max_new_tokens
 
-    options = dict(max_new_tokens=args.max_new_tokens, max_len=args.max_len, temperature=args.temperature,
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(args.max_len, _SERVE_MAX_NEW_TOKENS)
+    options = dict(max_new_tokens=max_new_tokens, max_len=args.max_len, temperature=args.temperature,
                    top_p=args.top_p, **engine_options(args))
     GenerationOptions(**options)  # a bad option fails before the server starts
     if args.max_queue < args.max_batch:

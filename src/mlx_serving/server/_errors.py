@@ -4,9 +4,10 @@ The serving's errors map to statuses in :func:`from_exception`: ``InvalidInput``
 by the serving's client preprocessing; its ``param`` names the input key at fault) 400 with that key
 as ``param``, spelled as in the OpenAI request (``max_new_tokens`` -> ``max_tokens``, ``text`` ->
 ``prompt``, ``enable_thinking`` -> ``chat_template_kwargs``), and that key in the message spelled
-the same way; any other ``ValueError`` 400 with
-``param`` null; ``ServingOverloaded`` 503 with ``Retry-After``; ``DeadlineExceeded`` 504;
-``ServingStopped`` 503; anything else 500.
+the same way, as is ``max_new_tokens`` wherever the message names it (an over-long prompt's
+refusal names the prompt and says to lower ``max_tokens``); any other ``ValueError`` 400 with
+``param`` null (``max_new_tokens`` in its message renamed too); ``ServingOverloaded`` 503 with
+``Retry-After``; ``DeadlineExceeded`` 504; ``ServingStopped`` 503; anything else 500.
 """
 
 from __future__ import annotations
@@ -54,13 +55,12 @@ def from_exception(exc: BaseException, fields: Mapping[str, str] | None = None) 
     usual names."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, InvalidInput):
-        if exc.param is None:
-            return APIError(400, str(exc))
-        param = (fields or {}).get(exc.param) or _OPENAI_NAMES.get(exc.param, exc.param)
-        return APIError(400, re.sub(rf"\b{re.escape(exc.param)}\b", param, str(exc)), param=param)
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+        param = exc.param if isinstance(exc, InvalidInput) else None
+        message = str(exc)
+        for key in dict.fromkeys((param or "max_new_tokens", "max_new_tokens")):
+            message = re.sub(rf"\b{re.escape(key)}\b", _openai_name(key, fields), message)
+        return APIError(400, message, param=None if param is None else _openai_name(param, fields))
     if isinstance(exc, ServingOverloaded):
         return APIError(503, f"the server is overloaded: {exc}; retry later", "server_overloaded",
                         code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -71,3 +71,8 @@ def from_exception(exc: BaseException, fields: Mapping[str, str] | None = None) 
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     return APIError(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
 
+
+
+def _openai_name(key: str, fields: Mapping[str, str] | None) -> str:
+    """The request field an input key came from (``fields``), else its usual OpenAI name."""
+    return (fields or {}).get(key) or _OPENAI_NAMES.get(key, key)

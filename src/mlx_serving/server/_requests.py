@@ -40,7 +40,7 @@ _UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "
                 "prediction": None, "functions": None, "function_call": None, "reasoning_effort": None,
                 "verbosity": None, "web_search_options": None,
                 "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "skip_special_tokens": True,
-                "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
+                "spaces_between_special_tokens": True, "allowed_token_ids": None,
                 "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
                 "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": None,
                 "chat_template": None, "documents": None, "mm_processor_kwargs": None,

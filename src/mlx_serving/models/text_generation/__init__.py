@@ -44,7 +44,8 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     """A text-generation Serving over a loaded model ``state`` (any family of ``models.families``
     loads: Qwen3, Qwen2, Llama, Mistral).
 
-    ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=100, max_len=2048,
+    ``options`` are the fields of :class:`GenerationOptions` (max_new_tokens=None: 100, at most
+    half of max_len, capped per request to what the prompt leaves; max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
     policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, bucket_shapes=None: on

@@ -89,18 +89,26 @@ def preprocess(input: JSON, tokenizer: Tokenizer, opts: GenerationOptions,
     means the serving's default), decoded and checked by ``_request.parse_request``; ``n``
     completions become ``n`` rows, seeds derived by ``_request.completion_seed``.
 
+    The context: a request that gives no ``max_new_tokens`` gets the serving's default capped to
+    ``max_len - prompt tokens`` (vLLM's default is the whole rest of the context; ours stays the
+    serving's default where it fits); ``truncate_prompt_tokens`` N keeps the prompt's last N tokens
+    (of the rendered prompt for chat; -1: ``max_len - max_new_tokens``, as many as fit).
+
     ``bytes_per_token`` (from :func:`max_bytes_per_token`): when given, a prompt whose UTF-8 size is
-    more than ``bytes_per_token * (max_len - max_new_tokens)`` bytes is refused before it is
-    tokenized (no tokenization of it could fit); a chat input's strings are summed, and when they
-    come near the bound the template is rendered (cheap) and the rendered prompt measured.
+    more than ``bytes_per_token * (max_len - new tokens)`` bytes (new tokens: the request's
+    ``max_new_tokens``, else its ``min_tokens``, at least 1) is refused before it is tokenized (no
+    tokenization of it could fit), unless the request truncates its prompt; a chat input's
+    strings are summed, and when they come near the bound the template is rendered (cheap) and
+    the rendered prompt measured.
 
     Raises :class:`~mlx_serving.serving.InvalidInput` (a ValueError; its message names the item
     for lists, and the option) for an empty input, an unknown key, a bad option, text the tokenizer
-    refuses, or a prompt + max_new_tokens longer than max_len. Its ``param`` is the input key at
-    fault: for a prompt + max_new_tokens over max_len, ``"max_new_tokens"`` when the request gave
-    it and the prompt could fit with a smaller one, else ``"text"`` / ``"messages"`` (the key the
-    prompt came from, as for a prompt the tokenizer or chat template refuses); None when no key is
-    (an empty list, an item that is not a dict)."""
+    refuses, or a prompt + the new tokens it needs longer than max_len (the message says what to
+    lower or raise: ``max_new_tokens``, ``truncate_prompt_tokens``, ``max_len`` / ``--max-len``).
+    Its ``param`` is the input key at fault: for a prompt over max_len, ``"max_new_tokens"`` (or
+    ``"min_tokens"``) when the request gave it and the prompt could fit with a smaller one, else
+    ``"text"`` / ``"messages"`` (the key the prompt came from, as for a prompt the tokenizer or chat
+    template refuses); None when no key is (an empty list, an item that is not a dict)."""
     is_list = isinstance(input, list)
     items = input if isinstance(input, list) else [input]
     if not items:
@@ -221,24 +229,71 @@ def _one(item: object, tokenizer: Tokenizer, opts: GenerationOptions,
          bytes_per_token: int | None) -> tuple[list[Prompt], tuple[str, ...], RowOutput]:
     """One input -> its ``n`` rows (one per completion), stop strings and output spec."""
     request = parse_request(item, tokenizer, opts)
-    params = request.params
-    ids = _encode(request, tokenizer, opts, bytes_per_token)
-    if len(ids) + params.max_new_tokens > opts.max_len:
-        # the request's max_new_tokens is at fault when the prompt would fit with a smaller one
-        fits = len(ids) < opts.max_len and request.max_new_tokens_given
-        raise InvalidInput(f"prompt of {len(ids)} tokens + max_new_tokens {_show(params.max_new_tokens)} = "
-                           f"{_show(len(ids) + params.max_new_tokens)} exceeds max_len {opts.max_len}",
-                           "max_new_tokens" if fits else request.source)
+    ids = _truncate(_encode(request, tokenizer, opts, bytes_per_token), request, opts)
+    params = _fit(request, len(ids), opts)
     prompts = [Prompt(ids, p, request.priority) for p in _request.completion_params(params, request.n)]
     return prompts, request.stop, request.output
+
+
+def _least_new(request: GenerationRequest) -> int:
+    """New tokens the row needs room for: the request's ``max_new_tokens``, else its ``min_tokens``
+    (at least 1); the serving's default ``max_new_tokens`` is capped to what fits (:func:`_fit`)."""
+    params = request.params
+    return params.max_new_tokens if request.max_new_tokens_given else max(1, params.min_tokens)
+
+
+def _truncate(ids: list[int], request: GenerationRequest, opts: GenerationOptions) -> list[int]:
+    """The prompt's last ``truncate_prompt_tokens`` ids (vLLM's left truncation; of the rendered
+    prompt for chat inputs); -1 keeps ``max_len - max_new_tokens`` (the request's, else the
+    serving's default): as many as fit with the new tokens."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max(opts.max_len - request.params.max_new_tokens, 1)
+    return ids[-keep:]
+
+
+def _fit(request: GenerationRequest, prompt_len: int, opts: GenerationOptions) -> SamplingParams:
+    """The row's sampling with ``max_new_tokens`` capped to ``max_len - prompt_len`` when the
+    request gave none; InvalidInput (:func:`_over_context`) when the prompt and the new tokens the
+    request needs (:func:`_least_new`) exceed ``max_len``."""
+    params, room = request.params, opts.max_len - prompt_len
+    if room < _least_new(request):
+        raise _over_context(request, prompt_len, opts)
+    if request.max_new_tokens_given or params.max_new_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_new_tokens=room)
+
+
+#: What an over-long prompt's refusal offers; the server names its fields (``max_tokens``) instead.
+_RAISE_MAX_LEN = "raise max_len (--max-len of mlx-serving serve, generate and chat)"
+
+
+def _over_context(request: GenerationRequest, prompt_len: int, opts: GenerationOptions) -> InvalidInput:
+    """The refusal of a prompt whose tokens and the new tokens it needs exceed ``max_len``,
+    naming (as ``param``) what to change: the request's ``max_new_tokens`` (or ``min_tokens``) when
+    a smaller one would fit, else the prompt's key (``text`` / ``messages``)."""
+    params, max_len, room = request.params, opts.max_len, opts.max_len - prompt_len
+    if room >= 1 and (request.max_new_tokens_given or params.min_tokens > 1):
+        key = "max_new_tokens" if request.max_new_tokens_given else "min_tokens"
+        value = params.max_new_tokens if request.max_new_tokens_given else params.min_tokens
+        return InvalidInput(f"prompt of {prompt_len} tokens + {key} {_show(value)} = {_show(prompt_len + value)} "
+                            f"exceeds max_len {max_len}: lower {key} to at most {room}, or {_RAISE_MAX_LEN}", key)
+    return InvalidInput(f"prompt of {prompt_len} tokens exceeds max_len {max_len} (at most {max_len - 1} prompt "
+                        f"tokens fit, leaving room for 1 new token): shorten it, set truncate_prompt_tokens (keep its "
+                        f"last N tokens; -1: as many as fit), or {_RAISE_MAX_LEN}", request.source)
 
 
 def _encode(request: GenerationRequest, tokenizer: Tokenizer, opts: GenerationOptions,
             bytes_per_token: int | None) -> list[int]:
     """The prompt's token ids; a prompt over the byte bound (``bytes_per_token`` x the prompt
-    tokens that fit) is refused before it is tokenized or rendered."""
-    params = request.params
-    room = opts.max_len - params.max_new_tokens  # prompt tokens that fit
+    tokens that fit) is refused before it is tokenized or rendered, unless the request truncates
+    its prompt (``truncate_prompt_tokens``)."""
+    if request.truncate_prompt_tokens is not None:
+        bytes_per_token = None
+    least = _least_new(request)
+    room = opts.max_len - least  # prompt tokens that fit
     limit = None if bytes_per_token is None else bytes_per_token * max(room, 1)
     full = None if bytes_per_token is None else bytes_per_token * max(opts.max_len - 1, 1)  # max_new_tokens 1
 
@@ -252,7 +307,7 @@ def _encode(request: GenerationRequest, tokenizer: Tokenizer, opts: GenerationOp
         return _encode_chat(request, request.messages, tokenizer, limit, opts, too_long_param)
     text = request.text or ""
     if limit is not None and _longer_than(text, limit):
-        raise _too_long("'text' (the prompt)", len(text), limit, opts, params, too_long_param(text))
+        raise _too_long("'text' (the prompt)", len(text), limit, opts, least, too_long_param(text))
     with _blame("text"):
         return tokenizer.encode(text)
 
@@ -273,8 +328,8 @@ def _encode_chat(request: GenerationRequest, messages: list[JSONObject], tokeniz
                 if tools and param == request.source and not _longer_than(
                         template.apply(messages, add_generation_prompt=True, enable_thinking=thinking), limit):
                     param = "tools"  # the messages alone fit: the tools' schemas are what does not
-                raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts, request.params,
-                                param)
+                raise _too_long("'messages' (the rendered chat prompt)", len(rendered), limit, opts,
+                                _least_new(request), param)
         return tokenizer.encode_chat(messages, add_generation_prompt=True, enable_thinking=thinking, tools=tools)
 
 
@@ -288,12 +343,11 @@ def _longer_than(text: str, limit: int) -> bool:
     return len(text.encode("utf-8", "surrogatepass")) > limit
 
 
-def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, params: SamplingParams,
+def _too_long(what: str, chars: int, limit: int, opts: GenerationOptions, new_tokens: int,
               param: str) -> InvalidInput:
-    room = max(opts.max_len - params.max_new_tokens, 1)
+    room = max(opts.max_len - new_tokens, 1)
     return InvalidInput(f"{what} of {chars:,} characters exceeds max_len {opts.max_len}: with max_new_tokens "
-                      f"{params.max_new_tokens} at most {room} prompt tokens fit, and one token of this tokenizer "
-                      f"covers at most {limit // room} bytes of text, so more than {limit:,} bytes never fit "
-                      "(refused before tokenizing)", param)
-
-
+                        f"{new_tokens} at most {room} prompt tokens fit, and one token of this tokenizer "
+                        f"covers at most {limit // room} bytes of text, so more than {limit:,} bytes never fit "
+                        f"(refused before tokenizing): shorten it, set truncate_prompt_tokens, or {_RAISE_MAX_LEN}",
+                        param)

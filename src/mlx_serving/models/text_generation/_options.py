@@ -9,7 +9,11 @@ from ..decoder.kv_cache import BLOCK_SIZE
 from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig
 from ..generation.sampling import SamplingParams, _show
 
-__all__ = ["GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions",
+           "default_max_new_tokens"]
+
+#: ``max_new_tokens`` when none is given, capped at half of ``max_len`` (:func:`default_max_new_tokens`).
+DEFAULT_MAX_NEW_TOKENS = 100
 
 #: The per-step token budget where shapes are bucketed (a GPU) and none is given: prefill chunks
 #: share each step with the decode rows, so a wave of prompts never stalls decoding for long (vLLM's
@@ -32,7 +36,11 @@ class GenerationOptions:
 
     Serving fields:
 
-    max_new_tokens: most generated tokens per prompt (an EOS counts), >= 1.
+    max_new_tokens: most generated tokens per prompt (an EOS counts) of a request that gives none,
+      >= 1 and < max_len; None (the default): ``min(100, max_len // 2)``
+      (:func:`default_max_new_tokens`), an int once constructed. A request that gives none gets this
+      many capped at what fits after its prompt (``max_len - prompt tokens``, as vLLM's default
+      ``max_tokens`` is the context left); one that gives more than fits is refused.
     temperature: a finite number >= 0; 0 = greedy (argmax), > 0 samples at that temperature
       (seeded by the request's ``seed``).
     top_p: in (0, 1]; with temperature > 0, sample from the smallest set of most probable tokens
@@ -73,7 +81,7 @@ class GenerationOptions:
     Raises ValueError naming the field for any value out of range.
     """
 
-    max_new_tokens: int = 100
+    max_new_tokens: int | None = None
     max_len: int = 2048
     temperature: float = 0.0
     top_p: float = 1.0
@@ -97,13 +105,15 @@ class GenerationOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
-        SamplingParams(self.max_new_tokens, self.temperature, self.top_p)  # validates
+        max_new = default_max_new_tokens(self.max_len) if self.max_new_tokens is None else self.max_new_tokens
+        object.__setattr__(self, "max_new_tokens", max_new)
+        SamplingParams(max_new, self.temperature, self.top_p)  # validates
         config = self.engine  # checks every engine field (by its part) and keeps the config
         if config.cache.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
-        if self.max_new_tokens >= self.max_len:
-            raise ValueError(f"max_new_tokens {self.max_new_tokens} must be < max_len {self.max_len}: "
-                             "no prompt would fit")
+        if max_new >= self.max_len:
+            raise ValueError(f"max_new_tokens {max_new} must be < max_len {self.max_len}: "
+                             "no prompt would fit (leave max_new_tokens out for a default that fits)")
 
     @cached_property
     def engine(self) -> EngineConfig:
@@ -114,6 +124,16 @@ class GenerationOptions:
         if config.scheduler.max_step_tokens is None and config.decode.bucketed():
             config = replace(config, scheduler=replace(config.scheduler, max_step_tokens=GPU_STEP_TOKENS))
         return config
+
+
+def default_max_new_tokens(max_len: object, default: int = DEFAULT_MAX_NEW_TOKENS) -> int:
+    """``min(default, max_len // 2)`` (at least 1): the new tokens of a request that gives none
+    when the context is ``max_len`` positions, so a smaller ``max_len`` leaves at least half of it
+    to the prompt (a request's default is then capped again to what its prompt leaves).
+    ``max_len`` that is not an int gives ``default`` (its own check refuses it)."""
+    if isinstance(max_len, bool) or not isinstance(max_len, int):
+        return default
+    return max(1, min(default, max_len // 2))
 
 
 def _stop_tuple(stop: object) -> tuple[str, ...]:

@@ -78,7 +78,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     plain text), to bound a prompt before it is rendered; ``params``: the row's sampling;
     ``n``: completions (rows) of this prompt; ``priority``: lower runs sooner under the "priority"
     policy; ``stop``: stop strings; ``output``: what its rows return; ``max_new_tokens_given``:
-    the input set ``max_new_tokens`` (so a prompt + max_new_tokens over max_len may blame it)."""
+    the input set ``max_new_tokens`` (so a prompt + max_new_tokens over max_len may blame it; when it
+    did not, ``params.max_new_tokens`` is the serving's default, capped to fit once the prompt is
+    tokenized); ``truncate_prompt_tokens``: keep only the prompt's last N tokens (-1: as many as
+    fit), or None."""
 
     source: str
     text: str | None
@@ -92,6 +95,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop: tuple[str, ...]
     output: RowOutput
     max_new_tokens_given: bool
+    truncate_prompt_tokens: int | None = None
 
     @property
     def chat(self) -> bool:
@@ -127,10 +131,13 @@ def parse_request(item: object, tokenizer: Tokenizer, opts: GenerationOptions) -
             chars += _json_chars(spec.tools or [], "'tools'")
         text = None
     n = 1 if spec.n is None else spec.n
+    if spec.truncate_prompt_tokens == 0:
+        raise InvalidInput("truncate_prompt_tokens must be -1 or an integer >= 1, got 0", "truncate_prompt_tokens")
     return GenerationRequest(
         source=source, text=text, messages=messages, tools=spec.tools, enable_thinking=spec.enable_thinking,
         chat_chars=chars, params=params, n=n, priority=spec.priority or 0, stop=stop,
-        output=_output(spec, chat, params, n), max_new_tokens_given=spec.max_new_tokens is not None)
+        output=_output(spec, chat, params, n), max_new_tokens_given=spec.max_new_tokens is not None,
+        truncate_prompt_tokens=spec.truncate_prompt_tokens)
 
 
 def sampling_params(spec: GenerationInput, tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:

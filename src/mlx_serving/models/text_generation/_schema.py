@@ -76,6 +76,7 @@ class GenerationInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                                               f"{MAX_STOP_TOKEN_IDS} token ids")] | None = None
     include_stop_str_in_output: Annotated[bool, Meta(description=_FLAG)] | None = None
     stream_usage: Annotated[bool, Meta(description=_FLAG)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, description="-1 or an integer >= 1")] | None = None
 
 
 #: Every input key, in declaration order (the order keys are checked in).
