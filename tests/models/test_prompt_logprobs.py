@@ -5,6 +5,8 @@ unchanged."""
 
 from __future__ import annotations
 
+import pickle
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -139,6 +141,7 @@ def test_backend_counts_score_only_rows_until_stepped_and_cancels_them(tiny32: S
     out = backend.step(engine)
     assert [(r, type(ev), done) for r, ev, done in out] == [(0, PromptEvent, True)]
     assert len(out[0][1].tokens) == 2 and out[0][1].first == 1 and backend.active(engine) == 0
+    assert pickle.loads(pickle.dumps(out[0][1])) == out[0][1]  # it crosses the ServingPool wire
     both = Prompt([1, 2, 3], SamplingParams(2), prompt_logprobs=0)
     assert backend.admit(engine, [(2, both)], 0) == []
     out = []
