@@ -45,7 +45,7 @@ from ._keep_alive import NEVER
 from ._models import detokenize, tokenize
 from ._registry import LeaseScope, Loader, ModelRegistry, Models
 from ._requests import Call, chat_call, completion_call, messages_of
-from ._responses import Kind, StreamState, chat_response, completion_response, event, new_id
+from ._responses import Echo, Kind, StreamState, chat_response, completion_response, event, new_id
 from ._responses_api import ResponsesAPI
 from ._shutdown import Drain
 from ._sse import ShuttingDown, next_items
@@ -219,7 +219,7 @@ def _v1_router(served: ModelRegistry, metrics: Metrics, api_key: str | None, req
             with _rows_named(rows_field, call.fields):
                 stream = await client.stream_async(call.input, deadline=deadline)
             state = StreamState(kind, name, isinstance(call.input, list), call.n, call.prompts * call.n,
-                                continuous_usage=call.continuous_usage)
+                                continuous_usage=call.continuous_usage, echo=_echo(body, call))
             # sse-starlette types shutdown_event as an anyio.Event but only calls its set(), which Drain has
             return EventSourceResponse(_sse(stream, state, call, record, drain), sep="\n",
                                        shutdown_event=drain,  # type: ignore[arg-type]
@@ -232,7 +232,9 @@ def _v1_router(served: ModelRegistry, metrics: Metrics, api_key: str | None, req
             return Response(status_code=499)
         record.result(result)
         rid = new_id(kind)
-        body_out = chat_response(result, name, rid) if kind == "chat" else completion_response(result, name, rid)
+        echo = _echo(body, call)
+        body_out = (chat_response(result, name, rid, echo) if kind == "chat" else
+                    completion_response(result, name, rid, echo))
         return JSONResponse(body_out)
 
     @router.post("/chat/completions")
@@ -520,6 +522,13 @@ class _Recorder:
 
     def aborted(self) -> None:
         self._metrics.aborted(self._model, self._call.prompts * self._call.n - self._finished)
+
+
+def _echo(body: dict[str, Any], call: Call) -> Echo:
+    """What ``call`` asked of its prompts (completions ``echo``, vLLM's ``prompt_logprobs``)."""
+    items = call.input if isinstance(call.input, list) else [call.input]
+    prompts = tuple(item["text"] for item in items) if call.echo else ()
+    return Echo(prompts, call.echo and bool(items[0].get("logprobs")), body.get("prompt_logprobs") is not None)
 
 
 async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Recorder,

@@ -13,6 +13,7 @@ naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -36,10 +37,10 @@ _MAPPED = ("text", "messages", "max_new_tokens", "enable_thinking", "logprobs", 
 PASS = tuple(k for k in KEYS if k not in _MAPPED)
 # Fields this server cannot honour (answered 400, naming the field, when set to anything but their
 # default): OpenAI's, then vLLM's extensions.
-_UNSUPPORTED = {"echo": False, "suffix": None, "best_of": None, "audio": None, "modalities": None,
+_UNSUPPORTED = {"suffix": None, "best_of": None, "audio": None, "modalities": None,
                 "prediction": None, "functions": None, "function_call": None, "reasoning_effort": None,
                 "verbosity": None, "web_search_options": None,
-                "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "skip_special_tokens": True,
+                "use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True,
                 "spaces_between_special_tokens": True, "allowed_token_ids": None,
                 "bad_words": None, "logits_processors": None, "return_tokens_as_token_ids": False,
                 "add_generation_prompt": True, "continue_final_message": False, "add_special_tokens": None,
@@ -56,7 +57,7 @@ _READ = {
              "parallel_tool_calls", "chat_template_kwargs", "logprobs", "top_logprobs", "n", "stream",
              "stream_options", "deadline"),
     "completion": ("model", "prompt", "max_tokens", "response_format", "logprobs", "n", "stream", "stream_options",
-                   "deadline"),
+                   "deadline", "echo"),
 }
 # Message keys whose null value means "absent" (OpenAI clients send content: null with tool calls).
 _MESSAGE_NULLABLE = ("content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
@@ -72,7 +73,9 @@ class Call:
     prompt; ``prompts``: prompts in the request (1 for chat); ``fields``: the request field each
     renamed input key came from (``max_new_tokens`` -> ``max_completion_tokens`` or ``max_tokens``,
     ...), for errors naming the field the client sent; ``continuous_usage``: every chunk carries
-    ``usage`` (``stream_options.continuous_usage_stats``, vLLM's)."""
+    ``usage`` (``stream_options.continuous_usage_stats``, vLLM's); ``echo``: each completion's text
+    starts with its prompt (``/v1/completions``), with ``logprobs`` its logprobs cover the prompt's
+    tokens first."""
 
     input: Any
     stream: bool
@@ -82,6 +85,7 @@ class Call:
     prompts: int
     fields: dict[str, str]
     continuous_usage: bool = False
+    echo: bool = False
 
 
 def chat_call(body: JSONObject) -> Call:
@@ -106,7 +110,9 @@ def chat_call(body: JSONObject) -> Call:
 
 def completion_call(body: JSONObject) -> Call:
     """Map a ``/v1/completions`` body (``prompt``: a string or a list of strings; ``logprobs``: an
-    int, the alternatives per token). Raises APIError (400, naming the field) for a malformed one."""
+    int, the alternatives per token; ``echo``: the prompt's log-probabilities are asked for, as
+    ``prompt_logprobs`` (``logprobs`` of them, 0 without), and ``max_tokens`` may be 0). Raises
+    APIError (400, naming the field) for a malformed one."""
     _check_fields(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -125,8 +131,12 @@ def completion_call(body: JSONObject) -> Call:
             raise APIError(400, f"'logprobs' must be an integer (alternatives per token) or null, got {logprobs!r}",
                            param="logprobs")
         spec.update(logprobs=True, top_logprobs=logprobs)
+    echo = _flag(body, "echo")
+    if echo and "prompt_logprobs" not in spec:
+        spec["prompt_logprobs"] = logprobs or 0
     inputs = [{"text": p, **spec} for p in prompts]
-    return _call(body, inputs if isinstance(prompt, list) else inputs[0], len(prompts), fields)
+    call = _call(body, inputs if isinstance(prompt, list) else inputs[0], len(prompts), fields)
+    return dataclasses.replace(call, echo=echo)
 
 
 def _call(body: dict[str, Any], input: Any, prompts: int, fields: dict[str, str]) -> Call:

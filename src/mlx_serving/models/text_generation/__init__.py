@@ -4,7 +4,8 @@ Input (one request): a string, ``{"text": str}``, ``{"messages": [...]}`` (chat 
 optionally with per-request options (OpenAI / vLLM names: the fields of
 ``_schema.GenerationInput``, the one place they are declared); or a list of these. Output for one input: ``{"results": [...]}`` with one entry per completion (``n``), each
 ``{"generated_text", "num_tokens", "finish_reason", "token_summary": {"input", "output", "cached"},
-"timing"}`` plus ``logprobs`` (when asked for), ``reasoning_content`` (``enable_thinking`` true and
+"timing"}`` plus ``logprobs`` (when asked for), ``prompt_logprobs`` (asked for: the prompt's
+tokens' log-probabilities; ``max_new_tokens`` 0 then scores the prompt only), ``reasoning_content`` (``enable_thinking`` true and
 the output thought) and ``tool_calls`` (``tools`` given and called); a list input returns a list
 of those, in order. ``finish_reason`` is "stop" (EOS, a stop string or a complete
 ``response_format``), "length" (max_new_tokens) or "tool_calls", values of :class:`FinishReason`.

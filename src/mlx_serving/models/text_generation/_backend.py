@@ -1,9 +1,13 @@
 """``GenerationBackend``: the continuous-batching Engine (models/generation) behind serving's IterativeBackend.
 
-A thin adapter with no per-row state: the partition's state is its :class:`Engine`, whose
-per-sequence record (keyed by the serving's row id) is the only one; each engine event becomes a
-:class:`TokenEvent` (token id, time since admission, finish reason). Runs on the serving's
-executor thread only.
+A thin adapter: the partition's state is its :class:`Engine`, whose per-sequence record (keyed by
+the serving's row id) is the only one kept while a row generates; each engine event becomes a
+:class:`TokenEvent` (token id, time since admission, finish reason). A row asking for prompt
+log-probabilities (``Prompt.prompt_logprobs``) gets them at admission, outside the engine
+(``_prompt_logprobs``: a cache-free forward over its prompt), as a :class:`PromptEvent` held until
+the partition's next step, which returns it before any token of the row; a row with
+``Prompt.generate`` false (``max_new_tokens`` 0) never enters the engine and ends with that event.
+Runs on the serving's executor threads only (each partition's engine on its own).
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import dataclasses
 from typing import Any
 
 from ..generation import Engine, KVStats
+from ..generation.events import FinishReason
 from ..decoder.layers import State
 from ..generation.protocol import ConstraintFactory
-from ._events import TokenEvent
+from ._events import PromptEvent, TokenEvent
 from ._inputs import Prompt
 from ._options import GenerationOptions
+from ._prompt_logprobs import prompt_logprobs
 
 __all__ = ["GenerationBackend"]
 
@@ -27,6 +33,8 @@ class GenerationBackend:
     def __init__(self, state: State, options: GenerationOptions, *,
                  constraint_factory: ConstraintFactory | None = None):
         self._model, self._opts, self._constraints = state, options, constraint_factory
+        # per engine: rows' prompt events awaiting the next step, each with "the row ends with it"
+        self._pending: dict[Engine, dict[int, tuple[PromptEvent, bool]]] = {}
 
     def init(self, mode: str, arg: object, partitions: int) -> Engine:
         """Allocate the partition's engine from the options' one engine configuration
@@ -36,23 +44,34 @@ class GenerationBackend:
         request waits on a build."""
         engine = Engine(self._model, self._opts.engine, constraint_factory=self._constraints)
         engine.warm_up()
+        self._pending[engine] = {}
         return engine
 
     def close(self, engine: Engine) -> None:
         """Release the partition's KV cache and compiled steps on its own thread (:meth:`Engine.close`)
         when the serving stops."""
+        self._pending.pop(engine, None)
         engine.close()
 
     def admit(self, engine: Engine, rows: list[tuple[int, Any]], partition: int) -> list[tuple[int, BaseException]]:
         """Queue rows in the engine (admission time: now); a row that can never fit is returned
-        with its ValueError."""
+        with its ValueError. A row asking for prompt log-probabilities gets them computed now (a
+        forward over its prompt on this thread), emitted by the next :meth:`step`; a row that
+        generates nothing does not enter the engine."""
         rejected: list[tuple[int, BaseException]] = []
+        pending = self._pending[engine]
         for row_id, prompt in rows:
             assert isinstance(prompt, Prompt)
             try:
-                engine.add(row_id, prompt.ids, prompt.params, priority=prompt.priority)
+                if prompt.generate:
+                    engine.add(row_id, prompt.ids, prompt.params, priority=prompt.priority)
             except ValueError as e:
                 rejected.append((row_id, e))
+                continue
+            if prompt.prompt_logprobs is not None:
+                tokens = prompt_logprobs(self._model, prompt.ids, prompt.prompt_logprobs)
+                ends = not prompt.generate
+                pending[row_id] = (PromptEvent(prompt.ids[0], tokens, FinishReason.LENGTH if ends else None), ends)
         return rejected
 
     def free_slots(self, engine: Engine) -> int:
@@ -81,17 +100,29 @@ class GenerationBackend:
         cached, prefix queries / hits / hit tokens, preemptions, evictions) for the serving's stats."""
         return engine.kv_stats()
 
-    def step(self, engine: Engine) -> list[tuple[int, TokenEvent, bool]]:
-        """One engine step; returns ``(row_id, TokenEvent, done)``, done on a row's last event."""
-        return [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason, ev.logprob, ev.top_logprobs,
-                                          ev.cached_tokens),
-                 ev.finish_reason is not None) for ev in engine.step()]
+    def step(self, engine: Engine) -> list[tuple[int, PromptEvent | TokenEvent, bool]]:
+        """The prompt events held since the last step (``(row_id, PromptEvent, done)``), then one
+        engine step: ``(row_id, TokenEvent, done)``, done on a row's last event."""
+        pending = self._pending[engine]
+        held: list[tuple[int, PromptEvent | TokenEvent, bool]] = []
+        if pending:
+            held = [(row_id, ev, ends) for row_id, (ev, ends) in pending.items()]
+            pending.clear()
+        if not engine.num_active:
+            return held
+        return held + [(ev.seq_id, TokenEvent(ev.token_id, ev.elapsed_ms, ev.finish_reason, ev.logprob,
+                                              ev.top_logprobs, ev.cached_tokens),
+                        ev.finish_reason is not None) for ev in engine.step()]
 
     def cancel(self, engine: Engine, row_ids: list[int]) -> None:
-        """Drop rows now; their rows and KV blocks are free for the next admission."""
+        """Drop rows now (and their held prompt events); their rows and KV blocks are free for the
+        next admission."""
+        pending = self._pending[engine]
         for row_id in row_ids:
+            pending.pop(row_id, None)
             engine.cancel(row_id)
 
     def active(self, engine: Engine) -> int:
-        """Sequences admitted and not finished."""
-        return engine.num_active
+        """Sequences admitted and not finished (in the engine, or ending with a held prompt event)."""
+        pending = self._pending[engine]
+        return engine.num_active + (sum(ends for _, ends in pending.values()) if pending else 0)

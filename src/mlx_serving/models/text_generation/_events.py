@@ -1,4 +1,4 @@
-"""``TokenEvent``: what the text-generation backend sends to the client-side transducer."""
+"""``TokenEvent`` and ``PromptEvent``: what the text-generation backend sends to the client-side transducer."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from ..generation.events import FinishReason
 
-__all__ = ["TokenEvent"]
+__all__ = ["PromptEvent", "PromptToken", "TokenEvent"]
 
 
 class TokenEvent(NamedTuple):
@@ -31,3 +31,26 @@ class TokenEvent(NamedTuple):
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     cached_tokens: int | None = None
+
+
+class PromptToken(NamedTuple):
+    """Prompt token ``i >= 1``: its id, natural-log probability given tokens ``< i`` (float) and
+    the ``top`` most probable ``(token_id, logprob)`` pairs at that position, descending (tokens
+    at -inf left out)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+class PromptEvent(NamedTuple):
+    """A row's prompt log-probabilities, its first event (before any :class:`TokenEvent`).
+
+    ``tokens``: one :class:`PromptToken` per prompt token after the first (the first has no
+    context); ``first``: the prompt's first token id. ``finish_reason``: LENGTH when the row
+    generates nothing (``max_new_tokens`` 0: the row ends with this event), else None.
+    Picklable (it crosses the ServingPool wire)."""
+
+    first: int
+    tokens: tuple[PromptToken, ...]
+    finish_reason: FinishReason | None = None

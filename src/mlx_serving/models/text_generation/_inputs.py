@@ -52,11 +52,16 @@ _END = object()
 @dataclass(frozen=True)
 class Prompt:
     """One row sent to the executor: token ids (int32 range), sampling parameters and scheduling
-    priority (lower runs sooner under the engine's "priority" policy; ignored by "fcfs")."""
+    priority (lower runs sooner under the engine's "priority" policy; ignored by "fcfs");
+    ``prompt_logprobs``: alternatives per prompt token when the row asks for the prompt's
+    log-probabilities (an int in [0, 20]), else None; ``generate``: False for a row that only
+    scores its prompt (``max_new_tokens`` 0: ``params.max_new_tokens`` is then unused)."""
 
     ids: list[int]
     params: SamplingParams
     priority: int = 0
+    prompt_logprobs: int | None = None
+    generate: bool = True
 
 
 @dataclass(frozen=True)
@@ -231,7 +236,8 @@ def _one(item: object, tokenizer: Tokenizer, opts: GenerationOptions,
     request = parse_request(item, tokenizer, opts)
     ids = _truncate(_encode(request, tokenizer, opts, bytes_per_token), request, opts)
     params = _fit(request, len(ids), opts)
-    prompts = [Prompt(ids, p, request.priority) for p in _request.completion_params(params, request.n)]
+    prompts = [Prompt(ids, p, request.priority, request.prompt_logprobs, request.generate)
+               for p in _request.completion_params(params, request.n)]
     return prompts, request.stop, request.output
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from ...tokenization import Tokenizer
 
-from ._events import TokenEvent
+from ._events import PromptEvent, PromptToken, TokenEvent
 from ._parsers import Delta, Qwen3OutputParser, ToolCall
 
 __all__ = ["RowParser", "TokenTexts", "tool_call_dict"]
@@ -32,12 +32,19 @@ class TokenTexts:
             return piece.decode("utf-8", errors="replace")
         return self._specials.get(token_id, "") if piece is None else piece
 
-    def entry(self, event: TokenEvent) -> dict[str, Any]:
+    def entry(self, event: TokenEvent | PromptToken) -> dict[str, Any]:
         """``{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}]}``
-        of one token event (``top_logprobs`` empty when the row asked for none)."""
+        of one token event or prompt token (``top_logprobs`` empty when the row asked for none)."""
         top = [{"token_id": t, "token": self(t), "logprob": lp} for t, lp in event.top_logprobs or ()]
         return {"token_id": event.token_id, "token": self(event.token_id), "logprob": event.logprob,
                 "top_logprobs": top}
+
+
+    def prompt_entries(self, event: PromptEvent) -> list[dict[str, Any]]:
+        """One :meth:`entry` per prompt token; the first token's (no context) has ``logprob`` None
+        and no ``top_logprobs``."""
+        first = {"token_id": event.first, "token": self(event.first), "logprob": None, "top_logprobs": []}
+        return [first, *map(self.entry, event.tokens)]
 
 
 def tool_call_dict(call: ToolCall) -> dict[str, Any]:

@@ -55,7 +55,8 @@ class RowOutput:
     (``tools`` given); ``deltas``: stream dict deltas instead of str pieces (its input asked for
     ``n`` > 1, logprobs, tools, thinking or stream usage); ``keep_stop``: a matched stop string stays
     at the end of the text (``include_stop_str_in_output``, vLLM's); ``usage``: each delta carries
-    ``token_summary`` (the prompt's tokens and those generated so far: ``stream_usage``)."""
+    ``token_summary`` (the prompt's tokens and those generated so far: ``stream_usage``);
+    ``prompt_logprobs``: its first delta carries the prompt's log-probabilities (deltas too)."""
 
     input: int = 0
     index: int = 0
@@ -65,6 +66,7 @@ class RowOutput:
     deltas: bool = False
     keep_stop: bool = False
     usage: bool = False
+    prompt_logprobs: bool = False
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,7 +83,10 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     the input set ``max_new_tokens`` (so a prompt + max_new_tokens over max_len may blame it; when it
     did not, ``params.max_new_tokens`` is the serving's default, capped to fit once the prompt is
     tokenized); ``truncate_prompt_tokens``: keep only the prompt's last N tokens (-1: as many as
-    fit), or None."""
+    fit), or None;
+    ``prompt_logprobs``: alternatives per prompt token when the prompt's log-probabilities are asked
+    for, else None; ``generate``: False when ``max_new_tokens`` is 0 (score the prompt only;
+    ``params.max_new_tokens`` is then 1, unused)."""
 
     source: str
     text: str | None
@@ -96,6 +101,8 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
     output: RowOutput
     max_new_tokens_given: bool
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    generate: bool = True
 
     @property
     def chat(self) -> bool:
@@ -114,6 +121,10 @@ def parse_request(item: object, tokenizer: Tokenizer, opts: GenerationOptions) -
         if getattr(spec, key) is not None and not chat:
             raise InvalidInput(f"'{key}' applies to chat inputs only: send 'messages' (or build the serving with "
                                "chat=True)", key)
+    generate = spec.max_new_tokens != 0
+    if not generate:
+        _check_score_only(spec)
+        spec = msgspec.structs.replace(spec, max_new_tokens=1)  # SamplingParams' least; nothing is generated
     params = sampling_params(spec, tokenizer, opts)
     stop = opts.stop
     if spec.stop is not None:
@@ -137,7 +148,19 @@ def parse_request(item: object, tokenizer: Tokenizer, opts: GenerationOptions) -
         source=source, text=text, messages=messages, tools=spec.tools, enable_thinking=spec.enable_thinking,
         chat_chars=chars, params=params, n=n, priority=spec.priority or 0, stop=stop,
         output=_output(spec, chat, params, n), max_new_tokens_given=spec.max_new_tokens is not None,
-        truncate_prompt_tokens=spec.truncate_prompt_tokens)
+        truncate_prompt_tokens=spec.truncate_prompt_tokens, prompt_logprobs=spec.prompt_logprobs,
+        generate=generate)
+
+
+def _check_score_only(spec: GenerationInput) -> None:
+    """``max_new_tokens`` 0 (score the prompt, generate nothing) needs ``prompt_logprobs`` and
+    leaves ``min_tokens`` at 0; InvalidInput naming the key otherwise."""
+    if spec.prompt_logprobs is None:
+        raise InvalidInput("max_new_tokens must be >= 1, or 0 with prompt_logprobs (score the prompt only), got 0",
+                           "max_new_tokens")
+    if spec.min_tokens:
+        raise InvalidInput(f"min_tokens must be 0 when max_new_tokens is 0, got {_show(spec.min_tokens)}",
+                           "min_tokens")
 
 
 def sampling_params(spec: GenerationInput, tokenizer: Tokenizer, opts: GenerationOptions) -> SamplingParams:
@@ -236,9 +259,10 @@ def _output(spec: GenerationInput, chat: bool, params: SamplingParams, n: int) -
     logprobs = params.logprobs is not None
     reasoning = chat and spec.enable_thinking is True
     tools, usage = chat and bool(spec.tools), spec.stream_usage is True
+    prompt = spec.prompt_logprobs is not None
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
-                     deltas=n > 1 or logprobs or reasoning or tools or usage,
-                     keep_stop=bool(spec.include_stop_str_in_output), usage=usage)
+                     deltas=n > 1 or logprobs or reasoning or tools or usage or prompt,
+                     keep_stop=bool(spec.include_stop_str_in_output), usage=usage, prompt_logprobs=prompt)
 
 
 @contextmanager

@@ -45,7 +45,8 @@ class GenerationInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     text: Annotated[str, Meta(min_length=1, description="a non-empty string")] | UnsetType = UNSET
     messages: Annotated[list[Any], Meta(min_length=1, description="a non-empty list of {'role', 'content'} "
                                         "message objects")] | UnsetType = UNSET
-    max_new_tokens: Annotated[int, Meta(ge=1, description="an integer >= 1")] | None = None
+    max_new_tokens: Annotated[int, Meta(ge=0, description="an integer >= 1 (0 with prompt_logprobs: score the "
+                                        "prompt only)")] | None = None
     temperature: Annotated[float, Meta(ge=0, le=_FINITE, description="a finite number >= 0")] | None = None
     top_p: Annotated[float, Meta(gt=0, le=1, description="a number in (0, 1]")] | None = None
     seed: Annotated[int, Meta(ge=0, description="an integer in [0, 2**64)")] | None = None  # < 2**64: SamplingParams
@@ -61,6 +62,8 @@ class GenerationInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     logprobs: Annotated[bool, Meta(description=_FLAG)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS,
                                       description=f"an integer in [0, {MAX_TOP_LOGPROBS}]")] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS,
+                                         description=f"an integer in [0, {MAX_TOP_LOGPROBS}]")] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_COMPLETIONS, description=f"an integer in [1, {MAX_COMPLETIONS}]")] | None = None
     response_format: Annotated[dict[str, Any], Meta(description="an object (OpenAI's response_format)")] | None = None
     priority: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1, description="an integer in [-2**63, 2**63)")] | None = None

@@ -14,7 +14,7 @@ from ...serving._json import JSONObject
 from ...tokenization import StreamingDetokenizer, Tokenizer
 
 from ..generation.events import FinishReason
-from ._events import TokenEvent
+from ._events import PromptEvent, TokenEvent
 from ._inputs import RequestInfo, RowOutput
 from ._outputs import RowParser, TokenTexts
 from ._parsers import partial_suffix
@@ -88,7 +88,9 @@ class GenerationTransducer:
     ``stream_usage``: ``{"input", "output"}`` tokens so far), then per completion a final dict as above with
     ``"index"`` (``finish_reason`` "tool_calls" when it emitted a tool call). For a list input
     every item is an ``(input_index, item)`` pair. A row's joined ``content`` (or pieces) equals
-    its non-streamed ``generated_text``.
+    its non-streamed ``generated_text``. A row asking for ``prompt_logprobs`` first gives the delta
+    ``{"index", "content": "", "prompt_logprobs": [...]}`` (and with ``max_new_tokens`` 0 its final
+    dict right after: ``finish_reason`` "length", ``num_tokens`` 0).
     """
 
     def __init__(self, tokenizer: Tokenizer, info: RequestInfo, profile_timing: bool = True):
@@ -97,15 +99,18 @@ class GenerationTransducer:
         self._rows = [RowText(StreamingDetokenizer(tokenizer), stops, pieces=not (stops or output.deltas),
                               keep_stop=output.keep_stop) for stops, output in zip(info.stops, self._outputs)]
         self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools) for o in self._outputs]
-        self._texts = TokenTexts(tokenizer) if any(o.logprobs for o in self._outputs) else None
+        self._texts = TokenTexts(tokenizer) if any(o.logprobs or o.prompt_logprobs for o in self._outputs) else None
         self._stop: list[int] = []
         self.live = any(info.stops)  # only stop strings need tokens as they arrive
 
-    def feed(self, row_index: int, event: TokenEvent) -> list[Any]:
-        """One :class:`TokenEvent` of row ``row_index`` -> items."""
+    def feed(self, row_index: int, event: TokenEvent | PromptEvent) -> list[Any]:
+        """One :class:`TokenEvent` (or the row's first event, a :class:`PromptEvent`) of row
+        ``row_index`` -> items."""
         row = self._rows[row_index]
         if row.finish_reason is not None:
             return []
+        if isinstance(event, PromptEvent):
+            return self._feed_prompt(row_index, row, event)
         row.tokens += 1  # count the event and note its time
         if row.first_ms is None:
             row.first_ms, row.cached = event.elapsed_ms, event.cached_tokens
@@ -118,6 +123,17 @@ class GenerationTransducer:
                 return []
             return [(self._outputs[row_index].input, text)] if self._info.is_list else [text]
         return self._feed_rest(row_index, row, event, text)
+
+    def _feed_prompt(self, row_index: int, row: RowText, event: PromptEvent) -> list[Any]:
+        """A row's prompt log-probabilities: the delta ``{"index", "content": "", "prompt_logprobs":
+        [entry per prompt token]}``, then the row's final dict when it generates nothing."""
+        assert self._texts is not None
+        output = self._outputs[row_index]
+        items: list[Any] = [{"index": output.index, "content": "", "prompt_logprobs": self._texts.prompt_entries(event)}]
+        if event.finish_reason is not None:
+            row.finish_reason = event.finish_reason
+            items.append({"index": output.index, **self._final(row_index, row)})
+        return [(output.input, it) for it in items] if self._info.is_list else items
 
     def _feed_rest(self, row_index: int, row: RowText, event: TokenEvent, text: str) -> list[Any]:
         """``feed`` of a row's last event, or of a row with stop strings or deltas."""
@@ -190,7 +206,9 @@ def collect(items: list[Any], info: RequestInfo) -> JSONObject | list[JSONObject
     """Non-streamed result from a request's items: ``{"results": [...]}`` (a list of those for a
     list input), ``results`` holding one entry per completion (``n`` of them): ``{"generated_text",
     "num_tokens", "finish_reason", "token_summary"[, "timing"][, "logprobs"][, "reasoning_content"]
-    [, "tool_calls"]}``; ``logprobs`` when asked for (one entry per token), ``reasoning_content``
+    [, "tool_calls"][, "prompt_logprobs"]}``; ``logprobs`` when asked for (one entry per token),
+    ``prompt_logprobs`` when asked for (one entry per prompt token, the first with ``logprob``
+    None; see ``TokenTexts.prompt_entries``), ``reasoning_content``
     when the output had reasoning text, ``tool_calls`` when it called a tool."""
     if not info.is_list and len(info.stops) == 1 and not info.output(0).deltas:  # one row of str pieces
         entry = _Entry(info.output(0))
@@ -224,6 +242,7 @@ class _Entry:
         self.reasoning: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
         self.logprobs: list[dict[str, Any]] = []
+        self.prompt_logprobs: list[dict[str, Any]] = []
         self.final: dict[str, Any] = {}
 
     def add(self, value: dict[str, Any]) -> None:
@@ -235,12 +254,15 @@ class _Entry:
         self.reasoning.append(value.get("reasoning_content", ""))
         self.tool_calls += value.get("tool_calls", [])
         self.logprobs += value.get("logprobs", [])
+        self.prompt_logprobs += value.get("prompt_logprobs", [])
 
     def result(self) -> dict[str, Any]:
         """``{"generated_text", **final}`` plus the extra outputs this completion has."""
         entry: dict[str, Any] = {"generated_text": "".join(self.content), **self.final}
         if self.output.logprobs:
             entry["logprobs"] = self.logprobs
+        if self.output.prompt_logprobs:
+            entry["prompt_logprobs"] = self.prompt_logprobs
         reasoning = "".join(self.reasoning)
         if reasoning:
             entry["reasoning_content"] = reasoning
