@@ -21,6 +21,9 @@ from mlx_serving.server import create_app
 
 from server_helpers import serve
 
+# The work is bounded by max_tokens (at most ~120 tokens a request); the cap only catches a hang on a
+# machine shared by many test runs, where one request of the real model takes tens of seconds.
+pytestmark = pytest.mark.timeout(600)
 MODEL = "smol"
 TRIP_PROMPT = "Plan a trip from Paris, France to Rome, Italy."
 
@@ -85,13 +88,20 @@ def test_a_cut_off_forced_call_leaks_no_markup(client: openai.OpenAI) -> None:
             assert choice.finish_reason == "length" and not choice.message.content and not choice.message.tool_calls
 
 
-def test_instructor_tools_mode_nested_and_iterable(url: str) -> None:
+def _instructor(url: str):
     instructor = pytest.importorskip("instructor")
-    client = instructor.from_openai(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0),
-                                    mode=instructor.Mode.TOOLS)
-    trip = client.chat.completions.create(model=MODEL, response_model=Trip, messages=_user(TRIP_PROMPT),
-                                          temperature=0, max_tokens=80, max_retries=0)
+    return instructor.from_openai(openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0),
+                                  mode=instructor.Mode.TOOLS)
+
+
+def test_instructor_tools_mode_nested_model(url: str) -> None:
+    trip = _instructor(url).chat.completions.create(model=MODEL, response_model=Trip, messages=_user(TRIP_PROMPT),
+                                                    temperature=0, max_tokens=80, max_retries=0)
     assert isinstance(trip, Trip) and trip.origin.name == "Paris"
+
+
+def test_instructor_tools_mode_iterable(url: str) -> None:
+    client = _instructor(url)
     cities = client.chat.completions.create(model=MODEL, response_model=Iterable[Capital], temperature=0,
                                             messages=_user("Extract the cities: Paris, Rome."),
                                             max_tokens=60, max_retries=0)
