@@ -282,7 +282,7 @@ def test_small_defects_each_answer_400_naming_the_field(client: openai.OpenAI) -
 
 
 def test_required_tool_calls_are_bounded_and_a_cut_off_turn_is_length(client: openai.OpenAI) -> None:
-    from mlx_serving.models.text_generation._structured import MAX_PARALLEL_CALLS
+    from mlx_serving.models.text_generation._forced_calls import MAX_PARALLEL_CALLS
 
     done = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                           max_tokens=110).choices[0]

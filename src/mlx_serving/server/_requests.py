@@ -281,7 +281,7 @@ def _content(content: Any, i: int) -> Any:
 
 def _tools(body: dict[str, Any], spec: dict[str, Any]) -> None:
     """``tools`` reach the template unless ``tool_choice`` is "none"; "required" and a named
-    function pass through (the serving forces the call's format: ``_structured.tool_call_format``),
+    function pass through (the serving forces the call's format: ``_forced_calls.tool_call_format``),
     as does ``parallel_tool_calls``."""
     choice = body.get("tool_choice")
     if choice is not None and body.get("tools") is None and choice != "none":

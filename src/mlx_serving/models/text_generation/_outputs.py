@@ -58,11 +58,20 @@ class RowParser:
 
     With neither ``reasoning`` nor ``tools`` the text is all content. Otherwise
     ``Qwen3OutputParser`` splits ``<think>...</think>`` (``reasoning``) and ``<tool_call>`` blocks
-    (``tools``), holding back partial tags; :meth:`finish` flushes what it holds."""
+    (``tools``), holding back partial tags; :meth:`finish` flushes what it holds.
 
-    def __init__(self, *, reasoning: bool, tools: bool):
+    ``forced`` (``tool_choice`` forced the turn's calls, so its text is ``<tool_call>`` blocks
+    only): content is dropped (what is left of a call cut off by ``max_tokens``, ``'<tool'``,
+    never reaches the client), and a call equal to an earlier one of the row (same name and
+    arguments) is dropped and sets :attr:`repeated` (the row is done: a small model repeats its
+    call until the grammar's last one otherwise)."""
+
+    def __init__(self, *, reasoning: bool, tools: bool, forced: bool = False):
         self._parser = Qwen3OutputParser(reasoning=reasoning, tools=tools) if reasoning or tools else None
+        self._forced = forced
+        self._seen: set[tuple[str, str]] = set()
         self.called = False  # a tool call was emitted
+        self.repeated = False  # forced: a call repeated an earlier one
 
     def feed(self, text: str) -> tuple[str, str, list[dict[str, Any]]]:
         """New text -> ``(content, reasoning_content, tool_calls)`` safe to emit now."""
@@ -71,12 +80,23 @@ class RowParser:
         return self._split(self._parser.feed(text))
 
     def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """End of the row: what the parser held back (an unterminated tool call as content)."""
+        """End of the row: what the parser held back (an unterminated tool call as content,
+        unless ``forced``)."""
         if self._parser is None:
             return "", "", []
         return self._split(self._parser.finish())
 
     def _split(self, delta: Delta) -> tuple[str, str, list[dict[str, Any]]]:
-        calls = [tool_call_dict(c) for c in delta.tool_calls]
+        if not self._forced:
+            calls = [tool_call_dict(c) for c in delta.tool_calls]
+            self.called = self.called or bool(calls)
+            return delta.content, delta.reasoning_content, calls
+        calls = []
+        for call in delta.tool_calls:
+            key = (call.name, call.arguments)
+            self.repeated = self.repeated or key in self._seen
+            if not self.repeated:
+                self._seen.add(key)
+                calls.append(tool_call_dict(call))
         self.called = self.called or bool(calls)
-        return delta.content, delta.reasoning_content, calls
+        return "", delta.reasoning_content, calls

@@ -26,7 +26,8 @@ from ...tokenization import Tokenizer
 from ..generation.sampling import MAX_SEED, SamplingParams, _show
 from ._options import GenerationOptions, _stop_tuple
 from ._schema import KEYS, GenerationInput, _keys, decode
-from ._structured import compile_response_format, tool_call_format
+from ._forced_calls import tool_call_format
+from ._structured import compile_response_format
 
 __all__ = ["ROLES", "GenerationRequest", "RowOutput", "completion_params", "completion_seed", "parse_request"]
 
@@ -56,7 +57,9 @@ class RowOutput:
     ``n`` > 1, logprobs, tools, thinking or stream usage); ``keep_stop``: a matched stop string stays
     at the end of the text (``include_stop_str_in_output``, vLLM's); ``usage``: each delta carries
     ``token_summary`` (the prompt's tokens and those generated so far: ``stream_usage``);
-    ``prompt_logprobs``: its first delta carries the prompt's log-probabilities (deltas too)."""
+    ``prompt_logprobs``: its first delta carries the prompt's log-probabilities (deltas too); ``forced``:
+    ``tool_choice`` forces the turn's tool calls (its text is calls only: no content, and a call
+    repeating an earlier one ends the row, see ``_outputs.RowParser``)."""
 
     input: int = 0
     index: int = 0
@@ -67,6 +70,7 @@ class RowOutput:
     keep_stop: bool = False
     usage: bool = False
     prompt_logprobs: bool = False
+    forced: bool = False
 
 
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,7 +174,7 @@ def sampling_params(spec: GenerationInput, tokenizer: Tokenizer, opts: Generatio
     tokenizer.vocab_size)``; ``logprobs`` true gives ``top_logprobs`` alternatives (0 by default).
     ``response_format``: OpenAI's shape, compiled to a grammar (``_structured``); ``tool_choice``
     "required" or a named function (with ``tools``; ``parallel_tool_calls`` false: one call) compiles
-    to the grammar of a forced call instead (:func:`~._structured.tool_call_format`).
+    to the grammar of a forced call instead (:func:`~._forced_calls.tool_call_format`).
     ``ignore_eos`` (vLLM's): the tokenizer's EOS ids do not end the row (it runs to
     ``max_new_tokens``, a stop string or a stop token); ``stop_token_ids`` (vLLM's): ids in
     ``[0, vocab_size)`` that end the row as EOS does (the id is the row's last token). Raises
@@ -262,7 +266,8 @@ def _output(spec: GenerationInput, chat: bool, params: SamplingParams, n: int) -
     prompt = spec.prompt_logprobs is not None
     return RowOutput(logprobs=logprobs, reasoning=reasoning, tools=tools,
                      deltas=n > 1 or logprobs or reasoning or tools or usage or prompt,
-                     keep_stop=bool(spec.include_stop_str_in_output), usage=usage, prompt_logprobs=prompt)
+                     keep_stop=bool(spec.include_stop_str_in_output), usage=usage, prompt_logprobs=prompt,
+                     forced=tools and spec.tool_choice not in (None, "auto", "none"))
 
 
 @contextmanager

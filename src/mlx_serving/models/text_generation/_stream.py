@@ -86,7 +86,9 @@ class GenerationTransducer:
     [, "tool_calls"][, "logprobs"][, "token_summary"]}`` (index: which of its n completions;
     logprobs: one entry per token of the event, see ``TokenTexts.entry``; token_summary, with
     ``stream_usage``: ``{"input", "output"}`` tokens so far), then per completion a final dict as above with
-    ``"index"`` (``finish_reason`` "tool_calls" when it emitted a tool call). For a list input
+    ``"index"`` (``finish_reason`` "tool_calls" when it emitted a tool call and was not cut by
+    max_new_tokens; a forced turn whose call repeats an earlier one ends there, the repeat
+    dropped: ``RowParser``). For a list input
     every item is an ``(input_index, item)`` pair. A row's joined ``content`` (or pieces) equals
     its non-streamed ``generated_text``. A row asking for ``prompt_logprobs`` first gives the delta
     ``{"index", "content": "", "prompt_logprobs": [...]}`` (and with ``max_new_tokens`` 0 its final
@@ -98,10 +100,11 @@ class GenerationTransducer:
         self._outputs = [info.output(r) for r in range(len(info.stops))]
         self._rows = [RowText(StreamingDetokenizer(tokenizer), stops, pieces=not (stops or output.deltas),
                               keep_stop=output.keep_stop) for stops, output in zip(info.stops, self._outputs)]
-        self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools) for o in self._outputs]
+        self._parsers = [RowParser(reasoning=o.reasoning, tools=o.tools, forced=o.forced) for o in self._outputs]
         self._texts = TokenTexts(tokenizer) if any(o.logprobs or o.prompt_logprobs for o in self._outputs) else None
         self._stop: list[int] = []
-        self.live = any(info.stops)  # only stop strings need tokens as they arrive
+        # only stop strings and forced tool calls (a repeated call ends the row) need tokens as they arrive
+        self.live = any(info.stops) or any(o.forced for o in self._outputs)
 
     def feed(self, row_index: int, event: TokenEvent | PromptEvent) -> list[Any]:
         """One :class:`TokenEvent` (or the row's first event, a :class:`PromptEvent`) of row
@@ -166,6 +169,9 @@ class GenerationTransducer:
     def _delta_items(self, row_index: int, text: str, row: RowText, event: TokenEvent) -> list[Any]:
         output, parser = self._outputs[row_index], self._parsers[row_index]
         content, reasoning, calls = parser.feed(text)
+        if parser.repeated and row.finish_reason is None:  # a forced turn repeats a call: it is done
+            row.finish_reason = FinishReason.STOP
+            self._stop.append(row_index)
         if row.finish_reason is not None:
             rest = parser.finish()
             content, reasoning, calls = content + rest[0], reasoning + rest[1], calls + rest[2]

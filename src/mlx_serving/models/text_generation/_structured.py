@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...serving import InvalidInput
-from ._parsers import CALL_END, CALL_START
 
 if TYPE_CHECKING:
     import llguidance
 
     from ...tokenization import Tokenizer
 
-__all__ = ["GrammarConstraint", "GrammarFactory", "compile_response_format", "constraint_factory", "tool_call_format"]
+__all__ = ["GrammarConstraint", "GrammarFactory", "compile_response_format", "constraint_factory"]
 
 logger = logging.getLogger("mlx_serving")
 
@@ -58,9 +57,6 @@ _JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _COMPILED_CACHE = 512  # distinct response formats kept compiled
 _MATCHER_CACHE = 16  # distinct grammars kept as ready matchers per factory (each up to ~40 MB: _LIMITS)
-#: Most calls a forced ``tool_choice: "required"`` allows in one turn: then the grammar is complete
-#: and the turn ends (a small model otherwise repeats the same call until max_tokens).
-MAX_PARALLEL_CALLS = 4
 #: Most characters of a response format's JSON text (a schema, a regex, a Lark grammar).
 MAX_FORMAT_CHARS = 64 << 10
 #: Most rules of a Lark grammar: llguidance compiles a chain of rules by recursion on the calling
@@ -153,59 +149,6 @@ def _compile(canonical: str) -> str | None:
         raise ValueError(f"response_format.grammar has more than {MAX_GRAMMAR_RULES} rules")
     grammar = matcher.grammar_from_regex(source) if kind == "regex" else matcher.grammar_from_lark(source)
     return _validated(grammar, kind)
-
-
-def tool_call_format(tools: list[dict[str, Any]], choice: object, parallel: bool) -> dict[str, Any] | None:
-    """The ``response_format`` that forces a tool call: None for ``tool_choice`` None, "auto" or
-    "none"; for "required" 1 to :data:`MAX_PARALLEL_CALLS` calls (one when not ``parallel``) of any of ``tools``; for
-    ``{"type": "function", "function": {"name": N}}`` one call of ``N``. A call is the output
-    parser's hermes block, ``<tool_call>\n{"name": N, "arguments": {...}}\n</tool_call>``
-    (``_parsers``), its arguments held to the tool's ``parameters`` schema (any object without one),
-    as vLLM forces it (``vllm/entrypoints/openai/protocol.py``, ``_get_json_schema_from_tool``).
-
-    Raises InvalidInput naming ``tool_choice`` (an unknown choice, a name not among ``tools``) or
-    ``tools`` (an entry without a function name, parameters that are not an object), in its
-    message and as its ``param``."""
-    if choice in (None, "auto", "none"):
-        return None
-    specs = [_tool_spec(t, i) for i, t in enumerate(tools)]
-    if choice == "required":
-        chosen = specs
-    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
-          and isinstance(choice["function"].get("name"), str)):
-        name = choice["function"]["name"]
-        chosen = [spec for spec in specs if spec[0] == name]
-        if not chosen:
-            raise InvalidInput(f"tool_choice names the function {name!r:.80}, which is not in 'tools' "
-                               f"({sorted(n for n, _ in specs)})", "tool_choice")
-        parallel = False
-    else:
-        raise InvalidInput("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': "
-                           f"{{'name': str}}}}, got {choice!r:.80}", "tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-              "required": ["name", "arguments"], "additionalProperties": False} for name, params in chosen]
-    schema: dict[str, object] = {"anyOf": calls} if len(calls) > 1 else calls[0]
-    schema["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    body = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"
-    return {"type": "grammar", "grammar": f'{start}\ncall: "{CALL_START}\\n" args "\\n{CALL_END}"\nargs: %json {body}\n'}
-
-
-def _tool_spec(tool: object, i: int) -> tuple[str, dict[str, Any]]:
-    """``(name, parameters schema)`` of ``tools[i]`` (OpenAI's ``{"type": "function", "function":
-    {...}}`` or the bare function object)."""
-    fn = tool.get("function", tool) if isinstance(tool, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(fn, dict) or not isinstance(name, str) or not name:
-        raise InvalidInput(f"tools[{i}] needs a function name (a non-empty string) to be forced by tool_choice",
-                           "tools")
-    params = fn.get("parameters")
-    if params is None:
-        return name, {"type": "object"}
-    if not isinstance(params, dict):
-        raise InvalidInput(f"tools[{i}].function.parameters must be a JSON Schema object, "
-                           f"got {type(params).__name__}", "tools")
-    return name, params
 
 
 def _check_keys(value: Mapping[str, Any], allowed: set[str], where: str) -> None:
