@@ -24,6 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pool"))  # pool_servings, for the workers too
 
 from mlx_serving.serving import ServingPool, WorkerCrashed, WorkerUnresponsive  # noqa: E402
+from portable import open_fds  # noqa: E402
 
 LIVENESS = 1.5  # liveness_timeout of the pool under test (heartbeats every 0.375 s)
 MARGIN = 1.0  # scheduling slack on a shared machine
