@@ -62,7 +62,7 @@ def serve_process(ckpt: Path, *options: str, env: dict[str, str] | None = None) 
 
 @pytest.fixture(scope="module")
 def cli_server(tiny_ckpt: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    with serve_process(tiny_ckpt, "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4",
+    with serve_process(tiny_ckpt, "--workers", "2", "--max-len", "320", "--max-batch", "8", "--max-new-tokens", "4", "--temperature", "0",
                        "--log-level", "warning", env={API_KEY_ENV: KEY}) as served:
         yield served
 
@@ -146,7 +146,7 @@ def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):
     answering an unmodified OpenAI client with real text (streamed and not)."""
     cache = private_cache(tmp_path / "cache")  # fetched once, converted anew here; the built kernels
     port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "mlx_serving", "serve", "--port", str(port), "--max-len", "256", "--max-new-tokens", "32",
+    process = subprocess.Popen([sys.executable, "-m", "mlx_serving", "serve", "--port", str(port), "--max-len", "256", "--max-new-tokens", "32", "--temperature", "0",
                                 "--max-batch", "2", "--log-level", "warning"],
                                env={**os.environ, "MLX_SERVING_CACHE": str(cache)}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -83,9 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], 
     add_engine_arguments(p, rows=True)
     p.add_argument("--max-queue", type=int, default=512,
                    help="rows waiting (per worker) before requests are refused with 503 + Retry-After")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="default temperature of a request that gives none (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="default top_p of a request that gives none")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="sampling defaults of a request that names none: 'auto' (vLLM's): the model's "
+                        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), "
+                        "else OpenAI's (temperature 1, top_p 1); 'vllm': OpenAI's, ignoring the file")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default temperature of a request that gives none, over --generation-config (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="default top_p of a request that gives none, over --generation-config")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take before it is withdrawn (504; default: no limit)")
     p.add_argument("--stuck-after", type=float, default=60.0,
@@ -330,9 +335,10 @@ def _generation_options(args: argparse.Namespace) -> dict[str, Any]:
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = default_max_new_tokens(args.max_len, _SERVE_MAX_NEW_TOKENS)
-    options = dict(max_new_tokens=max_new_tokens, max_len=args.max_len, temperature=args.temperature,
-                   top_p=args.top_p, **engine_options(args))
+    given = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
+    options = dict(max_new_tokens=max_new_tokens, max_len=args.max_len, **given, **engine_options(args))
     GenerationOptions(**options)  # a bad option fails before the server starts
+    options["generation_config"] = args.generation_config  # resolved per model: _sampling_defaults
     if args.max_queue < args.max_batch:
         raise ValueError(f"--max-queue ({args.max_queue}) must be >= --max-batch ({args.max_batch})")
     return options
@@ -392,6 +398,22 @@ def _load(models: list[tuple[str, str | None]], options: dict[str, Any], workers
     return served
 
 
+#: OpenAI's sampling defaults (and vLLM's without a generation_config.json): what a request naming
+#: none gets unless the model's file or a flag says otherwise.
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0}
+
+
+def _sampling_defaults(path: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the model's sampling defaults (``--generation-config``: "auto" reads
+    ``path``'s generation_config.json, "vllm" does not; then OpenAI's; flags given win)."""
+    from ..models.text_generation._options import sampling_defaults
+
+    options = dict(options)
+    mode = options.pop("generation_config", "auto")
+    found = sampling_defaults(path) if mode == "auto" else {}
+    return {**OPENAI_SAMPLING, **found, **options}
+
+
 def _generation_model(path: Path, options: dict[str, Any], workers: int, max_queue: int) -> ServedModel:
     """A started text-generation client (a handle, or a pool of ``workers``) as a ServedModel."""
     from ..models import text_generation
@@ -399,6 +421,7 @@ def _generation_model(path: Path, options: dict[str, Any], workers: int, max_que
     from ._models import ServedModel
 
     tokenizer = Tokenizer.from_dir(path)  # for /tokenize; the serving's own when in process
+    options = _sampling_defaults(path, options)
     client = _start(text_generation.from_mlx4bit, path, tokenizer, options, workers, max_queue)
     return ServedModel(client, options["max_len"], tokenizer)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
+from pathlib import Path
 
 from ..decoder.kv_cache import BLOCK_SIZE
 from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig
+from .._checkpoint import read_json
 from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions",
@@ -46,6 +49,9 @@ class GenerationOptions:
     top_p: in (0, 1]; with temperature > 0, sample from the smallest set of most probable tokens
       whose mass reaches top_p (nucleus sampling, Holtzman et al. 2020); 1 = plain temperature
       sampling.
+    top_k, min_p, repetition_penalty: optional defaults of those sampling options (None: the
+      sampler's own: off); ``sampling_defaults(path)`` reads them, with temperature and top_p,
+      from a checkpoint's generation_config.json (what ``serve --generation-config auto`` uses).
     chat: plain-text inputs become one user message rendered with the chat template.
     stop: stop strings (a string or a list of at most 16, each 1..256 characters); generation ends
       when the text contains one (it is not returned).
@@ -85,6 +91,9 @@ class GenerationOptions:
     max_len: int = 2048
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     chat: bool = False
     stop: tuple[str, ...] = field(default=())
     profile_timing: bool = True
@@ -107,13 +116,18 @@ class GenerationOptions:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
         max_new = default_max_new_tokens(self.max_len) if self.max_new_tokens is None else self.max_new_tokens
         object.__setattr__(self, "max_new_tokens", max_new)
-        SamplingParams(max_new, self.temperature, self.top_p)  # validates
+        replace(SamplingParams(max_new, self.temperature, self.top_p), **self.sampling_extras())  # validates
         config = self.engine  # checks every engine field (by its part) and keeps the config
         if config.cache.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if max_new >= self.max_len:
             raise ValueError(f"max_new_tokens {max_new} must be < max_len {self.max_len}: "
                              "no prompt would fit (leave max_new_tokens out for a default that fits)")
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """The optional sampling defaults that are set (``top_k``, ``min_p``, ``repetition_penalty``).
+        Any: SamplingParams keyword arguments by name (each checked by its ``__post_init__``)."""
+        return {k: v for k in _EXTRAS if (v := getattr(self, k)) is not None}
 
     @cached_property
     def engine(self) -> EngineConfig:
@@ -158,3 +172,34 @@ def _stop_tuple(stop: object) -> tuple[str, ...]:
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s):,}")
         strings.append(s)
     return tuple(strings)
+
+
+_EXTRAS = ("top_k", "min_p", "repetition_penalty")
+#: The sampling keys a checkpoint's generation_config.json may set as defaults (vLLM's
+#: ``--generation-config auto`` reads the same ones).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(checkpoint: Path) -> dict[str, Any]:
+    """The sampling defaults ``checkpoint``'s generation_config.json sets (the keys of
+    :data:`SAMPLING_DEFAULT_KEYS` holding numbers; ``top_k`` 0 or below means off and is left out);
+    ``{}`` without the file. The file is untrusted: read within the checkpoint, size-bounded;
+    ValueError naming it when it is malformed or a value is out of range for the sampler."""
+    path = checkpoint / "generation_config.json"
+    if not path.is_file():
+        return {}
+    raw = read_json(path, checkpoint)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    found: dict[str, Any] = {}  # Any: SamplingParams keyword arguments by name, numbers here
+    for key in SAMPLING_DEFAULT_KEYS:
+        value = raw.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            found[key] = value
+    if found.get("top_k", 1) <= 0:
+        found.pop("top_k")
+    try:
+        replace(SamplingParams(1), **found)  # __post_init__ checks each value
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return found
