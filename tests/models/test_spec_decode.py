@@ -194,7 +194,7 @@ def test_engine_sampled_distribution_matches_plain_decoding(tiny32):
     of them from verified drafts) have the distribution of plain decoding (two-sample
     chi-square over the tokens logit_bias makes likely)."""
     base = [5, 6, 7, 8] * 5
-    bias = {5: 9.0, 6: 8.5, 7: 8.0, 8: 8.5}
+    bias = {5: 20.0, 6: 19.5, 7: 19.0, 8: 19.5}
     counts = []
     for on, seeds in ((False, range(0, 160)), (True, range(1000, 1160))):
         cfg = EngineConfig.of(max_batch=32, max_len=64, speculative_config=SPEC if on else None)
