@@ -289,3 +289,30 @@ def test_cli_flag_reaches_the_engine_config():
     args = p.parse_args(["--speculative-config", json.dumps(SPEC)])
     assert GenerationOptions(**engine_options(args)).engine.speculative == SpeculativeConfig(**SPEC)
     assert GenerationOptions(**engine_options(p.parse_args([]))).engine.speculative is None
+
+
+def test_serving_stats_and_metrics_carry_the_spec_decode_counters(tiny32):
+    """The text-generation backend reports the engine's counters; /metrics exports them under
+    vLLM's names (per position labelled)."""
+    from mlx_serving.models.text_generation._backend import GenerationBackend
+    from mlx_serving.models.text_generation._inputs import Prompt
+    from mlx_serving.serving import ServingStats
+    from mlx_serving.server._metrics import Metrics
+
+    backend = GenerationBackend(tiny32, GenerationOptions(max_new_tokens=30, max_len=96, max_batch=2,
+                                                          speculative_config=SPEC))
+    engine = backend.init("inline", None, 1)
+    rows = [(i, Prompt(p, SamplingParams(30))) for i, p in enumerate(_prompts(12)[6:8])]
+    assert backend.admit(engine, rows, 0) == []
+    while backend.active(engine):
+        backend.step(engine)
+    stats = backend.stats(engine)
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_accepted_tokens_per_pos_0"] <= stats["spec_decode_num_drafts"]
+    served = ServingStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, backend=stats)
+    text = Metrics(lambda: {"m": served}).exposition().decode()
+    accepted_line = f'mlx_serving:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(stats["spec_decode_num_accepted_tokens"])}'
+    assert accepted_line in text
+    assert 'mlx_serving:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+    plain = ServingStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, backend={"seqs_running": 0})
+    assert "spec_decode" not in Metrics(lambda: {"m": plain}).exposition().decode()  # speculation off: none
