@@ -329,10 +329,10 @@ def test_a_bad_option_fails_before_the_model_is_resolved(capsys: pytest.CaptureF
 _ENGINE_ARGS = ["--prefill-chunk", "8", "--max-num-batched-tokens", "24", "--kv-cache-memory-bytes", "4000000",
                 "--no-enable-prefix-caching", "--block-size", "8", "--buffer-cache-bytes", "none",
                 "--decode-path", "sdpa", "--compile-decode", "--no-bucket-shapes", "--no-pack-prefill",
-                "--max-causal-groups", "2"]
+                "--max-causal-groups", "2", "--speculative-config", '{"num_speculative_tokens": 3}']
 _ENGINE_VALUES = dict(prefill_chunk=8, max_step_tokens=24, kv_cache_bytes=4000000, prefix_caching=False, block_size=8,
                       buffer_cache_bytes=None, decode_path="sdpa", compile_decode=True, bucket_shapes=False,
-                      pack_prefill=False, max_causal_groups=2)
+                      pack_prefill=False, max_causal_groups=2, speculative_config='{"num_speculative_tokens": 3}')
 
 
 def test_every_engine_field_has_a_flag() -> None:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_serving.models.generation import (CacheConfig, DecodeConfig, Engine, EngineConfig, SamplingParams,
-                                           SchedulerConfig)
+                                           SchedulerConfig, SpeculativeConfig)
 from mlx_serving.models.text_generation import GenerationOptions
 from mlx_serving.models.text_generation._backend import GenerationBackend
 from mlx_serving.models.text_generation._inputs import Prompt
@@ -22,7 +22,8 @@ from mlx_serving.models.text_generation._options import GPU_STEP_TOKENS
 _OTHER: dict[str, Any] = dict(max_batch=3, prefill_chunk=8, max_step_tokens=40, policy="priority", max_len=96,
                               block_size=8, kv_cache_bytes=None, kv_cache_fraction=0.01, prefix_caching=False,
                               buffer_cache_bytes=1 << 20, decode_path="sdpa", compile_decode=True,
-                              bucket_shapes=False, pack_prefill=False, max_causal_groups=2)
+                              bucket_shapes=False, pack_prefill=False, max_causal_groups=2,
+                              speculative_config=SpeculativeConfig(num_speculative_tokens=3))
 
 
 @pytest.mark.parametrize("part, field, bad", [
@@ -46,7 +47,8 @@ def test_each_part_refuses_a_bad_field_by_name(part: type, field: str, bad: obje
 def test_of_routes_every_field_to_its_part_and_refuses_unknown_names() -> None:
     config = EngineConfig.of(**_OTHER)
     parts = (config.scheduler, config.cache, config.decode)
-    assert {f.name: getattr(p, f.name) for p in parts for f in dataclasses.fields(p)} == _OTHER
+    fields = {f.name: getattr(p, f.name) for p in parts for f in dataclasses.fields(p)}
+    assert fields | {"speculative_config": config.speculative} == _OTHER
     assert sorted(EngineConfig.field_names()) == sorted(_OTHER)  # no two parts share a name
     assert EngineConfig.of() == EngineConfig()
     with pytest.raises(TypeError, match="max_num_seqs"):

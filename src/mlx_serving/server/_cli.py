@@ -155,6 +155,10 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         action=argparse.BooleanOptionalAction,
         help="run a multi-row prefill as one packed row (default: the runner decides)")),
     (("--max-causal-groups",), dict(type=int, help="most causal groups of one packed prefill's attention")),
+    (("--speculative-config",), dict(
+        metavar="JSON",
+        help='speculative decoding as vLLM names it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/generation.md)')),
 )
 
 

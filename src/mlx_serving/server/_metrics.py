@@ -33,7 +33,10 @@ waiting ones, ``queued``: in the serving's queue or the engine's, each once),
 the prefix cache, as vLLM counts them), ``num_preemptions_total``,
 ``serving_requests_total{outcome}`` (the serving's ``completed``, ``failed``, ``cancelled``,
 ``expired``, ``rejected``) and ``iteration_tokens_total`` (a histogram of the tokens each engine
-step computed, prefill and decode, from the backend's ``iteration_tokens_le_<bound>`` buckets).
+step computed, prefill and decode, from the backend's ``iteration_tokens_le_<bound>`` buckets);
+with speculative decoding on, vLLM's ``spec_decode_num_drafts_total``,
+``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+``spec_decode_num_accepted_tokens_per_pos_total{position}`` (the backend's ``spec_decode_*``).
 
 Read from the model registry at each scrape (models loaded on demand, docs/server.md):
 ``model_loaded`` (a gauge per model: 1 while loaded, else 0; ``sum()`` is the number of loaded
@@ -201,8 +204,16 @@ class _StatsCollector(Collector):
                                        labels=["model_name", "outcome"])
         iteration = HistogramMetricFamily(PREFIX + "iteration_tokens_total", "Tokens computed per engine step.",
                                           labels=["model_name"])
+        spec = {name: _per_model(CounterMetricFamily, name, text) for name, text in _SPEC_COUNTERS}
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens per draft position.", labels=["model_name", "position"])
         for model, s in self._stats().items():
             kv = s.backend
+            for name in spec if "spec_decode_num_drafts" in kv else ():
+                spec[name].add_metric([model], kv.get(name, 0))
+            for key, value in kv.items():
+                if key.startswith(_PER_POS):
+                    per_pos.add_metric([model, key[len(_PER_POS):]], value)
             # ServingStats.queued already counts the rows waiting in the engine's own queue
             running.add_metric([model], kv.get("seqs_running", s.running))
             waiting.add_metric([model], s.queued)
@@ -217,6 +228,13 @@ class _StatsCollector(Collector):
             if buckets:
                 iteration.add_metric([model], buckets, kv.get("iteration_tokens_sum", 0))
         yield from (running, waiting, usage, queries, hits, preemptions, outcomes, iteration)
+        yield from (m for m in (*spec.values(), per_pos) if m.samples)  # only with speculation on
+
+
+_SPEC_COUNTERS = (("spec_decode_num_drafts", "Speculative verifies (drafts) run."),
+                  ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                  ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos_"
 
 
 class _LifecycleCollector(Collector):

@@ -60,7 +60,7 @@ class Rows:
     padding: written to the null block, never attended); ``kv_len`` the attention
     span (at least the max over rows of start + n_valid; callers may round it up; unused with
     ``causal_groups``, where each group's span is its start + T); ``last`` (B,) int32 index in ``[0, T)`` of
-    the token whose logits each row returns; ``dense`` True when B == 1 and the row has
+    the token whose logits each row returns (unless ``gather`` is set); ``dense`` True when B == 1 and the row has
     no padding (then no mask array is built: ``"causal"`` at T > 1, none at T == 1).
     ``block_table`` (B, W) int32 (:class:`~models.decoder.kv_cache.PagedKVCache`): the KV blocks
     of each row in order (W >= ceil(kv_len / block_size); unused entries and padding rows 0, the
@@ -81,6 +81,10 @@ class Rows:
     ``<= start + j``; positions past a row's end are seen only by its padding queries), and on
     MLX's CUDA build ~9x cheaper (bench/gpu_prefill.py: 1.8 vs 16.1 ms at 256 x 512 queries
     over 1,024 keys: the boolean mask becomes an additive bias cuDNN reads per head).
+
+    ``gather``: (M,) int32 flat indices into the padded ``B * T`` token layout whose logits the
+    forward returns, in that order, instead of one per row at ``last`` (a speculative verify span
+    needs every position's).
     """
 
     tokens: mx.array
@@ -93,6 +97,7 @@ class Rows:
     packed: mx.array | None = None
     unpacked: mx.array | None = None
     causal_groups: tuple[tuple[int, int, int], ...] | None = None
+    gather: mx.array | None = None
 
 
 def packing(n_valid: np.ndarray, t: int, n: int | None = None) -> tuple[mx.array, mx.array]:
@@ -117,9 +122,11 @@ def token_ids(rows: Rows) -> mx.array:
 
 
 def last_hidden(h: mx.array, rows: Rows) -> mx.array:
-    """Hidden states ``(B, F)`` at each row's ``rows.last`` token, from the layers' output
-    ``h`` (``(N, F)`` packed, ``(B * T, F)`` padded)."""
+    """Hidden states ``(B, F)`` at each row's ``rows.last`` token (``(M, F)`` at ``rows.gather``
+    when set), from the layers' output ``h`` (``(N, F)`` packed, ``(B * T, F)`` padded)."""
     b, t = rows.tokens.shape
+    if rows.gather is not None:
+        return h[rows.gather if rows.unpacked is None else rows.unpacked[rows.gather]]
     if rows.unpacked is not None:  # packed (``packed`` and ``unpacked`` are set together)
         return h[mx.take_along_axis(rows.unpacked.reshape(b, t), rows.last[:, None], axis=1)[:, 0]]
     if t == 1:

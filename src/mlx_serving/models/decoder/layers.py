@@ -125,7 +125,7 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend[State]
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
     Returns logits ``(B, vocab_size)`` in the activation dtype, one row per batch row, at token
-    index ``rows.last``. ``decode``: the backend one-token rows go through (default: the generic
+    index ``rows.last`` (``(M, vocab_size)`` at ``rows.gather`` when set). ``decode``: the backend one-token rows go through (default: the generic
     matmul path).
     """
     c = state.config

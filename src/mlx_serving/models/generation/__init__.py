@@ -9,7 +9,7 @@ sampler chain for the whole batch on the device; structured output plugs in thro
 """
 
 from .block_pool import BlockPool, block_hash
-from .config import CacheConfig, DecodeConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, DecodeConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .engine import Engine
 from .events import FinishReason, SeqEvent
 from .generate import generate
@@ -25,5 +25,5 @@ from .scheduler import Scheduler, SchedulerOutput
 __all__ = ["BLOCK_SIZE", "BlockPool", "CacheConfig", "ConstraintFactory", "DecodeConfig", "Engine", "EngineConfig",
            "FCFSPolicy", "FinishReason", "KVCacheManager", "KVStats", "ModelRunner", "PagedKVCache", "Policy",
            "PriorityPolicy", "Request", "SamplerKind", "SamplingParams", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "SeqBlocks", "SeqEvent", "TokenConstraint", "block_hash", "generate",
+           "SchedulerOutput", "SeqBlocks", "SeqEvent", "SpeculativeConfig", "TokenConstraint", "block_hash", "generate",
            "init_paged_kv_cache", "make_policy", "plan_blocks"]

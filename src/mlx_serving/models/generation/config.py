@@ -2,17 +2,20 @@
 
 :class:`SchedulerConfig` (rows, chunked prefill, the per-step token budget, the queue policy),
 :class:`CacheConfig` (sequence length, the paged KV block pool, prefix caching, MLX's buffer
-cache) and :class:`DecodeConfig` (how steps run: decode path, compilation, shape buckets, packed
-prefill). Each part checks its own fields when built (ValueError naming the field); the
+cache), :class:`DecodeConfig` (how steps run: decode path, compilation, shape buckets, packed
+prefill) and :class:`SpeculativeConfig` (speculative decoding, vLLM's ``speculative_config``; None:
+off). Each part checks its own fields when built (ValueError naming the field); the
 text-generation serving builds one from its options (``GenerationOptions.engine``), the CLI from
 its flags through those options, and :class:`~.engine.Engine` reads it: built once, passed down,
 never copied field by field. :meth:`EngineConfig.of` builds one from flat keywords (the fields of
-the three parts by name).
+the parts by name; the speculative part as ``speculative_config``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +25,8 @@ from ..decoder.memory import on_cuda
 from .policy import Policy
 from .sampling import _show
 
-__all__ = ["BUFFER_CACHE_BYTES", "POLICIES", "CacheConfig", "DecodeConfig", "EngineConfig", "SchedulerConfig"]
+__all__ = ["BUFFER_CACHE_BYTES", "POLICIES", "SPECULATIVE_METHODS", "CacheConfig", "DecodeConfig", "EngineConfig",
+           "SchedulerConfig", "SpeculativeConfig"]
 
 #: MLX's buffer cache bound an engine sets by default (``mx.set_cache_limit``): freed buffers MLX
 #: keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of 25.7 GB in
@@ -31,6 +35,9 @@ BUFFER_CACHE_BYTES = 1 << 30
 
 #: The queue policies by name (:func:`~.policy.make_policy`).
 POLICIES = ("fcfs", "priority")
+
+#: Speculative decoding methods (vLLM's ``speculative_config["method"]``) this engine runs.
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _positive(name: str, value: object, *, optional: bool = False) -> None:
@@ -160,19 +167,73 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/generation.md, "Speculative decoding"), vLLM's
+    ``speculative_config`` names.
+
+    method: "ngram" (prompt lookup: drafts copied from the row's own prompt and output after the
+      latest earlier occurrence of its last n tokens; no second model).
+    num_speculative_tokens: most draft tokens per row per step (k), >= 1; each row lowers its own
+      k, or stops proposing for a while, when its drafts are rejected.
+    prompt_lookup_max / prompt_lookup_min: the longest / shortest n-gram matched, >= 1, min <= max
+      (the longest match found wins).
+
+    Raises ValueError naming the field for a value out of range or an unknown method
+    ("draft_model" included: not built yet).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method must be one of {list(SPECULATIVE_METHODS)}, got {_show(self.method)}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min must be <= prompt_lookup_max={self.prompt_lookup_max}, "
+                             f"got {self.prompt_lookup_min}")
+
+    @classmethod
+    def parse(cls, value: object) -> SpeculativeConfig | None:
+        """``value`` as a config: None (off), a SpeculativeConfig, a mapping of its fields by name,
+        or that mapping as a JSON string (the ``--speculative-config`` flag). Raises ValueError
+        naming ``speculative_config`` for anything else, unknown keys or bad JSON, and naming the
+        field for a bad value."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e})") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be None, a mapping or a JSON object, got {_show(value)}")
+        unknown = sorted(set(value) - set(_names(cls)))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown} (known: {list(_names(cls))})")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an :class:`~.engine.Engine` is built with, by concern: ``scheduler``, ``cache``,
-    ``decode`` (each checked when built)."""
+    ``decode`` and ``speculative`` (None: no speculative decoding), each checked when built."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def of(cls, **options: Any) -> EngineConfig:
-        """The config with ``options`` (fields of the three parts, by name; the rest at their
-        defaults), e.g. ``EngineConfig.of(max_batch=4, max_len=256, block_size=8)``. Raises
-        TypeError for a name no part has, ValueError (naming it) for a bad value."""
+        """The config with ``options`` (fields of the three parts by name, and ``speculative_config``:
+        whatever :meth:`SpeculativeConfig.parse` takes; the rest at their defaults), e.g.
+        ``EngineConfig.of(max_batch=4, max_len=256, block_size=8)``. Raises TypeError for a name no
+        part has, ValueError (naming it) for a bad value."""
         unknown = sorted(set(options) - set(cls.field_names()))
         if unknown:
             raise TypeError(f"unknown engine options {unknown} (known: {sorted(cls.field_names())})")
@@ -181,12 +242,14 @@ class EngineConfig:
             return {k: v for k, v in options.items() if k in _names(part)}
 
         return cls(SchedulerConfig(**pick(SchedulerConfig)), CacheConfig(**pick(CacheConfig)),
-                   DecodeConfig(**pick(DecodeConfig)))
+                   DecodeConfig(**pick(DecodeConfig)), SpeculativeConfig.parse(options.get("speculative_config")))
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """The fields of the three parts, by name (no two parts share one)."""
-        return tuple(name for part in (SchedulerConfig, CacheConfig, DecodeConfig) for name in _names(part))
+        """The fields of the three parts, by name (no two parts share one), and
+        ``speculative_config``."""
+        parts = (SchedulerConfig, CacheConfig, DecodeConfig)
+        return tuple(name for part in parts for name in _names(part)) + ("speculative_config",)
 
 
 def _names(part: type) -> tuple[str, ...]:

@@ -15,6 +15,13 @@ Blocks of a prompt's longest cached prefix are reused (automatic prefix caching)
 sequence takes blocks as it grows and returns them when it finishes or is cancelled; when the pool
 runs dry the policy's victim is preempted and later recomputes prompt + generated tokens (its tokens
 already emitted are not emitted again, and its output does not change).
+
+With ``config.speculative`` (n-gram prompt lookup, :mod:`.spec_decode`), a decoding sequence may
+verify a draft of k tokens in one k+1-token row of the step's forward and emit up to k + 1 tokens
+at once; its outcome lands at the start of the next step (before the plan: its next draft
+depends on it), as does the token of any sequence about to propose. Output is the same as without
+speculation: token for token greedy, and for a seeded sampled sequence too (one uniform per emitted
+token, in order).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from .protocol import ConstraintFactory
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .spec_decode import Speculator
 
 
 __all__ = ["Engine"]
@@ -68,6 +76,8 @@ class Engine:
       prefilling sequence always gets its chunk, and a cached prefix is reused in whole
       ``prefill_chunk`` multiples, so every chunk starts on a warmed shape), ``pack_prefill`` /
       ``max_causal_groups`` (how a multi-row prefill runs, :class:`~.model_runner.ModelRunner`).
+    - ``config.speculative``: speculative decoding (:class:`~.config.SpeculativeConfig`; None: off);
+      its counters are :meth:`spec_decode_stats`.
 
     Raises ValueError when the KV budget holds no sequence of ``max_len``, or for the fused decode
     path where its CUDA kernels cannot run; TypeError when ``config`` is not an EngineConfig.
@@ -91,8 +101,10 @@ class Engine:
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
+        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(s.max_batch, kv, make_policy(s.policy), s.prefill_chunk, s.max_step_tokens,
-                                   whole_chunks=bucket)  # chunk starts stay on the warmed shapes
+                                   whole_chunks=bucket,  # chunk starts stay on the warmed shapes
+                                   speculator=self.speculator)
         compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
         self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
@@ -137,6 +149,11 @@ class Engine:
         """Block and prefix-cache counters (:class:`~.kv_cache_manager.KVStats`)."""
         return self.scheduler.kv.stats()
 
+    def spec_decode_stats(self) -> dict[str, float]:
+        """Speculative decoding counters (:meth:`~.spec_decode.SpecStats.stats`: drafts, draft
+        tokens, accepted tokens, accepted tokens per draft position); {} without speculation."""
+        return self.speculator.stats.stats() if self.speculator is not None else {}
+
     def _fits(self, prompt_len: int, max_new_tokens: int) -> bool:
         return 1 <= prompt_len and prompt_len + max_new_tokens <= self.config.cache.max_len
 
@@ -174,7 +191,8 @@ class Engine:
             constraint = self._constraint_factory(params.grammar, params.eos_token_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         request = Request(seq_id, prompt, params, chain, np.random.default_rng(seed), time.perf_counter(),
-                          constraint, priority=int(priority))
+                          constraint, priority=int(priority),
+                          spec=self.speculator.new_state(params) if self.speculator is not None else None)
         self._by_id[seq_id] = request
         self.scheduler.add(request)
 
@@ -198,9 +216,9 @@ class Engine:
         """
         self._check_open()
         events: list[SeqEvent] = []
-        if self._flight is not None and any(r.constraint is not None and not r.finished
-                                            for r, _ in self._flight.produced):
-            events += self._land()  # a constrained row's mask needs its last token
+        if self._flight is not None and (self._flight.verifies or any(
+                (r.constraint is not None and not r.finished) or r.may_propose for r, _ in self._flight.produced)):
+            events += self._land()  # a constrained row's mask / a draft needs its last token
         plan = self.scheduler.schedule()
         if not plan.empty:
             self.iteration_tokens.observe(plan.num_scheduled_tokens)
@@ -215,10 +233,19 @@ class Engine:
     def _land(self) -> list[SeqEvent]:
         if self._flight is None:
             return []
-        landed = self.runner.land(self._flight)
-        self._flight = None
+        flight, self._flight = self._flight, None
+        landed = self.runner.land(flight)
+        for v in flight.verdicts:
+            if self.speculator is not None and v.request.spec is not None:
+                self.speculator.record(v.request.spec, v.drafted, v.accepted)
         now = time.perf_counter()
-        return [e for t in landed if (e := self._event(t, now)) is not None]
+        events = []
+        for t in landed:
+            if t.verified and not t.request.finished:
+                self.scheduler.advance(t.request)
+            if (e := self._event(t, now)) is not None:
+                events.append(e)
+        return events
 
     def _event(self, t: Landed, now: float) -> SeqEvent | None:
         """A landed token as an event (None for a sequence finished or cancelled since)."""

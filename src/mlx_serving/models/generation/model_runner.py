@@ -14,6 +14,14 @@ to a multiple of :data:`KV_BUCKET`; a prefill to power-of-two rows and tokens (a
 ``prefill_chunk``), its packed tokens (when packed) to 1/8 of an octave. Padding rows and tokens
 have ``n_valid`` 0, write only the null block and are never attended, so outputs do not change.
 
+Speculative verify rows (:class:`~.scheduler.VerifyRow`, k + 1 tokens each) run in the prefill
+forward as multi-token rows starting at their cache length, like later prefill chunks (never
+through the one-token decode backends), with logits at every position (``Rows.gather``); each
+position is sampled with the row's chain (:meth:`ModelRunner._verify`) and :meth:`land` accepts
+the drafts' longest reproduced prefix (:func:`~.spec_decode.accepted`), puts the last emitted
+token in the row token array and rewinds a sampled row's generator to one draw per emitted token.
+With shape bucketing verify spans are shapes the warm-up does not build (``cold_shapes``).
+
 A prefill of several rows is packed where ``pack_prefill`` says so (default: only without shape
 bucketing): embeddings, projections and MLP run on its real tokens only (``Rows.packed``). Its rows
 are sorted by start position and rows of one start attend as a causal group
@@ -26,7 +34,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import mlx.core as mx
 import numpy as np
@@ -38,9 +46,12 @@ from ..decoder.kv_cache import PagedKVCache
 from .logits import Logprobs, RowInput, TokenHistory, make_chain, sample_batch
 from .request import Request
 from .sampling import SamplingParams, greedy
-from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput
+from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput, VerifyRow
+from .spec_decode import accepted
 
-__all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner", "shape_keys"]
+__all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner", "Verdict", "shape_keys"]
+
+Span = PrefillChunk | VerifyRow
 
 #: Compiled decode: attention span granularity (tokens).
 KV_BUCKET = 256
@@ -49,26 +60,42 @@ KV_BUCKET = 256
 _WARM_LATER_CHUNKS_BELOW = 4096
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A landed verify row: its request, how many draft tokens it ``drafted`` and how many were
+    ``accepted``; it emitted ``accepted + 1`` tokens."""
+
+    request: Request
+    drafted: int
+    accepted: int
+
+
 @dataclass
 class Flight:
     """One enqueued step: the row token array after it, who got a token in which row, and the
-    logprobs asked for."""
+    logprobs asked for; ``verifies``: its verify rows with each one's generator state before its
+    draws (None: greedy), and ``spec_tokens`` their samples (every position, in order);
+    ``verdicts``: their outcomes, set by :meth:`ModelRunner.land`."""
 
     tokens: mx.array
     produced: list[tuple[Request, int]] = field(default_factory=list)
     logprobs: list[tuple[list[Request], Logprobs]] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # sampling outputs to evaluate with the step
+    verifies: list[tuple[VerifyRow, Mapping[str, Any] | None]] = field(default_factory=list)
+    spec_tokens: mx.array | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Landed:
     """One sampled token on the host: its request, id, logprob and top alternatives (None unless
-    asked for)."""
+    asked for); ``verified``: emitted by a verify row (its counters advance as it lands)."""
 
     request: Request
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] | None = None
+    verified: bool = False
 
 
 class ModelRunner:
@@ -106,22 +133,48 @@ class ModelRunner:
         for r in plan.started:
             self._start(r)
         flight = Flight(self._tokens)
-        if plan.prefills:
-            self._prefill(plan.prefills, flight)
+        if plan.prefills or plan.verifies:
+            self._prefill((*plan.prefills, *plan.verifies), flight)
         if plan.decodes:
             self._decode(plan.decodes, flight)
-        if not flight.produced:
+        if not flight.produced and not flight.verifies:
             return None
         flight.tokens = self._tokens
         history = self._history.arrays() if self._history is not None else []
-        mx.async_eval(flight.tokens, *flight.pending, *history, *self.cache.keys, *self.cache.values)
+        spec = [flight.spec_tokens] if flight.spec_tokens is not None else []
+        mx.async_eval(flight.tokens, *spec, *flight.pending, *history, *self.cache.keys, *self.cache.values)
         return flight
 
     def land(self, flight: Flight) -> list[Landed]:
-        """A flight's tokens (and logprobs) on the host, in the order they were produced."""
+        """A flight's tokens (and logprobs) on the host, in the order they were produced, then each
+        verify row's emitted tokens (its outcome in ``flight.verdicts``). A flight with verify rows
+        must land before the next step is enqueued (their last tokens enter the row token array
+        here)."""
         host = np.array(flight.tokens)
         logprobs = {r: lp for reqs, out in flight.logprobs for r, lp in zip(reqs, out.to_host())}
-        return [Landed(r, int(host[row]), *logprobs.get(r, (None, None))) for r, row in flight.produced]
+        out = [Landed(r, int(host[row]), *logprobs.get(r, (None, None))) for r, row in flight.produced]
+        if flight.spec_tokens is not None:
+            out += self._land_verifies(flight, np.array(flight.spec_tokens))
+        return out
+
+    def _land_verifies(self, flight: Flight, samples: np.ndarray) -> list[Landed]:
+        out: list[Landed] = []
+        rows, last = [], []
+        at = 0
+        for v, rng_state in flight.verifies:
+            k = len(v.draft)
+            sampled = samples[at : at + k + 1]
+            at += k + 1
+            a = accepted(v.draft, sampled)
+            if rng_state is not None:  # one draw per emitted token, as plain decoding makes
+                v.request.rng.bit_generator.state = rng_state
+                v.request.rng.random(a + 1)
+            flight.verdicts.append(Verdict(v.request, k, a))
+            out += [Landed(v.request, int(t), verified=True) for t in sampled[: a + 1]]
+            rows.append(v.row)
+            last.append(int(sampled[a]))
+        self._tokens = _put(self._tokens, rows, mx.array(last, dtype=mx.int32))
+        return out
 
     def _start(self, r: Request) -> None:
         """A request's new row: an empty decode block table, its penalty state, and after a
@@ -139,9 +192,10 @@ class ModelRunner:
 
     # ---- prefill -----------------------------------------------------------------------
 
-    def _prefill(self, chunks: tuple[PrefillChunk, ...], flight: Flight) -> None:
+    def _prefill(self, chunks: tuple[Span, ...], flight: Flight) -> None:
+        """One forward over every prefill chunk and verify row of the step."""
         t = max(len(c.tokens) for c in chunks)
-        order: list[PrefillChunk | None]
+        order: list[Span | None]
         groups: tuple[tuple[int, int, int], ...] | None
         if self.bucket:  # padding rows/tokens write the null block only
             t = self._prefill_width(t)
@@ -167,18 +221,27 @@ class ModelRunner:
         if not dense and self.pack:  # projections and MLP on the real tokens only
             n = int(n_valid.sum())
             packed, unpacked = packing(n_valid, t, pack_bucket(n) if self.bucket else n)
+        done = [(i, c) for i, c in real if isinstance(c, PrefillChunk) and c.sample]
+        verify = [(i, c) for i, c in real if isinstance(c, VerifyRow)]
+        gather = None
+        if verify:  # logits at each sampled chunk's last token, then at every verify position
+            flat = [i * t + len(c.tokens) - 1 for i, c in done]
+            flat += [i * t + j for i, c in verify for j in range(len(c.tokens))]
+            gather = mx.array(flat, dtype=mx.int32)
         rows = Rows(mx.array(tokens), mx.array(start), mx.array(n_valid), span,
                     mx.array(np.maximum(n_valid - 1, 0)), mx.array(self._block_table(real, b, span)),
-                    dense=dense, packed=packed, unpacked=unpacked, causal_groups=groups)
+                    dense=dense, packed=packed, unpacked=unpacked, causal_groups=groups, gather=gather)
         self._note(*shape_keys(rows))
         logits = layers.forward(self.state, self.cache, rows)
-        done = [(i, c) for i, c in real if c.sample]
+        if verify:
+            self._verify(logits[len(done):], [c for _, c in verify], flight)
+            logits = logits[: len(done)]
+        elif done:
+            logits = logits[mx.array([i for i, _ in done], dtype=mx.int32)]
         if done:
-            self._sample(logits[mx.array([i for i, _ in done], dtype=mx.int32)], [c.request for _, c in done],
-                         [c.row for _, c in done], flight)
+            self._sample(logits, [c.request for _, c in done], [c.row for _, c in done], flight)
 
-    def _bucketed_rows(self, chunks: tuple[PrefillChunk, ...]) -> tuple[list[PrefillChunk | None],
-                                                                           tuple[tuple[int, int, int], ...]]:
+    def _bucketed_rows(self, chunks: tuple[Span, ...]) -> tuple[list[Span | None], tuple[tuple[int, int, int], ...]]:
         """The rows of a bucketed prefill and their causal groups, every attention call a warmed shape:
         first chunks (start 0) as one group padded to a power-of-two row count, then each chunk
         that starts later as a one-row group, then padding rows up to a power of two in all, which
@@ -186,7 +249,7 @@ class ModelRunner:
         first = [c for c in chunks if c.start == 0]
         later = sorted((c for c in chunks if c.start > 0), key=_start)
         a = pow2(len(first)) if first else 0
-        order: list[PrefillChunk | None] = [*first, *[None] * (a - len(first)), *later]
+        order: list[Span | None] = [*first, *[None] * (a - len(first)), *later]
         order += [None] * (pow2(len(order)) - len(order))
         groups = ((0, a, 0),) if a else ()
         return order, groups + tuple((a + i, a + i + 1, c.start) for i, c in enumerate(later))
@@ -201,7 +264,7 @@ class ModelRunner:
         bounds = [0, *cuts.tolist(), len(start)]
         return tuple((lo, hi, int(start[lo])) for lo, hi in zip(bounds, bounds[1:]))
 
-    def _block_table(self, chunks: list[tuple[int, PrefillChunk]], rows: int, span: int) -> np.ndarray:
+    def _block_table(self, chunks: list[tuple[int, Span]], rows: int, span: int) -> np.ndarray:
         """``(rows, width)`` block table of the prefill rows, chunk ``c`` in row ``i`` for each
         ``(i, c)`` of ``chunks`` (other rows: null block 0)."""
         width = self._width(span)
@@ -312,6 +375,20 @@ class ModelRunner:
                 flight.logprobs.append(([reqs[i] for i in out.logprobs.positions], out.logprobs))
         flight.produced += zip(reqs, rows)
 
+    def _verify(self, logits: mx.array, verifies: list[VerifyRow], flight: Flight) -> None:
+        """Sample every position of each verify row (``logits`` (sum of k + 1, V), in order) with
+        its request's chain, position ``j`` as the request's ``num_sampled + j``-th token (its
+        min_tokens mask) with the next uniform of its generator, whose state before the draws is
+        kept for :meth:`land`."""
+        inputs = [RowInput(v.request.chain, v.row, v.request.num_sampled + j, None, v.request.rng)
+                  for v in verifies for j in range(len(v.tokens))]
+        flight.verifies += [(v, None if v.request.chain.greedy else v.request.rng.bit_generator.state)
+                            for v in verifies]
+        if all(v.request.chain.argmax_only for v in verifies):
+            flight.spec_tokens = greedy(logits)
+        else:
+            flight.spec_tokens = sample_batch(logits, inputs).tokens
+
     # ---- start-up and shutdown ---------------------------------------------------------
 
     def warm_up(self, limit: int | None = None) -> int:
@@ -403,7 +480,7 @@ class ModelRunner:
         self._warm = deque()
 
 
-def _start(c: PrefillChunk) -> int:
+def _start(c: Span) -> int:
     return c.start
 
 

@@ -18,6 +18,7 @@ from .logits import Chain
 from .kv_cache_manager import SeqBlocks
 from .protocol import TokenConstraint
 from .sampling import SamplingParams
+from .spec_decode.adaptive import SpecState
 
 __all__ = ["Request"]
 
@@ -30,7 +31,7 @@ class Request:
     the "priority" policy; ``arrival`` / ``order``: add and start counters (``order`` picks the
     newest running request for preemption); ``row``: its batch row while running, -1 while waiting;
     ``kv``: its block table; ``num_cached_tokens``: prompt tokens found in the prefix cache at its
-    first start (None before)."""
+    first start (None before); ``spec``: its speculation state (None: it never speculates)."""
 
     seq_id: int
     prompt: np.ndarray
@@ -48,6 +49,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     kv: SeqBlocks = field(default_factory=SeqBlocks)
     num_cached_tokens: int | None = None
+    spec: SpecState | None = None
     finished: bool = False
 
     def __post_init__(self) -> None:
@@ -79,6 +81,11 @@ class Request:
     def decoding(self) -> bool:
         """Prefilled, with a sampled token to feed and fewer than ``max_new_tokens`` sampled."""
         return not self.prefilling and 1 <= self.num_sampled < self.params.max_new_tokens
+
+    @property
+    def may_propose(self) -> bool:
+        """It speculates and proposes at its next decode step (so its last token must land first)."""
+        return self.spec is not None and self.spec.ready and not self.finished
 
     def tokens(self) -> np.ndarray:
         """Prompt + landed output, (P + len(output),) int32."""

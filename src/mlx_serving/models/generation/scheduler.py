@@ -13,6 +13,14 @@ token and the prefilling ones a chunk of up to ``prefill_chunk`` tokens each (in
 runs dry, the policy's victim is preempted: its blocks and row are freed and it waits again, to
 recompute its tokens later. A preempted request whose last sampled token is still in flight waits
 until that token lands (one step) before it can restart, so its recomputed tokens are all known.
+
+With a :class:`~.spec_decode.Speculator`, a decoding request whose last token has landed may get a
+draft of k tokens: it is planned as a :class:`VerifyRow` of k + 1 tokens (its last token and the
+draft) instead of a :class:`DecodeRow`, counts k + 1 tokens of the step budget and reserves blocks
+for all of them (when the pool is short it drops the draft before anyone is preempted). Its
+counters advance only when its outcome lands (:meth:`Scheduler.advance`, one call per emitted
+token); the blocks past its accepted tokens stay in its table and are written over by its next
+steps (the prefix cache only ever registers full blocks of known tokens).
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import numpy as np
 from .kv_cache_manager import KVCacheManager
 from .policy import Policy
 from .request import Request
+from .spec_decode import Speculator
 
-__all__ = ["DecodeRow", "PrefillChunk", "Scheduler", "SchedulerOutput"]
+__all__ = ["DecodeRow", "PrefillChunk", "Scheduler", "SchedulerOutput", "VerifyRow"]
 
 
 @dataclass(frozen=True)
@@ -53,25 +62,43 @@ class DecodeRow:
 
 
 @dataclass(frozen=True)
+class VerifyRow:
+    """A speculating decode row: ``tokens`` (k + 1,) int32, ``request``'s last sampled token (on
+    the host) then its k draft tokens, at positions ``start .. start + k`` in batch row ``row``;
+    every position is sampled (:mod:`.spec_decode.verify`)."""
+
+    request: Request
+    row: int
+    start: int
+    tokens: np.ndarray
+
+    @property
+    def draft(self) -> np.ndarray:
+        """The k draft tokens, (k,) int32."""
+        return self.tokens[1:]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. ``prefills`` and ``decodes``: what each forward computes; ``started``:
-    requests given a row this step (the runner resets the row's per-request state); ``preempted``:
-    requests sent back to waiting this step."""
+    """One step's plan. ``prefills``, ``decodes`` and ``verifies``: what the forwards compute;
+    ``started``: requests given a row this step (the runner resets the row's per-request state);
+    ``preempted``: requests sent back to waiting this step."""
 
     prefills: tuple[PrefillChunk, ...] = ()
     decodes: tuple[DecodeRow, ...] = ()
     started: tuple[Request, ...] = ()
     preempted: tuple[Request, ...] = ()
+    verifies: tuple[VerifyRow, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
-        """Tokens the step computes (decode rows count one each)."""
-        return len(self.decodes) + sum(len(c.tokens) for c in self.prefills)
+        """Tokens the step computes (decode rows count one each, verify rows k + 1)."""
+        return len(self.decodes) + sum(len(c.tokens) for c in self.prefills) + sum(len(v.tokens) for v in self.verifies)
 
     @property
     def empty(self) -> bool:
-        """Nothing to compute this step (no prefill chunk, no decode row)."""
-        return not self.prefills and not self.decodes
+        """Nothing to compute this step (no prefill chunk, no decode or verify row)."""
+        return not self.prefills and not self.decodes and not self.verifies
 
 
 class Scheduler:
@@ -83,15 +110,18 @@ class Scheduler:
     ``whole_chunks``: the budget never cuts a chunk short (a chunk that does not fit waits for a
     later step, and the oldest prefilling request always gets its chunk, so prefill progresses),
     so chunks start only at multiples of ``prefill_chunk`` (or a prefix-cache hit): the few
-    prefill shapes a GPU warms up at start (:mod:`.model_runner`).
+    prefill shapes a GPU warms up at start (:mod:`.model_runner`). ``speculator``: drafts for the
+    decoding requests that speculate (None: no speculative decoding).
     """
 
     def __init__(self, rows: int, kv: KVCacheManager, policy: Policy, prefill_chunk: int,
-                 max_step_tokens: int | None = None, *, whole_chunks: bool = False):
+                 max_step_tokens: int | None = None, *, whole_chunks: bool = False,
+                 speculator: Speculator | None = None):
         self.kv, self.waiting = kv, policy
         self.running: list[Request | None] = [None] * rows
         self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
         self.whole_chunks = whole_chunks
+        self.speculator = speculator
         self._arrivals = self._starts = 0
 
     @property
@@ -124,18 +154,37 @@ class Scheduler:
         """This step's plan (see the module docstring)."""
         started = self._admit()
         running = self._by_order()
-        chunks = self._chunks(running)
-        preempted = self._reserve(running, chunks)  # removes the preempted from running
-        decodes, prefills = [], []
+        drafts = self._drafts(running)
+        chunks = self._chunks(running, drafts)
+        preempted = self._reserve(running, chunks, drafts)  # removes the preempted from running
+        decodes, prefills, verifies = [], [], []
         for r in running:
-            if r.decoding:
+            if r.decoding and r in drafts:
+                tokens = np.concatenate([r.output[-1:], drafts[r]]).astype(np.int32)
+                verifies.append(VerifyRow(r, r.row, r.num_computed_tokens, tokens))
+            elif r.decoding:
                 decodes.append(DecodeRow(r, r.row, r.num_computed_tokens))
             elif chunks.get(r, 0) > 0:
                 start, n = r.num_computed_tokens, chunks[r]
                 sample = start + n == r.prefill_end and r.num_sampled == 0  # a resumed one decodes next
                 prefills.append(PrefillChunk(r, r.row, start, r.tokens()[start : start + n], sample))
         live = tuple(r for r in started if not r.finished and r.row >= 0)
-        return SchedulerOutput(tuple(prefills), tuple(decodes), live, tuple(preempted))
+        return SchedulerOutput(tuple(prefills), tuple(decodes), live, tuple(preempted), tuple(verifies))
+
+    def _drafts(self, running: list[Request]) -> dict[Request, np.ndarray]:
+        """The draft of each decoding request of ``running`` that speculates, is not cooling down
+        (one cooldown step passes) and has one (its last token landed; at most
+        ``max_new_tokens`` emitted by the verify)."""
+        drafts: dict[Request, np.ndarray] = {}
+        if self.speculator is None:
+            return drafts
+        for r in running:
+            if r.spec is None or not r.decoding or not r.spec.tick() or r.in_flight:
+                continue
+            draft = self.speculator.draft(r.spec, r.tokens(), r.params.max_new_tokens - r.num_sampled - 1)
+            if draft.size:
+                drafts[r] = draft
+        return drafts
 
     def _by_order(self) -> list[Request]:
         return sorted((r for r in self.running if r is not None), key=lambda r: r.order)
@@ -170,11 +219,12 @@ class Scheduler:
         prefilling = (o.kv for o in self.running if o is not None and o.prefilling)
         return self.kv.prefix.prefilling_elsewhere(r.kv, r.tokens()[: r.prefill_end], prefilling)
 
-    def _chunks(self, running: list[Request]) -> dict[Request, int]:
+    def _chunks(self, running: list[Request], drafts: dict[Request, np.ndarray]) -> dict[Request, int]:
         """Prefill tokens per prefilling request of ``running`` (in start order): decode rows first,
-        one token each, then chunks in start order from what ``max_step_tokens`` leaves."""
+        one token each (and each draft's tokens), then chunks in start order from what
+        ``max_step_tokens`` leaves."""
         budget = self.max_step_tokens if self.max_step_tokens is not None else 1 << 62
-        budget -= sum(r.decoding for r in running)
+        budget -= sum(r.decoding for r in running) + sum(len(d) for d in drafts.values())
         chunks: dict[Request, int] = {}
         for r in running:
             if not r.prefilling:
@@ -190,15 +240,19 @@ class Scheduler:
             budget -= chunks[r]
         return chunks
 
-    def _reserve(self, running: list[Request], chunks: dict[Request, int]) -> list[Request]:
+    def _reserve(self, running: list[Request], chunks: dict[Request, int],
+                 drafts: dict[Request, np.ndarray]) -> list[Request]:
         """Blocks for the tokens of this step of every request of ``running`` (in start order),
-        oldest first; preempts the policy's victim while the pool is short, removing it from
-        ``running``. Returns the preempted requests."""
+        oldest first; a draft the pool cannot hold is dropped (``drafts``), then the policy's
+        victim is preempted while the pool is short, removing it from ``running``. Returns the
+        preempted requests."""
         preempted: list[Request] = []
         i = 0
         while i < len(running):
             r = running[i]
             need = r.num_computed_tokens + (chunks.get(r, 0) if r.prefilling else int(r.decoding))
+            if r in drafts and not self.kv.ensure(r.kv, need + len(drafts[r])):
+                del drafts[r]
             if self.kv.ensure(r.kv, need):
                 i += 1
                 continue
@@ -226,6 +280,12 @@ class Scheduler:
         for d in plan.decodes:
             d.request.num_computed_tokens += 1
             d.request.num_tokens += 1
+
+    def advance(self, request: Request) -> None:
+        """One token a verify row emitted landed: its position (the previous token's) is computed
+        and it is sampled (a verify row's counters advance only as its outcome lands)."""
+        request.num_computed_tokens += 1
+        request.num_tokens += 1
 
     def commit_blocks(self) -> None:
         """Offer every running request's full blocks whose tokens are known (landed) and whose K/V

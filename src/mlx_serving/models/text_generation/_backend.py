@@ -87,11 +87,12 @@ class GenerationBackend:
     def stats(self, engine: Engine) -> dict[str, float]:
         """``ServingStats.backend`` of a text-generation serving: sequences running and waiting in
         the engine (``seqs_running``, ``seqs_waiting``), tokens per step (``iteration_tokens_*``,
-        :class:`~..generation.iteration_stats.IterationTokens`) and the KV block and prefix-cache
-        counters of :meth:`kv_stats`. Plain counters: safe from any thread."""
+        :class:`~..generation.iteration_stats.IterationTokens`), the speculative decoding counters
+        (``spec_decode_*``, with speculation on) and the KV block and prefix-cache counters of
+        :meth:`kv_stats`. Plain counters: safe from any thread."""
         seqs = {"seqs_running": engine.num_active - engine.num_waiting, "seqs_waiting": engine.num_waiting,
                 "warm_shapes_left": engine.runner.warm_shapes_left, "cold_shapes": engine.runner.cold_shapes,
-                **engine.iteration_tokens.stats()}
+                **engine.iteration_tokens.stats(), **engine.spec_decode_stats()}
         kv = dataclasses.asdict(engine.kv_stats())
         return seqs | {name: value for name, value in kv.items() if name != "block_size"}
 

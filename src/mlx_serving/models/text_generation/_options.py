@@ -8,8 +8,8 @@ from typing import Any
 from pathlib import Path
 
 from ..decoder.kv_cache import BLOCK_SIZE
-from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig
 from .._checkpoint import read_json
+from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions",
@@ -83,6 +83,10 @@ class GenerationOptions:
       off on the CPU).
     pack_prefill: run a multi-row prefill as one packed row (None: the runner decides).
     max_causal_groups: most causal groups of one packed prefill's attention.
+    speculative_config: speculative decoding (vLLM's names): None (off), a
+      :class:`~..generation.config.SpeculativeConfig`, a mapping of its fields or that mapping as
+      a JSON string, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
+      "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; stored as the config.
 
     Raises ValueError naming the field for any value out of range.
     """
@@ -111,9 +115,11 @@ class GenerationOptions:
     compile_decode: bool | None = None
     pack_prefill: bool | None = None
     max_causal_groups: int = 4
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_tuple(self.stop))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         max_new = default_max_new_tokens(self.max_len) if self.max_new_tokens is None else self.max_new_tokens
         object.__setattr__(self, "max_new_tokens", max_new)
         replace(SamplingParams(max_new, self.temperature, self.top_p), **self.sampling_extras())  # validates

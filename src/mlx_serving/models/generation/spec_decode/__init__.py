@@ -1,0 +1,18 @@
+"""Speculative decoding inside continuous batching (docs/generation.md, "Speculative decoding").
+
+A decoding row whose :class:`~.adaptive.SpecState` is ready gets up to k draft tokens from the
+:class:`~.ngram.NgramProposer` (prompt lookup over its own prompt and output); the scheduler plans
+it as a k+1-token verify span in the step's ragged forward; the runner samples every position of
+the span with the row's own sampler chain and accepts the longest prefix of drafts that the
+samples reproduce, plus the sample after it (:func:`~.verify.accepted`). The
+:class:`~.speculator.Speculator` ties proposals, each row's adaptive state and the counters
+(:class:`~.stats.SpecStats`) together.
+"""
+
+from .adaptive import SpecState
+from .ngram import NgramProposer
+from .speculator import Speculator
+from .stats import SpecStats
+from .verify import accepted
+
+__all__ = ["NgramProposer", "SpecState", "SpecStats", "Speculator", "accepted"]

@@ -1,0 +1,318 @@
+"""Speculative decoding inside continuous batching (models/generation/spec_decode): n-gram drafts
+verified in the step's ragged forward.
+
+Invariants (tiny float32 checkpoint, exact token equality): greedy output with speculation ==
+without, in batches, with preemption, prefix caching on and off, chunked prefill and
+cancellation; seeded sampled output too (one uniform per emitted token); block accounting returns
+to all-free. The accept rule (sample at every position, accept while the sample equals the draft)
+is the rejection sampler for a point-mass draft: checked by chi-square against the target
+distribution, in isolation and through the engine. Rows with penalties, a grammar or logprobs never
+speculate. Config by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from mlx_serving.models.generation.logits import RowInput, make_chain, sample_batch
+from mlx_serving.models.generation.spec_decode import NgramProposer, SpecState, accepted
+from mlx_serving.models.generation.spec_decode.adaptive import MAX_COOLDOWN
+from mlx_serving.models.text_generation import GenerationOptions
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random 10-token phrase (drafts find matches in them and in the
+    loops the tiny model falls into)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        base = [int(x) for x in rng.integers(0, 1000, 10)]
+        out.append((base * 3 + base[: i % 7])[: 20 + 3 * i])
+    return out
+
+
+def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+         cancel: dict[int, int] | None = None) -> dict[int, list[int]]:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add(i, p, sp)
+    out: dict[int, list[int]] = {}
+    for step in range(3000):
+        if not engine.num_active:
+            return out
+        for i, at in (cancel or {}).items():
+            if at == step:
+                engine.cancel(i)
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    raise AssertionError("engine did not finish")
+
+
+def _all_free(engine: Engine) -> None:
+    s = engine.kv_stats()
+    pool = engine.scheduler.kv.pool
+    assert s.blocks_used == 0 and s.blocks_free == s.blocks_total
+    assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks + 1))
+
+
+def _pair(state, prompts, params, cancel=None, **config) -> tuple[dict, dict, Engine]:
+    plain = Engine(state, EngineConfig.of(**config))
+    spec = Engine(state, EngineConfig.of(speculative_config=SPEC, **config))
+    a, b = _run(plain, prompts, params, cancel), _run(spec, prompts, params, cancel)
+    _all_free(plain)
+    _all_free(spec)
+    return a, b, spec
+
+
+@pytest.mark.parametrize("caching, chunk", [(True, 512), (False, 7)])
+def test_greedy_is_token_identical_in_batches_with_preemption(tiny32, caching, chunk):
+    """12 prompts on 4 rows and 12 blocks: sequences are preempted and recomputed mid-speculation;
+    every token equals decoding without speculation, drafts were verified and accepted."""
+    prompts = _prompts(12)
+    params = [SamplingParams(max_new_tokens=30 + i) for i in range(12)]
+    budget = kv_bytes_per_token(tiny32) * 16 * 12
+    a, b, spec = _pair(tiny32, prompts, params, max_batch=4, max_len=128, prefill_chunk=chunk,
+                       kv_cache_bytes=budget, prefix_caching=caching)
+    assert a == b
+    stats = spec.spec_decode_stats()
+    assert stats["spec_decode_num_drafts"] > 10 and stats["spec_decode_num_accepted_tokens"] > 10
+    assert spec.kv_stats().preemptions > 0
+
+
+def test_prefix_hits_and_shared_prompts_stay_identical(tiny32):
+    """n completions of one prompt (prefix hits, blocks shared) next to other rows."""
+    prompts = [_prompts(1, seed=3)[0]] * 4 + _prompts(3, seed=4)
+    params = [SamplingParams(max_new_tokens=24)] * 7
+    a, b, spec = _pair(tiny32, prompts, params, max_batch=7, max_len=96)
+    assert a == b
+    assert spec.kv_stats().prefix_hits >= 3 and spec.spec_decode_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_is_identical_with_every_exact_option(tiny32):
+    """Sampled rows (temperature, top-k, top-p, min-p, logit_bias, min_tokens) emit, seed for seed,
+    what they emit without speculation: every emitted token is the sample plain decoding draws
+    with the same uniform."""
+    prompts = _prompts(8, seed=5)
+    options = [dict(temperature=0.7), dict(temperature=1.0, top_k=5), dict(temperature=0.9, top_p=0.8),
+               dict(temperature=1.2, min_p=0.2), dict(temperature=1.0),
+               dict(temperature=0.8, min_tokens=20, eos_token_ids=(prompts[5][2],)),
+               dict(min_tokens=25, eos_token_ids=(prompts[6][1],)),
+               dict(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1)]
+    params = [SamplingParams(max_new_tokens=28, seed=i, logit_bias={t: 7.0 for t in prompts[i][:4]}, **o)
+              for i, o in enumerate(options)]  # the bias makes the prompt's phrase likely: drafts match
+    a, b, spec = _pair(tiny32, prompts, params, max_batch=8, max_len=96)
+    assert a == b
+    assert spec.spec_decode_stats()["spec_decode_num_accepted_tokens"] > 5
+
+
+def test_rows_that_cannot_be_exact_do_not_speculate(tiny32):
+    """Penalties, logprobs and grammars would need per-position device state: such rows decode
+    plainly next to speculating ones, and nothing changes."""
+    prompts = _prompts(3, seed=6)
+    params = [SamplingParams(max_new_tokens=20, repetition_penalty=1.3),
+              SamplingParams(max_new_tokens=20, logprobs=2), SamplingParams(max_new_tokens=20)]
+    plain, spec = Engine(tiny32, EngineConfig.of(max_batch=3, max_len=96)), None
+    spec = Engine(tiny32, EngineConfig.of(max_batch=3, max_len=96, speculative_config=SPEC))
+    assert spec.speculator is not None
+    assert [spec.speculator.new_state(p) is None for p in params] == [True, True, False]
+    assert spec.speculator.new_state(SamplingParams(grammar="{}")) is None
+    assert _run(plain, prompts, params) == _run(spec, prompts, params)
+    _all_free(spec)
+
+
+def test_cancellation_mid_verify_frees_every_block(tiny32):
+    prompts = _prompts(6, seed=7)
+    params = [SamplingParams(max_new_tokens=40)] * 6
+    cancel = {1: 6, 3: 9, 4: 14}
+    a, b, _ = _pair(tiny32, prompts, params, cancel=cancel, max_batch=3, max_len=128)
+    assert {i: v for i, v in a.items() if i not in cancel} == {i: v for i, v in b.items() if i not in cancel}
+    for i in cancel:  # a cancelled row's tokens are a prefix of what it would have generated
+        assert b.get(i, []) == a[i][: len(b.get(i, []))] or a.get(i, []) == b[i][: len(a.get(i, []))]
+
+
+def test_max_new_tokens_and_eos_inside_an_accepted_draft(tiny32):
+    """A verify never emits past max_new_tokens, and an EOS among accepted tokens ends the row
+    there (the rest is dropped), as without speculation."""
+    prompts = _prompts(4, seed=8)
+    plain = _run(Engine(tiny32, EngineConfig.of(max_batch=4, max_len=96)), prompts,
+                 [SamplingParams(max_new_tokens=30)] * 4)
+    eos = [(plain[i][20],) for i in range(4)]  # a token that occurs late in each output
+    params = [SamplingParams(max_new_tokens=7 + i, eos_token_ids=eos[i] if i % 2 else ()) for i in range(4)]
+    a, b, _ = _pair(tiny32, prompts, params, max_batch=4, max_len=96)
+    assert a == b and all(len(b[i]) <= 7 + i for i in range(4))
+
+
+# ---- the accept rule is the rejection sampler of a point-mass draft -------------------------
+
+
+def _chi2_ok(observed: np.ndarray, expected: np.ndarray) -> bool:
+    """Pearson's chi-square below its 99.9% quantile (Wilson-Hilferty approximation)."""
+    keep = expected > 0
+    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # the 99.9% normal quantile
+    return stat < df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("draft", [0, 3, 5])
+def test_accept_rule_preserves_the_target_distribution(draft):
+    """At a fixed context with target p (temperature, top-k and top-p applied): the draft is
+    accepted with probability p(draft) and the emitted token is distributed as p, whatever the
+    draft (chi-square over 20,000 draws)."""
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    params = SamplingParams(max_new_tokens=2, temperature=0.8, top_k=6, top_p=0.95, seed=0)
+    chain = make_chain(params, 8)
+    n = 20_000
+    rng = np.random.default_rng(11)
+    rows = [RowInput(chain, 0, 0, None, rng) for _ in range(n)]
+    samples = np.array(sample_batch(mx.repeat(logits, n, axis=0), rows).tokens)
+    emitted = np.array([s if accepted(np.array([draft]), np.array([s, s])) else s for s in samples])
+    acc = np.mean([accepted(np.array([draft]), np.array([s, 0])) for s in samples])
+    z = np.array(logits[0]) / 0.8
+    p = np.exp(z - z.max())
+    p[np.argsort(-p)[6:]] = 0  # top-k 6
+    p /= p.sum()
+    order = np.argsort(-p)
+    cum = np.cumsum(p[order])
+    p[order[np.searchsorted(cum, 0.95) + 1:]] = 0  # the nucleus keeps the token crossing 0.95
+    p /= p.sum()
+    assert abs(acc - p[draft]) < 4 * math.sqrt(p[draft] * (1 - p[draft]) / n) + 1e-9
+    assert _chi2_ok(np.bincount(emitted, minlength=8).astype(float), n * p)
+
+
+def test_engine_sampled_distribution_matches_plain_decoding(tiny32):
+    """Through the engine, different seeds on each side: the tokens emitted at positions 1-5 (many
+    of them from verified drafts) have the distribution of plain decoding (two-sample
+    chi-square over the tokens logit_bias makes likely)."""
+    base = [5, 6, 7, 8] * 5
+    bias = {5: 20.0, 6: 19.5, 7: 19.0, 8: 19.5}
+    counts = []
+    for on, seeds in ((False, range(0, 160)), (True, range(1000, 1160))):
+        cfg = EngineConfig.of(max_batch=32, max_len=64, speculative_config=SPEC if on else None)
+        engine = Engine(tiny32, cfg)
+        params = [SamplingParams(max_new_tokens=6, temperature=1.0, logit_bias=bias, seed=s) for s in seeds]
+        out = _run(engine, [base] * len(params), params)
+        tokens = np.concatenate([v[1:] for v in out.values()])
+        counts.append(np.array([(tokens == t).sum() for t in (5, 6, 7, 8)] + [(~np.isin(tokens, base)).sum()]))
+        if on:
+            assert engine.spec_decode_stats()["spec_decode_num_accepted_tokens"] > 50
+    table = np.array(counts, dtype=float)
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    keep = expected > 0
+    stat = float((((table - expected) ** 2)[keep] / expected[keep]).sum())
+    assert stat < 18.47  # chi-square, 4 degrees of freedom, 99.9%
+
+
+# ---- parts ----------------------------------------------------------------------------------
+
+
+def test_ngram_proposer_takes_the_longest_match_with_room():
+    p = NgramProposer(2, 3)
+    t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4], dtype=np.int32)
+    assert p.propose(t, 2).tolist() == [7, 8]  # "2 3 4": the latest earlier occurrence
+    assert p.propose(t, 9).tolist() == [5, 9, 2, 3, 4, 7, 8, 2, 3]  # none has 9 after it: the earliest
+    assert p.propose(np.array([1, 2, 3, 1, 9], dtype=np.int32), 3).size == 0  # "1 9" never occurred
+    assert NgramProposer(1, 1).propose(np.array([1, 2, 3, 1], dtype=np.int32), 3).tolist() == [2, 3, 1]
+    assert p.propose(t, 0).size == 0
+    with pytest.raises(ValueError, match="min_n"):
+        NgramProposer(3, 2)
+
+
+def test_adaptive_state_backs_off_and_recovers():
+    s = SpecState(4)
+    s.observe(4, 1)
+    assert s.k == 2 and s.ready
+    s.observe(2, 2)
+    assert s.k == 3
+    for _ in range(8):
+        s.miss()
+    assert s.cooldown == MAX_COOLDOWN and not s.ready
+    assert [s.tick() for _ in range(MAX_COOLDOWN + 1)] == [False] * MAX_COOLDOWN + [True]
+    s.observe(3, 0)
+    assert s.k == 1 and s.cooldown == MAX_COOLDOWN
+    s.observe(1, 1)
+    assert s.misses == 0 and s.k == 2
+
+
+def test_drafts_that_never_match_cost_few_verifies(tiny32):
+    """Prompts without repeats and sampled output (few matches): rows back off, so at most a small
+    fraction of decode steps verify a draft."""
+    rng = np.random.default_rng(9)
+    prompts = [[int(x) for x in rng.permutation(5000)[:30]] for _ in range(4)]
+    params = [SamplingParams(max_new_tokens=60, temperature=1.0, seed=i) for i in range(4)]
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, speculative_config=SPEC))
+    out = _run(engine, prompts, params)
+    stats = engine.spec_decode_stats()
+    assert stats["spec_decode_num_drafts"] <= 0.15 * sum(len(v) for v in out.values())
+
+
+@pytest.mark.parametrize("field, bad", [("method", "draft_model"), ("method", "eagle"),
+                                        ("num_speculative_tokens", 0), ("prompt_lookup_max", 0),
+                                        ("prompt_lookup_min", True)])
+def test_config_refuses_a_bad_field_by_name(field, bad):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SpeculativeConfig(**{field: bad})
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        EngineConfig.of(speculative_config={field: bad})
+
+
+def test_config_parses_vllm_json_and_refuses_unknown_keys():
+    config = SpeculativeConfig.parse(json.dumps(SPEC))
+    assert config == SpeculativeConfig(**SPEC)
+    assert EngineConfig.of(speculative_config=SPEC).speculative == config
+    assert EngineConfig.of().speculative is None and SpeculativeConfig.parse(None) is None
+    assert GenerationOptions(speculative_config=json.dumps(SPEC)).engine.speculative == config
+    with pytest.raises(ValueError, match="prompt_lookup_min must be <="):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match=r"unknown keys \['model_name'\]"):
+        SpeculativeConfig.parse({"model_name": "x"})
+    with pytest.raises(ValueError, match="speculative_config is not valid JSON"):
+        GenerationOptions(speculative_config="{method: ngram}")
+    with pytest.raises(ValueError, match="speculative_config must be"):
+        SpeculativeConfig.parse(4)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    from mlx_serving.server._cli import add_engine_arguments, engine_options
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p, rows=True)
+    args = p.parse_args(["--speculative-config", json.dumps(SPEC)])
+    assert GenerationOptions(**engine_options(args)).engine.speculative == SpeculativeConfig(**SPEC)
+    assert GenerationOptions(**engine_options(p.parse_args([]))).engine.speculative is None
+
+
+def test_serving_stats_and_metrics_carry_the_spec_decode_counters(tiny32):
+    """The text-generation backend reports the engine's counters; /metrics exports them under
+    vLLM's names (per position labelled)."""
+    from mlx_serving.models.text_generation._backend import GenerationBackend
+    from mlx_serving.models.text_generation._inputs import Prompt
+    from mlx_serving.serving import ServingStats
+    from mlx_serving.server._metrics import Metrics
+
+    backend = GenerationBackend(tiny32, GenerationOptions(max_new_tokens=30, max_len=96, max_batch=2,
+                                                          speculative_config=SPEC))
+    engine = backend.init("inline", None, 1)
+    rows = [(i, Prompt(p, SamplingParams(30))) for i, p in enumerate(_prompts(12)[6:8])]
+    assert backend.admit(engine, rows, 0) == []
+    while backend.active(engine):
+        backend.step(engine)
+    stats = backend.stats(engine)
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_accepted_tokens_per_pos_0"] <= stats["spec_decode_num_drafts"]
+    served = ServingStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, backend=stats)
+    text = Metrics(lambda: {"m": served}).exposition().decode()
+    accepted_line = f'mlx_serving:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(stats["spec_decode_num_accepted_tokens"])}'
+    assert accepted_line in text
+    assert 'mlx_serving:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
+    plain = ServingStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, backend={"seqs_running": 0})
+    assert "spec_decode" not in Metrics(lambda: {"m": plain}).exposition().decode()  # speculation off: none
