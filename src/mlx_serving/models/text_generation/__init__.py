@@ -51,7 +51,8 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
     policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, bucket_shapes=None: on
-    a GPU, and then every shape is built before ``Serving.start`` returns; typed Any: callers forward them by name at run time and
+    a GPU, and then every shape is built before ``Serving.start`` returns, decode_path=None: the
+    engine's default, "native" for the CPU decode step; typed Any: callers forward them by name at run time and
     :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch``
     (under either policy) and a 5 ms admission window; the serving hands every queued request to the engine's scheduler (the
     backend's ``waiting``), which holds the one queue and orders it by ``policy``. The tokenizer's

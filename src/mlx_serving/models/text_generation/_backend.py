@@ -37,7 +37,7 @@ class GenerationBackend:
         engine = Engine(self._model, o.max_batch, o.max_len, o.prefill_chunk, o.kv_cache_bytes,
                         kv_cache_fraction=o.kv_cache_fraction, prefix_caching=o.prefix_caching, policy=o.policy,
                         constraint_factory=self._constraints, max_step_tokens=o.step_tokens(),
-                        bucket_shapes=o.bucket_shapes)
+                        bucket_shapes=o.bucket_shapes, decode_path=o.decode_path)
         engine.warm_up()
         return engine
 

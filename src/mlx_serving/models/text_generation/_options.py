@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..decoder.decode_backends import DECODE_PATHS
 from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions"]
@@ -54,6 +55,8 @@ class GenerationOptions:
       first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
       queue in the policy's order); the running
       sequence preempted when KV blocks run out is the newest (fcfs) or the lowest-priority one.
+    decode_path: the engine's decode backend by name (None: the default; "native": the CPU decode
+      step with int8-activation products, docs/generation.md; ``Engine(decode_path=)``).
 
     Raises ValueError for any value out of range.
     """
@@ -73,6 +76,7 @@ class GenerationOptions:
     policy: str = "fcfs"
     max_step_tokens: int | None = None
     bucket_shapes: bool | None = None
+    decode_path: str | None = None
 
     def step_tokens(self) -> int | None:
         """The engine's ``max_step_tokens`` (see the field)."""
@@ -101,6 +105,8 @@ class GenerationOptions:
             raise ValueError(f"max_step_tokens must be None or an integer >= 1, got {_show(m)}")
         if self.bucket_shapes is not None and not isinstance(self.bucket_shapes, bool):
             raise ValueError(f"bucket_shapes must be None or a bool, got {_show(self.bucket_shapes)}")
+        if self.decode_path is not None and self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be None or one of {list(DECODE_PATHS)}, got {_show(self.decode_path)}")
 
 
 def _stop_tuple(stop: object) -> tuple[str, ...]:

@@ -97,7 +97,12 @@ def _matrix(module: Any, m: Linear) -> Any | None:
     if (spec is None or m.scales is None or m.biases is None or spec.mode != "affine" or spec.bits not in (4, 8)
             or spec.group_size not in (32, 64, 128) or m.scales.dtype not in (mx.float32, mx.float16)):
         return None
-    return module.QMatrix(m.weight, m.scales, m.biases.astype(m.scales.dtype), m.bias, spec.bits, spec.group_size)
+    scales, biases = m.scales, m.biases.astype(m.scales.dtype)
+    if scales.dtype == mx.float32:  # float16 copies where exact (a tied GGUF head): half the bytes read per step
+        half = [a.astype(mx.float16) for a in (scales, biases)]
+        if all(mx.array_equal(h.astype(mx.float32), a).item() for h, a in zip(half, (scales, biases))):
+            scales, biases = half
+    return module.QMatrix(m.weight, scales, biases, m.bias, spec.bits, spec.group_size)
 
 
 def _fused(module: Any, f: Fused) -> Any | None:

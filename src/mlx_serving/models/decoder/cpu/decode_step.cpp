@@ -152,8 +152,7 @@ class Decoder {
 
  private:
   void product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t rows, float* y);
-  void attend_rows(int64_t l, const int32_t* table, int64_t w, const std::vector<float*>& keys,
-                   const std::vector<float*>& values, int64_t cache_rows, int64_t block_size);
+  void attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values);
   int64_t cache_row(const int32_t* table, int64_t w, int64_t r, int64_t pos, int64_t cache_rows,
                     int64_t block_size) const {
     const int64_t blk = pos / block_size;
@@ -170,7 +169,7 @@ class Decoder {
   std::mutex lock_;
   Isa isa_ = Isa::portable;
   // per-step buffers (compacted real rows)
-  std::vector<int64_t> rows_, pos_;
+  std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
   std::vector<float> h_, x_, qkv_, att_, tmp_, gu_, act_, out_;
   std::vector<QuantRow> qx_;
 };
@@ -187,8 +186,7 @@ void Decoder::product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t 
   });
 }
 
-void Decoder::attend_rows(int64_t l, const int32_t* table, int64_t w, const std::vector<float*>& keys,
-                          const std::vector<float*>& values, int64_t cache_rows, int64_t block_size) {
+void Decoder::attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values) {
   const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim;
   const int64_t width = (h + 2 * hkv) * dd, group = h / hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(dd));
@@ -198,14 +196,14 @@ void Decoder::attend_rows(int64_t l, const int32_t* table, int64_t w, const std:
   pool_.run(a * h, [&](int64_t t) {
     thread_local std::vector<float> sc, qs;
     const int64_t r = t / h, head = t % h, g = head / group, n = pos_[r] + 1;
+    const int64_t* idx = idx_.data() + off_[r];
     sc.resize(n);
     qs.resize(dd);
     const float* q = qkv_.data() + r * width + head * dd;
     for (int64_t c = 0; c < dd; ++c) qs[c] = q[c] * scale;
     float top = -INFINITY;
     for (int64_t p = 0; p < n; ++p) {
-      const int64_t row = cache_row(table, w, r, p, cache_rows, block_size);
-      sc[p] = dot_f32(qs.data(), kc + (row * hkv + g) * dd, dd, vec);
+      sc[p] = dot_f32(qs.data(), kc + (idx[p] * hkv + g) * dd, dd, vec);
       top = std::max(top, sc[p]);
     }
     float sum = 0.f;
@@ -215,10 +213,7 @@ void Decoder::attend_rows(int64_t l, const int32_t* table, int64_t w, const std:
     }
     float* o = att_.data() + (r * h + head) * dd;
     std::fill(o, o + dd, 0.f);
-    for (int64_t p = 0; p < n; ++p) {
-      const int64_t row = cache_row(table, w, r, p, cache_rows, block_size);
-      axpy(sc[p], vc + (row * hkv + g) * dd, o, dd, vec);
-    }
+    for (int64_t p = 0; p < n; ++p) axpy(sc[p], vc + (idx[p] * hkv + g) * dd, o, dd, vec);
     const float inv = 1.f / sum;
     for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
   });
@@ -241,6 +236,11 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
   std::memset(logits, 0, sizeof(float) * b * v);  // padding rows: zeros
   const int64_t a = static_cast<int64_t>(rows_.size());
   if (a == 0) return;
+  off_.assign(a + 1, 0);
+  for (int64_t r = 0; r < a; ++r) off_[r + 1] = off_[r] + pos_[r] + 1;
+  idx_.resize(off_[a]);
+  for (int64_t r = 0; r < a; ++r)
+    for (int64_t p = 0; p <= pos_[r]; ++p) idx_[off_[r] + p] = cache_row(table, w, r, p, cache_rows, block_size);
   h_.resize(a * hid);
   x_.resize(a * hid);
   qkv_.resize(a * width);
@@ -291,11 +291,11 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
         }
         rope(x, r);
       }
-      const int64_t row = cache_row(table, w, r, pos_[r], cache_rows, block_size);
+      const int64_t row = idx_[off_[r] + pos_[r]];
       std::memcpy(keys[l] + row * hkv * dd, k, sizeof(float) * hkv * dd);
       std::memcpy(values[l] + row * hkv * dd, vv, sizeof(float) * hkv * dd);
     }
-    attend_rows(l, table, w, keys, values, cache_rows, block_size);
+    attend_rows(l, keys, values);
     quantize(att_.data(), hh * dd);
     product(lw.o, qx_, a, tmp_.data());
     for (int64_t r = 0; r < a; ++r) {

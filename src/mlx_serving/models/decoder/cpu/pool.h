@@ -2,8 +2,8 @@
 // run the tasks of one parallel region, claimed one at a time from a shared counter.
 //
 // - No fork/join per region: workers stay alive; between regions they spin briefly (the next region
-//   of a decode step follows within microseconds), then sleep on a futex (std::atomic::wait), so an
-//   idle or oversubscribed machine is not burned by spinning threads (OpenMP's active waiting
+//   of a decode step follows within microseconds), then sleep on a condition variable, so an idle
+//   or oversubscribed machine is not burned by spinning threads (OpenMP's active waiting
 //   collapsed decode under load: issue 39).
 // - Dynamic claiming: a task is claimed with a compare-and-swap on one 64-bit word (the region's
 //   generation in the high half, the next task in the low half), so a descheduled worker holds at
@@ -13,8 +13,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -37,8 +39,7 @@ class Pool {
   }
   ~Pool() {
     stop_.store(true);
-    wake_.fetch_add(1);
-    wake_.notify_all();
+    wake();
     for (auto& t : workers_) t.join();
   }
   Pool(const Pool&) = delete;
@@ -59,8 +60,7 @@ class Pool {
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (claim_.load(std::memory_order_relaxed) >> 32) + 1;
     claim_.store(gen << 32, std::memory_order_release);  // publishes fn_ and count_
-    wake_.fetch_add(1);  // sequentially consistent with the sleepers' count (no lost wake-up)
-    if (sleepers_.load() > 0) wake_.notify_all();
+    wake();
     drain(gen);
     for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
       if (spins < 4096) POOL_PAUSE();
@@ -84,6 +84,15 @@ class Pool {
     }
   }
 
+  // A new region (or the end): the generation count changes, then sleepers are woken. The count
+  // is changed before the (empty) critical section, so a worker testing it under the lock either
+  // sees the new value or is already waiting when notify_all runs: no lost wake-up.
+  void wake() {
+    wake_.fetch_add(1, std::memory_order_release);
+    { std::lock_guard<std::mutex> lock(mutex_); }
+    asleep_.notify_all();
+  }
+
   void work() {
     uint32_t seen = wake_.load(std::memory_order_acquire);
     while (true) {
@@ -95,9 +104,8 @@ class Pool {
         now = wake_.load(std::memory_order_acquire);
       }
       if (now == seen) {
-        sleepers_.fetch_add(1);
-        wake_.wait(seen);
-        sleepers_.fetch_sub(1);
+        std::unique_lock<std::mutex> lock(mutex_);
+        asleep_.wait(lock, [&] { return wake_.load(std::memory_order_acquire) != seen; });
         now = wake_.load(std::memory_order_acquire);
       }
       seen = now;
@@ -111,7 +119,8 @@ class Pool {
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> claim_{0};
   std::atomic<uint32_t> wake_{0};
-  std::atomic<int> sleepers_{0};
+  std::mutex mutex_;
+  std::condition_variable asleep_;
   std::atomic<int64_t> done_{0};
   std::atomic<bool> stop_{false};
   std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};

@@ -132,46 +132,108 @@ __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) in
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
 }
 
+// The 8 int32 lanes of each of d[0..8) summed: lane i of the result is the sum of d[i].
+__attribute__((target("avx2,fma,f16c"))) inline __m256i sum8x8(const __m256i* d) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(d[0], d[1]), _mm256_hadd_epi32(d[2], d[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(d[4], d[5]), _mm256_hadd_epi32(d[6], d[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// Scales (or offsets) of blocks i0..i0+8 of row n as 8 floats (group 32: one per block).
+template <bool Half>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 params8(const void* p, int64_t row0, int64_t i0, int64_t per) {
+  if (per == 1) {
+    if constexpr (Half)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + row0 + i0)));
+    else return _mm256_loadu_ps(static_cast<const float*>(p) + row0 + i0);
+  }
+  alignas(32) float v[8];
+  for (int j = 0; j < 8; ++j) v[j] = param_x86<Half>(p, row0 + (i0 + j) / per);
+  return _mm256_load_ps(v);
+}
+
+// Blocks are taken 8 at a time: 8 integer dot products (8 int32 lanes each), summed across lanes
+// together (sum8x8), then scaled by the 8 blocks' s * dx and accumulated in one fused multiply-add;
+// the offsets' term likewise; the last fewer than 8 blocks padded with zeros.
 #define QD_DOT_BODY(PRODUCTS)                                                                              \
-  const int64_t blocks = m.k / 32, groups = m.k / m.group, per = m.group / 32;                            \
+  const int64_t blocks = m.k / 32, groups = m.k / m.group, per = m.group / 32, row0 = n * groups;          \
   const uint8_t* w = m.w + n * m.k * Bits / 8;                                                             \
   const int8_t* xq = (Bits == 4 ? x.qp : x.q).data();                                                      \
-  __m256 acc = _mm256_setzero_ps();                                                                        \
-  float bacc = 0.f;                                                                                        \
-  for (int64_t i = 0; i < blocks; ++i) {                                                                   \
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * i));                  \
-    const __m256i d = PRODUCTS<Bits>(weights_avx2<Bits>(w, i), xv);                                        \
-    const int64_t g = n * groups + i / per;                                                                \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(param_x86<Half>(m.scales, g) * x.dx[i]), acc); \
-    bacc += param_x86<Half>(m.biases, g) * x.sum[i];                                                       \
+  __m256 acc = _mm256_setzero_ps(), bacc = _mm256_setzero_ps();                                            \
+  int64_t i = 0;                                                                                           \
+  for (; i + 8 <= blocks; i += 8) {                                                                        \
+    __m256i d[8];                                                                                          \
+    for (int j = 0; j < 8; ++j)                                                                            \
+      d[j] = PRODUCTS<Bits>(weights_avx2<Bits>(w, i + j),                                                  \
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * (i + j))));      \
+    const __m256 sc = _mm256_mul_ps(params8<Half>(m.scales, row0, i, per), _mm256_loadu_ps(x.dx.data() + i)); \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(d)), sc, acc);                                         \
+    bacc = _mm256_fmadd_ps(params8<Half>(m.biases, row0, i, per), _mm256_loadu_ps(x.sum.data() + i), bacc); \
   }                                                                                                        \
-  return hsum8(acc) + bacc;
+  if (i < blocks) {                                                                                        \
+    __m256i d[8];                                                                                          \
+    alignas(32) float sc[8], bs[8], dx[8], sm[8];                                                          \
+    for (int j = 0; j < 8; ++j) {                                                                          \
+      const bool live = i + j < blocks;                                                                    \
+      d[j] = live ? PRODUCTS<Bits>(weights_avx2<Bits>(w, i + j),                                           \
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * (i + j)))) \
+                  : _mm256_setzero_si256();                                                                \
+      sc[j] = live ? param_x86<Half>(m.scales, row0 + (i + j) / per) : 0.f;                                \
+      bs[j] = live ? param_x86<Half>(m.biases, row0 + (i + j) / per) : 0.f;                                \
+      dx[j] = live ? x.dx[i + j] : 0.f;                                                                    \
+      sm[j] = live ? x.sum[i + j] : 0.f;                                                                   \
+    }                                                                                                      \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(d)), _mm256_mul_ps(_mm256_load_ps(sc), _mm256_load_ps(dx)), acc); \
+    bacc = _mm256_fmadd_ps(_mm256_load_ps(bs), _mm256_load_ps(sm), bacc);                                  \
+  }                                                                                                        \
+  return hsum8(_mm256_add_ps(acc, bacc));
 
 template <int Bits, bool Half>
-__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const QMatrixView& m, int64_t n, const QuantRow& x) {
+__attribute__((target("avx2,fma,f16c"))) inline float dot_avx2(const QMatrixView& m, int64_t n, const QuantRow& x) {
   QD_DOT_BODY(products_avx2)
 }
 
 template <int Bits, bool Half>
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) float dot_vnni(const QMatrixView& m,
-                                                                                               int64_t n,
-                                                                                               const QuantRow& x) {
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) inline float dot_vnni(
+    const QMatrixView& m, int64_t n, const QuantRow& x) {
   QD_DOT_BODY(products_vnni)
+}
+
+// y[r * ldy + n] for n in [n0, n1) and every row r (the loop inside the ISA's function: one call per range).
+template <int Bits, bool Half>
+__attribute__((target("avx2,fma,f16c"))) void range_avx2(const QMatrixView& m, const QuantRow* x, int64_t rows,
+                                                          int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < rows; ++r) y[r * ldy + n] = dot_avx2<Bits, Half>(m, n, x[r]) + (m.bias ? m.bias[n] : 0.f);
+}
+
+template <int Bits, bool Half>
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"))) void range_vnni(
+    const QMatrixView& m, const QuantRow* x, int64_t rows, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < rows; ++r) y[r * ldy + n] = dot_vnni<Bits, Half>(m, n, x[r]) + (m.bias ? m.bias[n] : 0.f);
 }
 #endif
 
-using DotFn = float (*)(const QMatrixView&, int64_t, const QuantRow&);
+using RangeFn = void (*)(const QMatrixView&, const QuantRow*, int64_t, int64_t, int64_t, float*, int64_t);
 
 template <bool Half>
-DotFn pick_half(int bits, Isa isa) {
+void range_portable(const QMatrixView& m, const QuantRow* x, int64_t rows, int64_t n0, int64_t n1, float* y,
+                    int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < rows; ++r) y[r * ldy + n] = dot_portable<Half>(m, n, x[r]) + (m.bias ? m.bias[n] : 0.f);
+}
+
+template <bool Half>
+RangeFn pick_half(int bits, Isa isa) {
 #ifdef QD_X86
-  if (isa == Isa::avx512vnni) return bits == 4 ? dot_vnni<4, Half> : dot_vnni<8, Half>;
-  if (isa == Isa::avx2) return bits == 4 ? dot_avx2<4, Half> : dot_avx2<8, Half>;
+  if (isa == Isa::avx512vnni) return bits == 4 ? range_vnni<4, Half> : range_vnni<8, Half>;
+  if (isa == Isa::avx2) return bits == 4 ? range_avx2<4, Half> : range_avx2<8, Half>;
 #else
   (void)bits;
   (void)isa;
 #endif
-  return dot_portable<Half>;
+  return range_portable<Half>;
 }
 
 }  // namespace
@@ -233,11 +295,7 @@ void QuantRow::quantize(const float* x, int64_t k) {
 
 void qgemv(const QMatrixView& m, const QuantRow* x, int64_t rows, int64_t n0, int64_t n1, float* y, int64_t ldy,
            Isa isa) {
-  const DotFn dot = m.half ? pick_half<true>(m.bits, isa) : pick_half<false>(m.bits, isa);
-  for (int64_t n = n0; n < n1; ++n) {
-    const float b = m.bias ? m.bias[n] : 0.f;
-    for (int64_t r = 0; r < rows; ++r) y[r * ldy + n] = dot(m, n, x[r]) + b;
-  }
+  (m.half ? pick_half<true>(m.bits, isa) : pick_half<false>(m.bits, isa))(m, x, rows, n0, n1, y, ldy);
 }
 
 }  // namespace mlx_serving
