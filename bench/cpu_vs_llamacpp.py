@@ -442,13 +442,16 @@ def machine(bin_dir: Path) -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    server_version = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True, text=True)
+    server = bin_dir / "llama-server"
+    server_version = (subprocess.run([str(server), "--version"], capture_output=True, text=True)
+                      if server.is_file() else None)  # --kernel-only builds llama-bench alone
     return {"cpu_model": model, "cpu_count": os.cpu_count(), "avx512_vnni": "avx512_vnni" in flags,
             "platform": platform.platform(), "python": platform.python_version(),
             "mlx": version("mlx"), "openai": version("openai"),
             "llama_cpp": f"ggml-org/llama.cpp@{llamacpp.LLAMA_CPP_COMMIT} (llama-cpp-python "
                          f"{llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist), -DGGML_NATIVE=ON, {bin_dir}",
-            "llama_server_version": (server_version.stdout + server_version.stderr).strip()[-300:]}
+            "llama_server_version": None if server_version is None
+            else (server_version.stdout + server_version.stderr).strip()[-300:]}
 
 
 # -- main -----------------------------------------------------------------------------------------
