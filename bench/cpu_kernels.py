@@ -8,6 +8,12 @@ Shapes (rows x out x in, bits, group size): one row (decode) and 8, 32 and 512 r
 decode, prefill) through SmolLM2-135M's q/k/v (960 x 576), gate/up (3072 x 576), down (576 x
 1536) and tied head (49,152 x 576, 8 bits), all group size 32 as its GGUF's Q4_1 / Q8_0 convert.
 FLOPs = 2 x rows x out x in. Threads: OpenMP's default (the cores), ``OMP_NUM_THREADS`` to set.
+
+Beside them the int8-activation product of the CPU decode step (models/decoder/cpu/qdot.cpp,
+issue 39: activations rounded to int8 per block of 32, integer dot products, AVX-512 VNNI / AVX2 /
+portable) on one thread (``int8_ms``, the rounding and the output copy included), and its largest
+difference from the float product relative to the output's largest value (``int8_rel_diff``).
+``--rows 1`` times the decode shapes only.
 """
 
 from __future__ import annotations
@@ -45,36 +51,45 @@ def measure(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str,
     mx.eval(x, w, s, b)
     theirs = lambda: mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=bits))  # noqa: E731
     ours = lambda: mx.eval(kernel(x, w, s, b, 32, bits))  # noqa: E731
-    mlx_ms, native_ms = [], []
+    module = native.cpu_decode_module()
+    matrix = module.QMatrix(w, s, b, None, bits, 32)
+    int8 = lambda: mx.eval(module.int8_matmul(matrix, x))  # noqa: E731
+    mlx_ms, native_ms, int8_ms = [], [], []
     for _ in range(3):  # alternating
         mlx_ms.append(_median_ms(theirs, repeats))
         native_ms.append(_median_ms(ours, repeats))
+        int8_ms.append(_median_ms(int8, repeats))
     diff = mx.abs(kernel(x, w, s, b, 32, bits) - mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32,
                                                                      bits=bits)).max().item()
+    ref = kernel(x, w, s, b, 32, bits)
+    rel = (mx.abs(module.int8_matmul(matrix, x) - ref).max() / mx.abs(ref).max()).item()
     flops = 2 * rows * out * inn
-    m, n = statistics.median(mlx_ms), statistics.median(native_ms)
+    m, n, i8 = statistics.median(mlx_ms), statistics.median(native_ms), statistics.median(int8_ms)
     return {"rows": rows, "out": out, "in": inn, "bits": bits, "mlx_ms": m, "native_ms": n,
-            "mlx_gflops": flops / m / 1e6, "native_gflops": flops / n / 1e6, "speedup": m / n, "max_abs_diff": diff}
+            "mlx_gflops": flops / m / 1e6, "native_gflops": flops / n / 1e6, "speedup": m / n, "max_abs_diff": diff,
+            "int8_ms": i8, "int8_gflops": flops / i8 / 1e6, "int8_rel_diff": rel}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="The native CPU quantized matmul beside MLX's mx.quantized_matmul "
                                              "on SmolLM2-135M's layer shapes (ms, GFLOP/s, largest difference).")
     ap.add_argument("--repeats", type=int, default=7, help="calls per kernel and shape (the median is kept)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512], help="the row counts timed")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json",
                     help="the JSON report")
     args = ap.parse_args()
     if native.quantized_matmul_cpu() is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
     results = []
-    for shape in SHAPES:
+    for shape in [sh for sh in SHAPES if sh[0] in args.rows]:
         results.append(measure(*shape, repeats=args.repeats if shape[0] < 512 else 3))
         r = results[-1]
         print(f"{r['rows']:>4} x {r['out']:>5} x {r['in']:>4} q{r['bits']}: MLX {r['mlx_ms']:8.3f} ms "
               f"({r['mlx_gflops']:5.1f} GFLOP/s)  native {r['native_ms']:7.3f} ms ({r['native_gflops']:5.1f})  "
-              f"x{r['speedup']:.1f}  max |diff| {r['max_abs_diff']:.1e}", flush=True)
+              f"x{r['speedup']:.1f}  max |diff| {r['max_abs_diff']:.1e}  int8 (1 thread) {r['int8_ms']:7.3f} ms "
+              f"({r['int8_gflops']:5.1f}, rel diff {r['int8_rel_diff']:.1e})", flush=True)
     info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
-            "isa": native._load().isa(), "loadavg": os.getloadavg(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+            "isa": native._load().isa(), "int8_isa": native.cpu_decode_module().decoder_isa(), "loadavg": os.getloadavg(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": info, "results": results}, indent=1))
     print(f"wrote {args.out}")

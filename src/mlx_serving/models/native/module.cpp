@@ -1,12 +1,20 @@
-// The Python module of the native CPU kernels (nanobind): one function per kernel.
+// The Python module of the native CPU kernels (nanobind): one function per kernel, and the CPU
+// decode step's decoder (models/decoder/cpu).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
+#include "decode_step.h"
 #include "kernels.h"
+#include "qdot.h"
 
 namespace nb = nanobind;
+namespace ms = mlx_serving;
+using mlx::core::array;
 
 namespace mlx_serving {
 
@@ -29,15 +37,48 @@ void force_portable(bool on) { portable_only = on; }
 }  // namespace mlx_serving
 
 NB_MODULE(_kernels, m) {
-  m.doc() = "Native CPU kernels for MLX (mlx-serving): quantized matmul, paged attention";
-  m.def("quantized_matmul", &mlx_serving::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+  m.doc() = "Native CPU kernels for MLX (mlx-serving): quantized matmul, paged attention, the CPU decode step";
+  m.def("quantized_matmul", &ms::quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"),
         "x (..., K) float32 @ dequantize(w, scales, biases).T -> (..., N) float32 (MLX's affine layout).");
-  m.def("paged_attention", &mlx_serving::paged_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+  m.def("paged_attention", &ms::paged_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("block_table"), nb::arg("start"), nb::arg("n_valid"), nb::arg("scale"), nb::arg("block_size"),
         "Causal GQA attention of q (B, H, T, D) over the paged cache k, v (R, Hkv, D) -> (B, T, H, D) float32.");
-  m.def("isa", []() { return mlx_serving::cpu_has_avx2() ? "avx2+fma" : "portable"; },
+  m.def("isa", []() { return ms::cpu_has_avx2() ? "avx2+fma" : "portable"; },
         "The instruction set the kernels run with on this CPU: 'avx2+fma' or 'portable'.");
-  m.def("force_portable", &mlx_serving::force_portable,
+  m.def("force_portable", &ms::force_portable,
         "Run the portable loops even where AVX2 + FMA are present (for tests; no effect off x86-64).");
+
+  nb::class_<ms::QMatrix>(m, "QMatrix", "An affine-quantized matrix (MLX's layout) for the CPU decoder.")
+      .def(nb::init<array, array, array, std::optional<array>, int, int>(), nb::arg("w"), nb::arg("scales"),
+           nb::arg("biases"), nb::arg("bias").none(), nb::arg("bits"), nb::arg("group_size"));
+  nb::class_<ms::LayerWeights>(m, "LayerWeights", "One decoder layer's weights for the CPU decoder.")
+      .def("__init__",
+           [](ms::LayerWeights* self, array input_norm, array post_norm, ms::QMatrix qkv, ms::QMatrix o,
+              ms::QMatrix gate_up, ms::QMatrix down, std::optional<array> q_norm, std::optional<array> k_norm) {
+             new (self) ms::LayerWeights{input_norm, post_norm, qkv, o, gate_up, down, q_norm, k_norm};
+           },
+           nb::arg("input_norm"), nb::arg("post_norm"), nb::arg("qkv"), nb::arg("o"), nb::arg("gate_up"),
+           nb::arg("down"), nb::arg("q_norm").none(), nb::arg("k_norm").none());
+  nb::class_<ms::DecoderHandle>(m, "Decoder", "A built CPU decoder (decode_step runs it).");
+  m.def(
+      "make_decoder",
+      [](int hidden, int heads, int kv_heads, int head_dim, int intermediate, float eps, bool rope_traditional,
+         float rope_scale, const std::vector<ms::LayerWeights>& layers, const array& norm, const ms::QMatrix& head,
+         const array& inv_freq, int threads) {
+        return ms::make_decoder({hidden, heads, kv_heads, head_dim, intermediate, eps, rope_traditional, rope_scale},
+                                layers, norm, head, inv_freq, threads);
+      },
+      nb::arg("hidden"), nb::arg("heads"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("intermediate"),
+      nb::arg("eps"), nb::arg("rope_traditional"), nb::arg("rope_scale"), nb::arg("layers"), nb::arg("norm"),
+      nb::arg("head"), nb::arg("inv_freq"), nb::arg("threads"),
+      "The CPU decoder over the model's weights (shared, not copied), with a pool of ``threads``.");
+  m.def("decode_step", &ms::decode_step, nb::arg("decoder"), nb::arg("h"), nb::arg("start"), nb::arg("n_valid"),
+        nb::arg("block_table"), nb::arg("keys"), nb::arg("values"), nb::arg("block_size"),
+        "One decode token per row -> [logits (B, vocab), keys..., values...] (the K/V written in place).");
+  m.def("int8_matmul", &ms::int8_matmul, nb::arg("m"), nb::arg("x"),
+        "x (M, K) @ dequantize(m).T (+ bias) with x quantized to int8 per block of 32 (one thread).");
+  m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
+  m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
+        "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");
 }

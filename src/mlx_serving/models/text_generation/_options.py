@@ -76,11 +76,12 @@ class GenerationOptions:
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     block_size: tokens per KV block (16).
     buffer_cache_bytes: the bound on MLX's buffer cache (1 GiB; None: MLX's own).
-    decode_path: "fused", "matmul", "sdpa" or None (the fused CUDA kernels where they run and fit,
-      else "matmul").
+    decode_path: "fused", "matmul", "sdpa", "native" or None (the fused CUDA kernels where they run
+      and fit, else "matmul"); "native": the CPU decode step with int8-activation products
+      (docs/generation.md).
     compile_decode: ``mx.compile`` the decode steps (None: with the fused path only).
-    bucket_shapes: pad steps to the shape buckets and build every bucket at start (None: on a GPU,
-      off on the CPU).
+    bucket_shapes: pad steps to the shape buckets and build every bucket at start (None: on MLX's
+      CUDA build; off on Metal and the CPU).
     pack_prefill: run a multi-row prefill as one packed row (None: the runner decides).
     max_causal_groups: most causal groups of one packed prefill's attention.
     speculative_config: speculative decoding (vLLM's names): None (off), a

@@ -1,0 +1,471 @@
+// The CPU decode step (issue 39): the shared decoder's one-token forward (models/decoder/layers.py)
+// as one MLX primitive, for rows that each decode one token.
+//
+// A step of SmolLM2-135M through MLX's operations was ~600 small operations (~20 us each: norms,
+// RoPE, reshapes, K/V scatters) around the products and attention; here it is one primitive whose
+// work runs on a thread pool kept alive across regions and steps (pool.h), per layer: RMSNorm ->
+// int8 q/k/v product (+ bias) -> q/k RMSNorm (Qwen3) -> RoPE -> K/V written into the paged cache in
+// place -> GQA attention over the row's prefix -> int8 o product + residual -> RMSNorm -> int8
+// gate/up product -> SwiGLU -> int8 down product + residual; then the final norm and the head.
+//
+// Numerics: the products quantize their activations to int8 per block of 32 (qdot.cpp); norms,
+// RoPE, softmax and the residual stream are float32. Each row's computation is the same whatever
+// its batchmates (the products and attention loop per row in a fixed order; work is split over
+// output columns and heads, never inside one dot product): a row batched equals the row alone,
+// bit for bit.
+//
+// The cache write is in place: the K/V arrays are inputs whose buffers the primitive's outputs
+// share (copy_shared_buffer); the caller stores those outputs back as the cache, so every later
+// reader depends on this step. A row writes only its own position (its own block).
+
+#include "decode_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/transforms.h"
+#include "pool.h"
+#include "qdot.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define DS_X86 1
+#endif
+
+namespace mx = mlx::core;
+
+namespace mlx_serving {
+
+namespace {
+
+mx::array ready(const mx::array& a) {
+  mx::array c = mx::contiguous(a, false, mx::Device(mx::Device::cpu));
+  c.eval();
+  return c;
+}
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("cpu decoder: " + what);
+}
+
+QMatrixView view(const QMatrix& m) {
+  return {reinterpret_cast<const uint8_t*>(m.w.data<uint32_t>()),
+          m.scales.data<void>(),
+          m.biases.data<void>(),
+          m.bias ? m.bias->data<float>() : nullptr,
+          m.scales.dtype() == mx::float16,
+          m.bits,
+          m.group,
+          static_cast<int64_t>(m.w.shape(0)),
+          static_cast<int64_t>(m.w.shape(1)) * 32 / m.bits};
+}
+
+void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+float dot_f32(const float* a, const float* b, int64_t n, bool vec) {
+#ifdef DS_X86
+  if (vec) {
+    struct V {
+      __attribute__((target("avx2,fma"))) static float run(const float* a, const float* b, int64_t n) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        return _mm_cvtss_f32(s);
+      }
+    };
+    return V::run(a, b, n);
+  }
+#else
+  (void)vec;
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float a, const float* x, float* y, int64_t n, bool vec) {
+#ifdef DS_X86
+  if (vec) {
+    struct V {
+      __attribute__((target("avx2,fma"))) static void run(float a, const float* x, float* y, int64_t n) {
+        const __m256 va = _mm256_set1_ps(a);
+        for (int64_t i = 0; i < n; i += 8)
+          _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+      }
+    };
+    V::run(a, x, y, n);
+    return;
+  }
+#else
+  (void)vec;
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace
+
+QMatrix::QMatrix(mx::array w_, mx::array scales_, mx::array biases_, std::optional<mx::array> bias_, int bits_,
+                 int group_size)
+    : w(ready(w_)), scales(ready(scales_)), biases(ready(biases_)), bits(bits_), group(group_size) {
+  need(bits == 4 || bits == 8, "bits must be 4 or 8");
+  need(group == 32 || group == 64 || group == 128, "group_size must be 32, 64 or 128");
+  need(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be (N, K * bits / 32) uint32");
+  const int64_t k = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  need(scales.dtype() == biases.dtype() && (scales.dtype() == mx::float32 || scales.dtype() == mx::float16),
+       "scales and biases must be both float32 or both float16");
+  need(scales.ndim() == 2 && scales.shape() == biases.shape() && scales.shape(0) == w.shape(0) &&
+           scales.shape(1) * group == k && k % 32 == 0,
+       "scales and biases must be (N, K / group_size)");
+  if (bias_) {
+    bias = ready(mx::astype(*bias_, mx::float32));
+    need(bias->ndim() == 1 && bias->shape(0) == w.shape(0), "bias must be (N,)");
+  }
+}
+
+class Decoder {
+ public:
+  Decoder(const DecoderDims& d, std::vector<LayerWeights> layers, mx::array norm, QMatrix head,
+          std::vector<float> inv_freq, int threads)
+      : d_(d), layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)),
+        inv_freq_(std::move(inv_freq)), pool_(threads) {}
+
+  int64_t vocab() const { return head_.w.shape(0); }
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  const DecoderDims& dims() const { return d_; }
+
+  void step(const float* h_in, const int32_t* start, const int32_t* n_valid, const int32_t* table, int64_t b,
+            int64_t w, const std::vector<float*>& keys, const std::vector<float*>& values, int64_t cache_rows,
+            int64_t block_size, float* logits);
+
+ private:
+  void product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t rows, float* y);
+  void attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values);
+  int64_t cache_row(const int32_t* table, int64_t w, int64_t r, int64_t pos, int64_t cache_rows,
+                    int64_t block_size) const {
+    const int64_t blk = pos / block_size;
+    const int64_t row = blk < w ? static_cast<int64_t>(table[rows_[r] * w + blk]) * block_size + pos % block_size : 0;
+    return row < 0 || row >= cache_rows ? 0 : row;  // a table that does not cover it: the null block
+  }
+
+  DecoderDims d_;
+  std::vector<LayerWeights> layers_;
+  mx::array norm_;
+  QMatrix head_;
+  std::vector<float> inv_freq_;
+  Pool pool_;
+  std::mutex lock_;
+  Isa isa_ = Isa::portable;
+  // per-step buffers (compacted real rows)
+  std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
+  std::vector<float> h_, x_, qkv_, att_, tmp_, gu_, act_, out_;
+  std::vector<QuantRow> qx_;
+};
+
+void Decoder::product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t rows, float* y) {
+  const QMatrixView v = view(m);
+  const int64_t n = v.n, tasks_wanted = 8 * pool_.threads();
+  const int64_t chunk = std::max<int64_t>(8, (n / tasks_wanted + 7) / 8 * 8);
+  const int64_t tasks = (n + chunk - 1) / chunk;
+  const Isa isa = isa_;
+  pool_.run(tasks, [&](int64_t t) {
+    const int64_t n0 = t * chunk;
+    qgemv(v, x.data(), rows, n0, std::min(n, n0 + chunk), y, n, isa);
+  });
+}
+
+void Decoder::attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values) {
+  const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim;
+  const int64_t width = (h + 2 * hkv) * dd, group = h / hkv;
+  const float scale = 1.f / std::sqrt(static_cast<float>(dd));
+  const bool vec = isa_ != Isa::portable && dd % 8 == 0;
+  const float* kc = keys[l];
+  const float* vc = values[l];
+  pool_.run(a * h, [&](int64_t t) {
+    thread_local std::vector<float> sc, qs;
+    const int64_t r = t / h, head = t % h, g = head / group, n = pos_[r] + 1;
+    const int64_t* idx = idx_.data() + off_[r];
+    sc.resize(n);
+    qs.resize(dd);
+    const float* q = qkv_.data() + r * width + head * dd;
+    for (int64_t c = 0; c < dd; ++c) qs[c] = q[c] * scale;
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) {
+      sc[p] = dot_f32(qs.data(), kc + (idx[p] * hkv + g) * dd, dd, vec);
+      top = std::max(top, sc[p]);
+    }
+    float sum = 0.f;
+    for (int64_t p = 0; p < n; ++p) {
+      sc[p] = std::exp(sc[p] - top);
+      sum += sc[p];
+    }
+    float* o = att_.data() + (r * h + head) * dd;
+    std::fill(o, o + dd, 0.f);
+    for (int64_t p = 0; p < n; ++p) axpy(sc[p], vc + (idx[p] * hkv + g) * dd, o, dd, vec);
+    const float inv = 1.f / sum;
+    for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
+  });
+}
+
+void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_valid, const int32_t* table, int64_t b,
+                   int64_t w, const std::vector<float*>& keys, const std::vector<float*>& values, int64_t cache_rows,
+                   int64_t block_size, float* logits) {
+  std::lock_guard<std::mutex> guard(lock_);
+  isa_ = best_isa();
+  const int64_t hid = d_.hidden, hh = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim, inter = d_.intermediate;
+  const int64_t width = (hh + 2 * hkv) * dd, half = dd / 2, v = vocab();
+  rows_.clear();
+  pos_.clear();
+  for (int64_t r = 0; r < b; ++r)
+    if (n_valid[r] > 0) {
+      rows_.push_back(r);
+      pos_.push_back(start[r]);
+    }
+  std::memset(logits, 0, sizeof(float) * b * v);  // padding rows: zeros
+  const int64_t a = static_cast<int64_t>(rows_.size());
+  if (a == 0) return;
+  off_.assign(a + 1, 0);
+  for (int64_t r = 0; r < a; ++r) off_[r + 1] = off_[r] + pos_[r] + 1;
+  idx_.resize(off_[a]);
+  for (int64_t r = 0; r < a; ++r)
+    for (int64_t p = 0; p <= pos_[r]; ++p) idx_[off_[r] + p] = cache_row(table, w, r, p, cache_rows, block_size);
+  h_.resize(a * hid);
+  x_.resize(a * hid);
+  qkv_.resize(a * width);
+  att_.resize(a * hh * dd);
+  tmp_.resize(a * hid);
+  gu_.resize(a * 2 * inter);
+  act_.resize(a * inter);
+  out_.resize(a * v);
+  qx_.resize(a);
+  for (int64_t r = 0; r < a; ++r) std::memcpy(h_.data() + r * hid, h_in + rows_[r] * hid, sizeof(float) * hid);
+  // RoPE angles of each row's position (shared by every layer and head)
+  std::vector<float> cs(a * half), sn(a * half);
+  for (int64_t r = 0; r < a; ++r)
+    for (int64_t i = 0; i < half; ++i) {
+      const float theta = static_cast<float>(pos_[r]) * d_.rope_scale * inv_freq_[i];
+      cs[r * half + i] = std::cos(theta);
+      sn[r * half + i] = std::sin(theta);
+    }
+  auto rope = [&](float* x, int64_t r) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = cs[r * half + i], s = sn[r * half + i];
+      const int64_t i0 = d_.rope_traditional ? 2 * i : i, i1 = d_.rope_traditional ? 2 * i + 1 : i + half;
+      const float x0 = x[i0], x1 = x[i1];
+      x[i0] = x0 * c - x1 * s;
+      x[i1] = x0 * s + x1 * c;
+    }
+  };
+  auto quantize = [&](const float* src, int64_t k) {
+    for (int64_t r = 0; r < a; ++r) qx_[r].quantize(src + r * k, k);
+  };
+  const int64_t nl = num_layers();
+  for (int64_t r = 0; r < a; ++r)
+    rms_norm(h_.data() + r * hid, layers_[0].input_norm.data<float>(), hid, d_.eps, x_.data() + r * hid);
+  for (int64_t l = 0; l < nl; ++l) {
+    const LayerWeights& lw = layers_[l];
+    quantize(x_.data(), hid);
+    product(lw.qkv, qx_, a, qkv_.data());
+    for (int64_t r = 0; r < a; ++r) {
+      float* q = qkv_.data() + r * width;
+      float* k = q + hh * dd;
+      const float* vv = k + hkv * dd;
+      std::vector<float> tmp(dd);
+      for (int64_t i = 0; i < hh + hkv; ++i) {
+        float* x = q + i * dd;  // q heads, then k heads
+        if (lw.q_norm) {
+          rms_norm(x, (i < hh ? *lw.q_norm : *lw.k_norm).data<float>(), dd, d_.eps, tmp.data());
+          std::memcpy(x, tmp.data(), sizeof(float) * dd);
+        }
+        rope(x, r);
+      }
+      const int64_t row = idx_[off_[r] + pos_[r]];
+      std::memcpy(keys[l] + row * hkv * dd, k, sizeof(float) * hkv * dd);
+      std::memcpy(values[l] + row * hkv * dd, vv, sizeof(float) * hkv * dd);
+    }
+    attend_rows(l, keys, values);
+    quantize(att_.data(), hh * dd);
+    product(lw.o, qx_, a, tmp_.data());
+    for (int64_t r = 0; r < a; ++r) {
+      float* hr = h_.data() + r * hid;
+      const float* tr = tmp_.data() + r * hid;
+      for (int64_t i = 0; i < hid; ++i) hr[i] += tr[i];
+      rms_norm(hr, lw.post_norm.data<float>(), hid, d_.eps, x_.data() + r * hid);
+    }
+    quantize(x_.data(), hid);
+    product(lw.gate_up, qx_, a, gu_.data());
+    for (int64_t r = 0; r < a; ++r) {
+      const float* g = gu_.data() + r * 2 * inter;
+      float* o = act_.data() + r * inter;
+      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+    }
+    quantize(act_.data(), inter);
+    product(lw.down, qx_, a, tmp_.data());
+    const float* next = l + 1 < nl ? layers_[l + 1].input_norm.data<float>() : norm_.data<float>();
+    for (int64_t r = 0; r < a; ++r) {
+      float* hr = h_.data() + r * hid;
+      const float* tr = tmp_.data() + r * hid;
+      for (int64_t i = 0; i < hid; ++i) hr[i] += tr[i];
+      rms_norm(hr, next, hid, d_.eps, x_.data() + r * hid);
+    }
+  }
+  quantize(x_.data(), hid);
+  product(head_, qx_, a, out_.data());
+  for (int64_t r = 0; r < a; ++r) std::memcpy(logits + rows_[r] * v, out_.data() + r * v, sizeof(float) * v);
+}
+
+namespace {
+
+class DecodeStep : public mx::Primitive {
+ public:
+  DecodeStep(mx::Stream stream, std::shared_ptr<Decoder> decoder, int block_size)
+      : mx::Primitive(stream), dec_(std::move(decoder)), block_size_(block_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const int64_t nl = dec_->num_layers();
+    auto& logits = outputs[0];
+    logits.set_data(mx::allocator::malloc(logits.nbytes()));
+    std::vector<float*> keys(nl), values(nl);
+    for (int64_t l = 0; l < nl; ++l) {
+      outputs[1 + l].copy_shared_buffer(inputs[4 + l]);
+      outputs[1 + nl + l].copy_shared_buffer(inputs[4 + nl + l]);
+      keys[l] = const_cast<float*>(inputs[4 + l].data<float>());
+      values[l] = const_cast<float*>(inputs[4 + nl + l].data<float>());
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& x : inputs) encoder.set_input_array(x);
+    for (auto& x : outputs) encoder.set_output_array(x);
+    const auto& table = inputs[3];
+    encoder.dispatch([dec = dec_, hp = inputs[0].data<float>(), sp = inputs[1].data<int32_t>(),
+                      np = inputs[2].data<int32_t>(), tp = table.data<int32_t>(), b = inputs[0].shape(0),
+                      w = table.shape(1), keys, values, rows = inputs[4].shape(0), bs = block_size_,
+                      lp = logits.data<float>()]() { dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("CpuDecodeStep has no GPU implementation");
+  }
+
+  const char* name() const override { return "CpuDecodeStep"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes = {{inputs[0].shape(0), static_cast<int>(dec_->vocab())}};
+    for (size_t i = 4; i < inputs.size(); ++i) shapes.push_back(inputs[i].shape());
+    return shapes;
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeStep&>(other);
+    return dec_ == o.dec_ && block_size_ == o.block_size_;
+  }
+
+
+ private:
+  std::shared_ptr<Decoder> dec_;
+  int block_size_;
+};
+
+}  // namespace
+
+DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeights>& layers,
+                                      const mx::array& norm, const QMatrix& head, const mx::array& inv_freq,
+                                      int threads) {
+  need(!layers.empty(), "no layers");
+  need(dims.heads % dims.kv_heads == 0 && dims.head_dim % 2 == 0, "heads must be a multiple of kv_heads");
+  need(dims.hidden % 32 == 0 && (dims.heads * dims.head_dim) % 32 == 0 && dims.intermediate % 32 == 0,
+       "hidden, heads * head_dim and intermediate must be multiples of 32");
+  std::vector<LayerWeights> own;
+  auto vec = [](const mx::array& a, int64_t n, const char* what) {
+    mx::array c = ready(mx::astype(a, mx::float32));
+    need(c.ndim() == 1 && c.shape(0) == n, std::string(what) + " has the wrong shape");
+    return c;
+  };
+  const int64_t qkv_out = (dims.heads + 2 * dims.kv_heads) * dims.head_dim;
+  auto check = [](const QMatrix& m, int64_t n, int64_t k, const char* what) {
+    need(m.w.shape(0) == n && static_cast<int64_t>(m.w.shape(1)) * 32 / m.bits == k,
+         std::string(what) + " has the wrong shape");
+  };
+  for (const auto& l : layers) {
+    check(l.qkv, qkv_out, dims.hidden, "qkv");
+    check(l.o, dims.hidden, dims.heads * dims.head_dim, "o_proj");
+    check(l.gate_up, 2 * dims.intermediate, dims.hidden, "gate_up");
+    check(l.down, dims.hidden, dims.intermediate, "down_proj");
+    need(l.q_norm.has_value() == l.k_norm.has_value(), "q_norm and k_norm come together");
+    LayerWeights c = l;
+    c.input_norm = vec(l.input_norm, dims.hidden, "input_layernorm");
+    c.post_norm = vec(l.post_norm, dims.hidden, "post_attention_layernorm");
+    if (l.q_norm) {
+      c.q_norm = vec(*l.q_norm, dims.head_dim, "q_norm");
+      c.k_norm = vec(*l.k_norm, dims.head_dim, "k_norm");
+    }
+    own.push_back(std::move(c));
+  }
+  check(head, head.w.shape(0), dims.hidden, "the head");
+  mx::array f = vec(inv_freq, dims.head_dim / 2, "inv_freq");
+  std::vector<float> freqs(f.data<float>(), f.data<float>() + f.size());
+  return {std::make_shared<Decoder>(dims, std::move(own), vec(norm, dims.hidden, "norm"), head, std::move(freqs),
+                                    threads)};
+}
+
+std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array& h,
+                                   const mx::array& start, const mx::array& n_valid, const mx::array& block_table,
+                                   const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+                                   int block_size) {
+  need(handle.ptr != nullptr && block_size > 0, "a built decoder and block_size > 0 expected");
+  const auto& decoder = handle.ptr;
+  const auto& d = decoder->dims();
+  const int64_t nl = decoder->num_layers();
+  need(h.dtype() == mx::float32 && h.ndim() == 2 && h.shape(1) == d.hidden, "h must be (B, hidden) float32");
+  need(start.dtype() == mx::int32 && n_valid.dtype() == mx::int32 && block_table.dtype() == mx::int32,
+       "start, n_valid and block_table must be int32");
+  need(start.ndim() == 1 && start.shape(0) == h.shape(0) && n_valid.shape() == start.shape() &&
+           block_table.ndim() == 2 && block_table.shape(0) == h.shape(0),
+       "start (B,), n_valid (B,) and block_table (B, W) expected");
+  need(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl,
+       "one key and one value array per layer expected");
+  const auto dev = mx::Device(mx::Device::cpu);
+  std::vector<mx::array> inputs = {mx::contiguous(h, false, dev), mx::contiguous(start, false, dev),
+                                   mx::contiguous(n_valid, false, dev), mx::contiguous(block_table, false, dev)};
+  std::vector<mx::Shape> shapes = {{h.shape(0), static_cast<int>(decoder->vocab())}};
+  std::vector<mx::Dtype> dtypes = {mx::float32};
+  for (const auto* side : {&keys, &values})
+    for (const auto& a : *side) {
+      need(a.dtype() == mx::float32 && a.ndim() == 3 && a.shape(1) == d.kv_heads && a.shape(2) == d.head_dim &&
+               a.shape() == keys[0].shape(),
+           "keys and values must be (R, kv_heads, head_dim) float32");
+      inputs.push_back(mx::contiguous(a, false, dev));
+      shapes.push_back(a.shape());
+      dtypes.push_back(mx::float32);
+    }
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<DecodeStep>(mx::default_stream(dev), decoder, block_size),
+                                std::move(inputs));
+}
+
+mx::array int8_matmul(const QMatrix& m, const mx::array& x) {
+  mx::array xc = ready(mx::astype(x, mx::float32));
+  const QMatrixView v = view(m);
+  need(xc.ndim() == 2 && xc.shape(1) == v.k, "x must be (M, K) float32");
+  const int64_t rows = xc.shape(0);
+  std::vector<QuantRow> q(rows);
+  for (int64_t r = 0; r < rows; ++r) q[r].quantize(xc.data<float>() + r * v.k, v.k);
+  std::vector<float> y(rows * v.n);
+  qgemv(v, q.data(), rows, 0, v.n, y.data(), v.n, best_isa());
+  return mx::array(y.begin(), {static_cast<int>(rows), static_cast<int>(v.n)}, mx::float32);
+}
+
+std::string decoder_isa() { return isa_name(best_isa()); }
+
+}  // namespace mlx_serving
