@@ -143,8 +143,9 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         type=_optional_bytes, metavar="BYTES",
         help="bound on MLX's buffer cache of freed buffers ('none': MLX's own)")),
     (("--decode-path",), dict(
-        choices=("fused", "matmul", "sdpa"),
-        help="how one-token rows attend (default: the fused CUDA kernels where they run and fit, else matmul)")),
+        choices=("fused", "matmul", "native", "sdpa"),  # decode_backends.DECODE_PATHS (not imported: mlx)
+        help="how one-token rows run (default: the fused CUDA kernels where they run and fit, else matmul; "
+             "native: the CPU decode step with int8-activation products, approximate)")),
     (("--compile-decode",), dict(
         action=argparse.BooleanOptionalAction,
         help="run decode steps through compiled graphs (default: with the fused decode path only)")),
