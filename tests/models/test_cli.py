@@ -349,7 +349,7 @@ def test_every_engine_field_has_a_flag() -> None:
                                       "priority", "--kv-cache-fraction", "0.5"])
     options = _generation_options(serve)
     assert options == {**_ENGINE_VALUES, "max_batch": 4, "policy": "priority", "kv_cache_fraction": 0.5,
-                       "max_new_tokens": 256, "max_len": 2048, "temperature": 0.0, "top_p": 1.0}
+                       "max_new_tokens": 256, "max_len": 2048, "generation_config": "auto"}
     assert set(EngineConfig.field_names()) <= set(options)
     defaults = text_generation.GenerationOptions()
     assert all(getattr(defaults, k) == v for k, v in engine_options(cli._parser().parse_args(["chat"])).items())

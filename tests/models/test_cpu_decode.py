@@ -17,7 +17,7 @@ from mlx_serving.models.decoder.attention import Rows
 from mlx_serving.models.decoder.cpu import NativeDecode, native_decode
 from mlx_serving.models.decoder.decode_backends import GenericDecode, decode_backend
 from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache, row_blocks
-from mlx_serving.models.generation import Engine, SamplingParams
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
@@ -156,8 +156,8 @@ def test_portable_and_vector_paths_agree(family_state):
 
 def _generate(state, prompts: list[list[int]], max_batch: int, compiled: bool, path: str = "native",
               **kw) -> list[list[int]]:
-    engine = Engine(state, max_batch=max_batch, max_len=64, prefill_chunk=8, block_size=4, decode_path=path,
-                    compile_decode=compiled, **kw)
+    engine = Engine(state, EngineConfig.of(max_batch=max_batch, max_len=64, prefill_chunk=8, block_size=4,
+                                           decode_path=path, compile_decode=compiled, **kw))
     assert engine.decode_backend.name == path
     out: list[list[int]] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
@@ -191,3 +191,14 @@ def test_backend_choice(tiny):
     dense = load(tiny.path, dequantize=True)
     assert native_decode(dense) is None and decode_backend(dense, "native") == GenericDecode()
     assert native_decode(load(tiny.path, dtype="bfloat16")) is None
+
+
+@pytest.mark.timeout(300)  # a cap that only ends a hang
+def test_a_pool_destroyed_at_once_stops_its_workers(tiny):
+    """A native step built and dropped before its pool's workers ran (a worker that read the wake
+    count after the destructor's wake-up slept for ever and the destructor's join hung)."""
+    import gc
+
+    for _ in range(300):
+        assert native_decode(tiny) is not None
+        gc.collect()

@@ -35,7 +35,10 @@ class Pool {
  public:
   // ``threads``: the caller plus threads - 1 workers (at least 1).
   explicit Pool(int threads) : threads_(threads < 1 ? 1 : threads) {
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { work(); });
+    // Each worker starts from the wake count of its construction, not of its first run: a pool
+    // destroyed before a worker got scheduled must still wake (and stop) it.
+    const uint32_t seen = wake_.load(std::memory_order_acquire);
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, seen] { work(seen); });
   }
   ~Pool() {
     stop_.store(true);
@@ -93,8 +96,7 @@ class Pool {
     asleep_.notify_all();
   }
 
-  void work() {
-    uint32_t seen = wake_.load(std::memory_order_acquire);
+  void work(uint32_t seen) {
     while (true) {
       int spins = 0;
       uint32_t now = wake_.load(std::memory_order_acquire);
@@ -105,7 +107,7 @@ class Pool {
       }
       if (now == seen) {
         std::unique_lock<std::mutex> lock(mutex_);
-        asleep_.wait(lock, [&] { return wake_.load(std::memory_order_acquire) != seen; });
+        asleep_.wait(lock, [&] { return stop_.load() || wake_.load(std::memory_order_acquire) != seen; });
         now = wake_.load(std::memory_order_acquire);
       }
       seen = now;
