@@ -199,6 +199,6 @@ def test_a_pool_destroyed_at_once_stops_its_workers(tiny):
     count after the destructor's wake-up slept for ever and the destructor's join hung)."""
     import gc
 
-    for _ in range(300):
+    for _ in range(40):
         assert native_decode(tiny) is not None
         gc.collect()
