@@ -17,6 +17,15 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Ray Serve kills its HTTP proxy after 3 health checks of 10 s fail, and gives it 5 s to get ready:
+# on 2 cores shared with other jobs a healthy proxy misses both (a docs example and the Serve
+# tests died with "killed by ray.kill"). Caps that only end a hang, for every Ray the tests and the
+# docs examples (their environment is this one's) start.
+for _name, _seconds in (("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "120"),
+                        ("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "30"),
+                        ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")):
+    os.environ.setdefault(_name, _seconds)
+
 from mlx_serving.models import sources
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
