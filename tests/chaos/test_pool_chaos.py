@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pool"))  # pool_servings, for the workers too
 
 from mlx_serving.serving import ServingPool, WorkerCrashed, WorkerUnresponsive  # noqa: E402
-from portable import open_fds  # noqa: E402
+from portable import child_pids, open_fds  # noqa: E402
 
 LIVENESS = 1.5  # liveness_timeout of the pool under test (heartbeats every 0.375 s)
 MARGIN = 1.0  # scheduling slack on a shared machine
@@ -34,17 +34,6 @@ pytestmark = [
     pytest.mark.skipif(not LINUX, reason="reads /proc; the native deadlock needs glibc"),
     pytest.mark.timeout(60),
 ]
-
-
-def child_pids() -> set[int]:
-    """Children of this process, zombies included until reaped."""
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        try:
-            pids.update(int(pid) for pid in (task / "children").read_text().split())
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-    return pids
 
 
 def pool_threads() -> set[threading.Thread]:

@@ -45,10 +45,10 @@ from ._keep_alive import NEVER
 from ._models import detokenize, tokenize
 from ._registry import LeaseScope, Loader, ModelRegistry, Models
 from ._requests import Call, chat_call, completion_call, messages_of
-from ._responses import Echo, Kind, StreamState, chat_response, completion_response, event, new_id
+from ._responses import Echo, Kind, StreamState, chat_response, completion_response, new_id
 from ._responses_api import ResponsesAPI
 from ._shutdown import Drain
-from ._sse import ShuttingDown, next_items
+from ._sse import ShuttingDown, stream_events
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -541,13 +541,9 @@ async def _sse(stream: AsyncStream, state: StreamState, call: Call, record: _Rec
             for chunk in state.first_chunks():
                 yield chunk
             try:
-                while batch := await next_items(stream, drain):
-                    for one in batch:
-                        ev = event(one, state.is_list, state.n)
-                        for chunk in state.chunks(ev):
-                            yield chunk
-                        if ev.final is not None:
-                            record.final(ev.choice, ev.final)
+                async for ev in stream_events(stream, drain, record, state.is_list, state.n):
+                    for chunk in state.chunks(ev):
+                        yield chunk
             except ShuttingDown as exc:
                 yield json.dumps(exc.error().body(), ensure_ascii=False)
             except (ServingError, ValueError) as exc:  # headers are sent: the error goes in the stream

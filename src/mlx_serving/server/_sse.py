@@ -11,11 +11,12 @@ events, outside the scope.
 from __future__ import annotations
 
 import enum
-from typing import Final
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Final, Protocol
 
 from ..serving import AsyncStream
 from ._errors import APIError
-from ._responses import StreamItem
+from ._responses import Event, StreamItem, event
 from ._shutdown import Drain
 
 __all__ = ["ShuttingDown", "joined", "next_items"]
@@ -62,3 +63,23 @@ def joined(items: list[StreamItem]) -> list[StreamItem]:
         else:
             out.append(item)
     return out
+
+
+class FinalRecorder(Protocol):
+    """What :func:`stream_events` tells of each finished choice (the server's metrics recorder)."""
+
+    def final(self, choice: int, final: Mapping[str, Any]) -> None: ...
+
+
+async def stream_events(stream: AsyncStream[StreamItem], drain: Drain, record: FinalRecorder,
+                        is_list: bool = False, n: int = 1) -> AsyncIterator[Event]:
+    """Every item of ``stream`` as a normalized :class:`Event` (``event(item, is_list, n)``), read
+    in bursts by :func:`next_items`; each choice's final goes to ``record.final`` once its event was
+    consumed. Raises :class:`ShuttingDown`, or what the stream raises (the caller writes the error
+    event in its protocol's shape)."""
+    while batch := await next_items(stream, drain):
+        for one in batch:
+            ev = event(one, is_list, n)
+            yield ev
+            if ev.final is not None:
+                record.final(ev.choice, ev.final)

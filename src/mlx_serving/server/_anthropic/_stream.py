@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ...serving import AsyncStream, ServingError
-from .._responses import Event, event
+from .._responses import Event
 from .._shutdown import Drain
-from .._sse import ShuttingDown, next_items
+from .._sse import ShuttingDown, stream_events
 from ._output import cut_stop, error, error_body, new_id, stop_reason, tool_use
 from ._schema import Json
 
@@ -61,13 +61,9 @@ class _Streamed:
                 yield self._message_start()
                 yield _event("ping")
                 try:
-                    while batch := await next_items(stream, drain):
-                        for one in batch:
-                            ev = event(one, False, 1)
-                            for e in self._feed(ev):
-                                yield e
-                            if ev.final is not None:
-                                record.final(0, ev.final)
+                    async for ev in stream_events(stream, drain, record):
+                        for e in self._feed(ev):
+                            yield e
                 except ShuttingDown as exc:
                     yield _event("error", **error_body(exc.error()))
                 except (ServingError, ValueError) as exc:

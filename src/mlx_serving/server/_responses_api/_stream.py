@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 from ...serving import AsyncStream, ServingError
 from .._errors import from_exception
-from .._responses import Event, chat_logprobs, event
+from .._responses import Event, chat_logprobs
 from .._shutdown import Drain
-from .._sse import ShuttingDown, next_items
+from .._sse import ShuttingDown, stream_events
 from ._items import Json
 from ._output import envelope, finish, function_call, message, new_id, reasoning, status, usage
 from ._request import Turn
@@ -68,13 +68,9 @@ class _Streamed:
                 yield self._event("response.created", response=dict(self.body))
                 yield self._event("response.in_progress", response=dict(self.body))
                 try:
-                    while batch := await next_items(stream, drain):
-                        for one in batch:
-                            ev = event(one, False, 1)
-                            for e in self._feed(ev):
-                                yield e
-                            if ev.final is not None:
-                                record.final(0, ev.final)
+                    async for ev in stream_events(stream, drain, record):
+                        for e in self._feed(ev):
+                            yield e
                 except ShuttingDown as exc:
                     for e in self._failed(str(exc)):
                         yield e
