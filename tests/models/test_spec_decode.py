@@ -255,7 +255,7 @@ def test_drafts_that_never_match_cost_few_verifies(tiny32):
     assert stats["spec_decode_num_drafts"] <= 0.15 * sum(len(v) for v in out.values())
 
 
-@pytest.mark.parametrize("field, bad", [("method", "draft_model"), ("method", "eagle"),
+@pytest.mark.parametrize("field, bad", [("model", "x"), ("method", "eagle"),
                                         ("num_speculative_tokens", 0), ("prompt_lookup_max", 0),
                                         ("prompt_lookup_min", True)])
 def test_config_refuses_a_bad_field_by_name(field, bad):

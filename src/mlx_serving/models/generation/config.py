@@ -37,7 +37,7 @@ BUFFER_CACHE_BYTES = 1 << 30
 POLICIES = ("fcfs", "priority")
 
 #: Speculative decoding methods (vLLM's ``speculative_config["method"]``) this engine runs.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def _positive(name: str, value: object, *, optional: bool = False) -> None:
@@ -172,20 +172,25 @@ class SpeculativeConfig:
     ``speculative_config`` names.
 
     method: "ngram" (prompt lookup: drafts copied from the row's own prompt and output after the
-      latest earlier occurrence of its last n tokens; no second model).
+      latest earlier occurrence of its last n tokens; no second model) or "draft_model" (a smaller
+      model sharing the target's tokenizer proposes the drafts, :mod:`.spec_decode.draft`).
+    model: the draft model of "draft_model" (whatever ``--model`` takes: a checkpoint directory, a
+      .gguf file, a Hugging Face repo id, a packaged or seeded name; loaded when the engine is
+      built); must be None for "ngram".
     num_speculative_tokens: most draft tokens per row per step (k), >= 1; each row lowers its own
       k, or stops proposing for a while, when its drafts are rejected.
     prompt_lookup_max / prompt_lookup_min: the longest / shortest n-gram matched, >= 1, min <= max
-      (the longest match found wins).
+      (the longest match found wins; "ngram" only).
 
-    Raises ValueError naming the field for a value out of range or an unknown method
-    ("draft_model" included: not built yet).
+    Raises ValueError naming the field for a value out of range, an unknown method, or a ``model``
+    missing for "draft_model" (or given for "ngram").
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -196,6 +201,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min must be <= prompt_lookup_max={self.prompt_lookup_max}, "
                              f"got {self.prompt_lookup_min}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be the draft model's name or path for method 'draft_model', "
+                             f"got {_show(self.model)}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"model must be None for method 'ngram' (no draft model), got {_show(self.model)}")
 
     @classmethod
     def parse(cls, value: object) -> SpeculativeConfig | None:

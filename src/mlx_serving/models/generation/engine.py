@@ -101,7 +101,8 @@ class Engine:
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
-        self.speculator = Speculator(config.speculative) if config.speculative is not None else None
+        self.speculator = (Speculator.build(config.speculative, state, blocks, c.block_size)
+                           if config.speculative is not None else None)
         self.scheduler = Scheduler(s.max_batch, kv, make_policy(s.policy), s.prefill_chunk, s.max_step_tokens,
                                    whole_chunks=bucket,  # chunk starts stay on the warmed shapes
                                    speculator=self.speculator)
@@ -304,6 +305,8 @@ class Engine:
         for request in list(self._by_id.values()):
             self._finish(request)
         self.runner.close()
+        if self.speculator is not None:
+            self.speculator.close()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -48,6 +48,7 @@ from .request import Request
 from .sampling import SamplingParams, greedy
 from .scheduler import DecodeRow, PrefillChunk, SchedulerOutput, VerifyRow
 from .spec_decode import accepted
+from .spec_decode.verify import DraftedSpan, resample_drafted
 
 __all__ = ["KV_BUCKET", "Flight", "Landed", "ModelRunner", "Verdict", "shape_keys"]
 
@@ -382,12 +383,13 @@ class ModelRunner:
         kept for :meth:`land`."""
         inputs = [RowInput(v.request.chain, v.row, v.request.num_sampled + j, None, v.request.rng)
                   for v in verifies for j in range(len(v.tokens))]
-        flight.verifies += [(v, None if v.request.chain.greedy else v.request.rng.bit_generator.state)
-                            for v in verifies]
+        flight.verifies += [(v, None if v.request.chain.greedy or _draft_probs(v) is not None
+                             else v.request.rng.bit_generator.state) for v in verifies]
         if all(v.request.chain.argmax_only for v in verifies):
             flight.spec_tokens = greedy(logits)
         else:
-            flight.spec_tokens = sample_batch(logits, inputs).tokens
+            flight.spec_tokens = resample_drafted(logits, sample_batch(logits, inputs).tokens,
+                                                  _drafted_spans(verifies, inputs))
 
     # ---- start-up and shutdown ---------------------------------------------------------
 
@@ -482,6 +484,25 @@ class ModelRunner:
 
 def _start(c: Span) -> int:
     return c.start
+
+
+def _drafted_spans(verifies: list[VerifyRow], inputs: list[RowInput]) -> list[DraftedSpan]:
+    """The verify rows whose draft a draft model sampled (``spec.draft_probs`` set), as spans of
+    the flat positions ``inputs`` (k + 1 per row, in order)."""
+    spans, at = [], 0
+    for v in verifies:
+        n = len(v.tokens)
+        if (q := _draft_probs(v)) is not None:
+            spans.append(DraftedSpan(at, v.draft, q, inputs[at : at + n], v.request.rng))
+        at += n
+    return spans
+
+
+def _draft_probs(v: VerifyRow) -> mx.array | None:
+    """The draft distributions ``(k, V)`` of a sampled verify row whose draft a draft model
+    sampled (verified by the general rejection rule, its generator never rewound), else None."""
+    spec = v.request.spec
+    return spec.draft_probs if spec is not None and not v.request.chain.greedy else None
 
 
 def _allowed(r: Request) -> np.ndarray | None:

@@ -146,6 +146,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.running[request.row] = None
         self.kv.free(request.kv)
+        if self.speculator is not None:
+            self.speculator.release(request)
         request.row = -1
 
     # ---- schedule ----------------------------------------------------------------------
@@ -175,16 +177,11 @@ class Scheduler:
         """The draft of each decoding request of ``running`` that speculates, is not cooling down
         (one cooldown step passes) and has one (its last token landed; at most
         ``max_new_tokens`` emitted by the verify)."""
-        drafts: dict[Request, np.ndarray] = {}
         if self.speculator is None:
-            return drafts
-        for r in running:
-            if r.spec is None or not r.decoding or not r.spec.tick() or r.in_flight:
-                continue
-            draft = self.speculator.draft(r.spec, r.tokens(), r.params.max_new_tokens - r.num_sampled - 1)
-            if draft.size:
-                drafts[r] = draft
-        return drafts
+            return {}
+        ready = [r for r in running if r.spec is not None and r.decoding and r.spec.tick() and not r.in_flight]
+        out = self.speculator.drafts([(r, r.params.max_new_tokens - r.num_sampled - 1) for r in ready])
+        return {r: draft for r, draft in zip(ready, out) if draft.size}
 
     def _by_order(self) -> list[Request]:
         return sorted((r for r in self.running if r is not None), key=lambda r: r.order)

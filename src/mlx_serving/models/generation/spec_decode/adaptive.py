@@ -9,7 +9,9 @@ whose drafts fail costs at most one wasted verify every :data:`MAX_COOLDOWN` ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import mlx.core as mx
 
 __all__ = ["MAX_COOLDOWN", "SpecState"]
 
@@ -20,12 +22,15 @@ MAX_COOLDOWN = 16
 @dataclass
 class SpecState:
     """One row's speculation: ``k`` draft tokens next (<= ``k_max``), ``misses`` in a row and the
-    ``cooldown`` steps left before it proposes again."""
+    ``cooldown`` steps left before it proposes again; ``draft_probs``: the distributions ``(d,
+    V)`` float32 its latest draft of d tokens was sampled from (a draft model's, for a sampled
+    row; None: a point-mass draft), which its verify reads (:mod:`.verify`)."""
 
     k_max: int
     k: int = 0
     misses: int = 0
     cooldown: int = 0
+    draft_probs: mx.array | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.k = self.k or self.k_max

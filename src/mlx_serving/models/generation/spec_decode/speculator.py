@@ -2,26 +2,43 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
+from ...decoder.layers import State
 from ..config import SpeculativeConfig
 from ..sampling import SamplingParams
 from .adaptive import SpecState
+from .draft import DraftModel, DraftRow
 from .ngram import NgramProposer
 from .stats import SpecStats
 
 __all__ = ["Speculator"]
 
-_EMPTY = np.zeros(0, dtype=np.int32)
-
 
 class Speculator:
-    """Drafts for the rows of an engine built with ``config`` (its ``method`` is "ngram")."""
+    """Drafts for the rows of an engine built with ``config``: n-gram prompt lookup ("ngram"), or
+    ``draft`` ("draft_model": :meth:`build` loads it)."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"a Speculator for method {config.method!r} needs "
+                             f"{'a' if config.method == 'draft_model' else 'no'} DraftModel")
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_model = draft
         self.stats = SpecStats(config.num_speculative_tokens)
+
+    @classmethod
+    def build(cls, config: SpeculativeConfig, target: State, num_blocks: int, block_size: int) -> Speculator:
+        """The speculator of ``config`` for the ``target`` model whose KV pool has ``num_blocks``
+        blocks of ``block_size`` tokens (a draft model gets as many). Raises
+        :class:`~.draft.DraftModelError` (a ValueError naming ``speculative_config.model``) when
+        the draft model cannot be loaded or does not share the target's tokenizer."""
+        if config.method != "draft_model" or config.model is None:
+            return cls(config)
+        return cls(config, DraftModel.load(config.model, target, num_blocks, block_size))
 
     def new_state(self, params: SamplingParams) -> SpecState | None:
         """A new row's speculation, or None for a row that never speculates: one with penalties
@@ -33,18 +50,38 @@ class Speculator:
             return None
         return SpecState(self.config.num_speculative_tokens)
 
-    def draft(self, state: SpecState, tokens: np.ndarray, limit: int) -> np.ndarray:
-        """A ready row's draft for this step (``(d,) int32``, d <= min(its k, ``limit``); empty: it
-        decodes plainly), from its stream ``tokens`` (prompt + output, all on the host). A step
-        without one is a miss (:meth:`SpecState.miss`), unless ``limit`` < 1."""
-        if limit < 1:
-            return _EMPTY
-        out = self.proposer.propose(tokens, min(state.k, limit))
-        if not out.size:
-            state.miss()
+    def drafts(self, rows: Sequence[tuple[DraftRow, int]]) -> list[np.ndarray]:
+        """The ready rows' drafts for this step (``(d,) int32`` each, d <= min(the row's k,
+        its ``limit``); empty: it decodes plainly), for ``rows`` ``(row, limit)`` whose last
+        tokens are on the host: n-gram lookups over each row's stream, or one batched draft-model
+        proposal. A row without one is a miss (:meth:`SpecState.miss`), unless its limit < 1."""
+        ks = [min(_spec(row).k, limit) for row, limit in rows]
+        if self.draft_model is not None:
+            out = self.draft_model.propose([(row, k) for (row, _), k in zip(rows, ks)])
+        else:
+            out = [self.proposer.propose(row.tokens(), k) for (row, _), k in zip(rows, ks)]
+        for (row, limit), draft in zip(rows, out):
+            if limit >= 1 and not draft.size:
+                _spec(row).miss()
         return out
+
+    def release(self, row: DraftRow) -> None:
+        """``row`` left its batch row (finished, cancelled, preempted): its draft blocks are freed."""
+        if self.draft_model is not None:
+            self.draft_model.release(row)
+
+    def close(self) -> None:
+        """Drop the draft model's KV cache (the engine is closing)."""
+        if self.draft_model is not None:
+            self.draft_model.close()
 
     def record(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A row's verify outcome: its adaptive state and the counters."""
         state.observe(drafted, accepted)
         self.stats.record(drafted, accepted)
+
+
+def _spec(row: DraftRow) -> SpecState:
+    if row.spec is None:
+        raise ValueError("a row without speculation state was asked for a draft")
+    return row.spec
