@@ -108,7 +108,7 @@ def test_smollm2_as_its_own_draft_accepts_greedy_drafts(smollm2_dir):
     same tokens as without speculation, next to a row that does not speculate."""
     state = load(smollm2_dir)
     prompts = [[1, 504, 3458, 282, 4649, 314, 216, 33, 30, 30, 28, 216, 34, 30, 30, 28], [1, 2, 3, 4, 5, 6, 7]]
-    params = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, presence_penalty=0.5)]
+    params = [SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=16, presence_penalty=0.5)]
     config = dict(max_batch=2, max_len=64)
     plain = _run(Engine(state, EngineConfig.of(**config)), prompts, params)
     engine = Engine(state, EngineConfig.of(speculative_config=_spec(smollm2_dir), **config))
