@@ -87,7 +87,8 @@ class GenerationOptions:
     speculative_config: speculative decoding (vLLM's names): None (off), a
       :class:`~..generation.config.SpeculativeConfig`, a mapping of its fields or that mapping as
       a JSON string, e.g. ``{"method": "ngram", "num_speculative_tokens": 4,
-      "prompt_lookup_max": 4, "prompt_lookup_min": 2}``; stored as the config.
+      "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` or ``{"method": "draft_model", "model":
+      "<draft>", "num_speculative_tokens": 4}``; stored as the config.
 
     Raises ValueError naming the field for any value out of range.
     """
