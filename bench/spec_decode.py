@@ -17,7 +17,8 @@ span's logits can differ from a decode row's in the last bits, so a near-tie can
 The machine's load (``os.getloadavg``) is recorded before and after: it is shared, so read the ratios.
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/spec_decode.py [--rounds 3] [--max-new 128]`` (writes
-bench/results/spec_decode.json or ``--out``).
+bench/results/spec_decode.json or ``--out``); ``--method draft_model [--draft PATH]`` measures
+draft-model speculation instead (default draft: the target itself).
 """
 
 from __future__ import annotations
@@ -101,6 +102,19 @@ def _batch(engine, prompts, params) -> tuple[float, list[list[int]]]:
     return sum(map(len, tokens)) / (max(t[-1] for t in times) - t0), tokens
 
 
+def _draft_config(args: argparse.Namespace) -> str:
+    """``--speculative-config``, or with ``--method draft_model`` the draft-model config of
+    ``--draft`` (None: the default model drafting for itself, a mechanics check) with k from
+    ``--speculative-config``."""
+    if args.method != "draft_model":
+        return args.speculative_config
+    from mlx_serving.models.sources import default_checkpoint
+
+    k = json.loads(args.speculative_config).get("num_speculative_tokens", 4)
+    return json.dumps({"method": "draft_model", "model": args.draft or str(default_checkpoint()),
+                       "num_speculative_tokens": k})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -109,8 +123,12 @@ def main() -> None:
                                                          "single-stream runs take the first min(4, this))")
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram",
+                    help="draft_model: --draft proposes (overrides --speculative-config, _draft_config)")
+    ap.add_argument("--draft", help="the draft model of --method draft_model (default: the target itself)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_decode.json"))
     args = ap.parse_args()
+    args.speculative_config = _draft_config(args)
 
     from mlx_serving.models.generation import SamplingParams
     from mlx_serving.models.loader import load

@@ -12,6 +12,7 @@ differs from the target) and seeded output is reproducible. Bad drafts are refus
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -207,9 +208,15 @@ def test_chain_probs_follow_min_p_and_stay_a_distribution():
 # ---- configuration and refusals -------------------------------------------------------------
 
 
-def test_config_needs_a_model_for_draft_model_and_none_for_ngram():
+def test_config_needs_a_model_for_draft_model_and_none_for_ngram_and_the_flag_carries_it():
     assert SpeculativeConfig.parse(json.dumps(_spec("m"))) == SpeculativeConfig("draft_model", 4, model="m")
     assert GenerationOptions(speculative_config=_spec("m")).engine.speculative.model == "m"
+    from mlx_serving.server._cli import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser, rows=True)
+    args = parser.parse_args(["--speculative-config", json.dumps(_spec("m", 3))])
+    assert GenerationOptions(**engine_options(args)).engine.speculative == SpeculativeConfig("draft_model", 3, model="m")
     with pytest.raises(ValueError, match="^model must be the draft model's name"):
         SpeculativeConfig(method="draft_model")
     with pytest.raises(ValueError, match="^model must be None for method 'ngram'"):

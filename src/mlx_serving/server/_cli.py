@@ -159,7 +159,8 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--speculative-config",), dict(
         metavar="JSON",
         help='speculative decoding as vLLM names it, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off; docs/generation.md)')),
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", "model": '
+             'DRAFT, "num_speculative_tokens": 4}\' (default: off; docs/generation.md)')),
 )
 
 

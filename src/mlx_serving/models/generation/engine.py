@@ -16,12 +16,13 @@ sequence takes blocks as it grows and returns them when it finishes or is cancel
 runs dry the policy's victim is preempted and later recomputes prompt + generated tokens (its tokens
 already emitted are not emitted again, and its output does not change).
 
-With ``config.speculative`` (n-gram prompt lookup, :mod:`.spec_decode`), a decoding sequence may
+With ``config.speculative`` (n-gram prompt lookup or a draft model, :mod:`.spec_decode`), a decoding sequence may
 verify a draft of k tokens in one k+1-token row of the step's forward and emit up to k + 1 tokens
 at once; its outcome lands at the start of the next step (before the plan: its next draft
 depends on it), as does the token of any sequence about to propose. Output is the same as without
 speculation: token for token greedy, and for a seeded sampled sequence too (one uniform per emitted
-token, in order).
+token, in order); a sampled sequence with a draft model keeps the distribution exactly (rejection
+sampling against the draft's probabilities) and is reproducible by seed.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
 """Speculative decoding inside continuous batching (docs/generation.md, "Speculative decoding").
 
 A decoding row whose :class:`~.adaptive.SpecState` is ready gets up to k draft tokens from the
-:class:`~.ngram.NgramProposer` (prompt lookup over its own prompt and output); the scheduler plans
+:class:`~.ngram.NgramProposer` (prompt lookup over its own prompt and output) or the
+:class:`~.draft.DraftModel` (a second model with its own paged KV); the scheduler plans
 it as a k+1-token verify span in the step's ragged forward; the runner samples every position of
 the span with the row's own sampler chain and accepts the longest prefix of drafts that the
-samples reproduce, plus the sample after it (:func:`~.verify.accepted`). The
+samples reproduce, plus the sample after it (:func:`~.verify.accepted`; a draft model's sampled
+rows are first resampled by the general rejection rule, :func:`~.verify.rejection_tokens`). The
 :class:`~.speculator.Speculator` ties proposals, each row's adaptive state and the counters
 (:class:`~.stats.SpecStats`) together.
 """
 
 from .adaptive import SpecState
+from .draft import DraftModel, DraftModelError
 from .ngram import NgramProposer
 from .speculator import Speculator
 from .stats import SpecStats
 from .verify import accepted
 
-__all__ = ["NgramProposer", "SpecState", "SpecStats", "Speculator", "accepted"]
+__all__ = ["DraftModel", "DraftModelError", "NgramProposer", "SpecState", "SpecStats", "Speculator", "accepted"]
