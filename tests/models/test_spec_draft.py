@@ -93,9 +93,11 @@ def test_self_draft_greedy_accepts_every_draft_next_to_plain_rows(tiny32, tiny32
     params = [SamplingParams(max_new_tokens=30 + i, logprobs=1 if i == 2 else None) for i in range(8)]
     config = dict(max_batch=4, max_len=128, prefix_caching=caching,
                   kv_cache_bytes=kv_bytes_per_token(tiny32) * 16 * 12)
+    spec_config = dict(config, kv_cache_bytes=2 * config["kv_cache_bytes"])  # the budget holds both pools
     cancel = {4: 7}
     plain = _run(Engine(tiny32, EngineConfig.of(**config)), prompts, params, cancel)
-    engine = Engine(tiny32, EngineConfig.of(speculative_config=_spec(tiny32_ckpt), **config))
+    engine = Engine(tiny32, EngineConfig.of(speculative_config=_spec(tiny32_ckpt), **spec_config))
+    assert engine.kv_stats().blocks_total == 12 and engine.speculator.draft_model.kv.pool.num_blocks == 12
     assert _run(engine, prompts, params, cancel) == plain
     stats = engine.spec_decode_stats()
     assert stats["spec_decode_num_drafts"] > 20

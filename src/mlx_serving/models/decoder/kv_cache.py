@@ -121,12 +121,15 @@ def kv_budget(kv_cache_bytes: int | None = None, kv_cache_fraction: float | None
 
 
 def plan_blocks(state: ModelState, max_batch: int, max_len: int, kv_cache_bytes: int | None = None,
-                kv_cache_fraction: float | None = None, block_size: int = BLOCK_SIZE) -> int:
+                kv_cache_fraction: float | None = None, block_size: int = BLOCK_SIZE, *,
+                draft: ModelState | None = None) -> int:
     """Usable KV blocks (the null block not counted) for the budget (:func:`kv_budget`): as many
-    as it holds, never more than every row at full length needs. Never past the budget: raises
-    ValueError, naming the options to change, when it holds no sequence of ``max_len`` (``max_len
-    + 1`` tokens, the slot design's bound), or as :func:`kv_budget`."""
-    per_token = kv_bytes_per_token(state)
+    as it holds, never more than every row at full length needs. With a speculative ``draft``
+    model, whose pool has as many blocks, a block's bytes are the target's plus the draft's (the
+    budget holds both pools). Never past the budget: raises ValueError, naming the options to
+    change, when it holds no sequence of ``max_len`` (``max_len + 1`` tokens, the slot design's
+    bound), or as :func:`kv_budget`."""
+    per_token = kv_bytes_per_token(state) + (kv_bytes_per_token(draft) if draft is not None else 0)
     budget, source = kv_budget(kv_cache_bytes, kv_cache_fraction)
     one_seq = -(-max_len // block_size)  # blocks of one sequence of max_len (whole blocks)
     blocks = min(budget // (per_token * block_size), max_batch * one_seq)  # never more than every row needs

@@ -50,7 +50,7 @@ from .protocol import ConstraintFactory
 from .request import Request
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .spec_decode import Speculator
+from .spec_decode import Speculator, load_draft
 
 
 __all__ = ["Engine"]
@@ -98,11 +98,13 @@ class Engine:
             mx.set_cache_limit(c.buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.config = state, config
         self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path))
-        blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size)
+        draft = load_draft(config.speculative, state)  # its KV shares the budget
+        blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size,
+                             draft=draft)
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
-        self.speculator = (Speculator.build(config.speculative, state, blocks, c.block_size)
+        self.speculator = (Speculator.build(config.speculative, draft, blocks, c.block_size)
                            if config.speculative is not None else None)
         self.scheduler = Scheduler(s.max_batch, kv, make_policy(s.policy), s.prefill_chunk, s.max_step_tokens,
                                    whole_chunks=bucket,  # chunk starts stay on the warmed shapes

@@ -14,8 +14,8 @@ rows are first resampled by the general rejection rule, :func:`~.verify.rejectio
 from .adaptive import SpecState
 from .draft import DraftModel, DraftModelError
 from .ngram import NgramProposer
-from .speculator import Speculator
+from .speculator import Speculator, load_draft
 from .stats import SpecStats
 from .verify import accepted
 
-__all__ = ["DraftModel", "DraftModelError", "NgramProposer", "SpecState", "SpecStats", "Speculator", "accepted"]
+__all__ = ["DraftModel", "DraftModelError", "NgramProposer", "SpecState", "SpecStats", "Speculator", "accepted", "load_draft"]

@@ -84,7 +84,7 @@ class _Live:
 
 class DraftModel:
     """A loaded draft model ``state`` with a KV pool of ``num_blocks`` blocks of ``block_size``
-    tokens (built by :meth:`load`, or directly for a state already loaded)."""
+    tokens (the state loaded by :meth:`load_state`)."""
 
     def __init__(self, state: layers.State, num_blocks: int, block_size: int):
         self.state = state
@@ -92,9 +92,9 @@ class DraftModel:
         self.cache = init_paged_kv_cache(state, num_blocks, block_size)
         self._slots: dict[DraftRow, _Slot] = {}
 
-    @classmethod
-    def load(cls, name: str, target: layers.State, num_blocks: int, block_size: int) -> DraftModel:
-        """The draft ``name`` (what ``--model`` takes), in the target's dtype. Raises
+    @staticmethod
+    def load_state(name: str, target: layers.State) -> layers.State:
+        """The draft ``name`` (what ``--model`` takes) loaded in the target's dtype. Raises
         DraftModelError naming ``speculative_config.model`` when it cannot be resolved or loaded,
         or when its vocabulary or tokenizer (tokenizer.json's vocabulary and added tokens) is not
         the target's."""
@@ -103,7 +103,7 @@ class DraftModel:
         except (OSError, ValueError, KeyError) as e:
             raise DraftModelError(f"speculative_config.model {name!r} cannot be loaded: {e}") from e
         check_same_tokenizer(target, state, name)
-        return cls(state, num_blocks, block_size)
+        return state
 
     @property
     def num_rows(self) -> int:

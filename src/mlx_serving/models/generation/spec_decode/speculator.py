@@ -14,7 +14,7 @@ from .draft import DraftModel, DraftRow
 from .ngram import NgramProposer
 from .stats import SpecStats
 
-__all__ = ["Speculator"]
+__all__ = ["Speculator", "load_draft"]
 
 
 class Speculator:
@@ -31,14 +31,11 @@ class Speculator:
         self.stats = SpecStats(config.num_speculative_tokens)
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, target: State, num_blocks: int, block_size: int) -> Speculator:
-        """The speculator of ``config`` for the ``target`` model whose KV pool has ``num_blocks``
-        blocks of ``block_size`` tokens (a draft model gets as many). Raises
-        :class:`~.draft.DraftModelError` (a ValueError naming ``speculative_config.model``) when
-        the draft model cannot be loaded or does not share the target's tokenizer."""
-        if config.method != "draft_model" or config.model is None:
-            return cls(config)
-        return cls(config, DraftModel.load(config.model, target, num_blocks, block_size))
+    def build(cls, config: SpeculativeConfig, draft: State | None, num_blocks: int, block_size: int) -> Speculator:
+        """The speculator of ``config``; for "draft_model" over the ``draft`` model
+        (:func:`load_draft`) with a KV pool of ``num_blocks`` blocks of ``block_size`` tokens (as
+        many as the target's)."""
+        return cls(config, DraftModel(draft, num_blocks, block_size) if draft is not None else None)
 
     def new_state(self, params: SamplingParams) -> SpecState | None:
         """A new row's speculation, or None for a row that never speculates: one with penalties
@@ -79,6 +76,16 @@ class Speculator:
         """A row's verify outcome: its adaptive state and the counters."""
         state.observe(drafted, accepted)
         self.stats.record(drafted, accepted)
+
+
+def load_draft(config: SpeculativeConfig | None, target: State) -> State | None:
+    """The draft model of a "draft_model" ``config`` for the ``target`` model, loaded
+    (:meth:`~.draft.DraftModel.load_state`); None for any other config. Raises
+    :class:`~.draft.DraftModelError` (a ValueError naming ``speculative_config.model``) when it
+    cannot be loaded or does not share the target's tokenizer."""
+    if config is None or config.method != "draft_model" or config.model is None:
+        return None
+    return DraftModel.load_state(config.model, target)
 
 
 def _spec(row: DraftRow) -> SpecState:
