@@ -241,3 +241,15 @@ def test_a_draft_with_another_tokenizer_is_refused_by_name(tiny32, tiny32_ckpt, 
     (other / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(DraftModelError, match=r"^speculative_config.model .* different tokenizer"):
         Engine(tiny32, EngineConfig.of(max_len=64, speculative_config=_spec(other)))
+
+
+def test_close_mid_speculation_frees_the_draft_pool(small, small_ckpts):
+    engine = Engine(small, EngineConfig.of(max_batch=3, max_len=64, speculative_config=_spec(small_ckpts[0])))
+    for i, p in enumerate(_prompts(3, seed=9, vocab=512)):
+        engine.add(i, p, SamplingParams(max_new_tokens=30))
+    for _ in range(6):
+        engine.step()
+    draft = engine.speculator.draft_model
+    assert draft.num_rows == 3 and draft.kv.stats().blocks_used > 0
+    engine.close()
+    assert draft.num_rows == 0 and draft.kv.stats().blocks_used == 0 and not draft.cache.keys
