@@ -117,7 +117,7 @@ def test_smollm2_as_its_own_draft_accepts_greedy_drafts(smollm2_dir):
     engine = Engine(state, EngineConfig.of(speculative_config=_spec(smollm2_dir), **config))
     assert _run(engine, prompts, params) == plain
     stats = engine.spec_decode_stats()
-    assert stats["spec_decode_num_drafts"] >= 4
+    assert stats["spec_decode_num_drafts"] >= 2
     assert stats["spec_decode_num_accepted_tokens"] >= 0.95 * stats["spec_decode_num_draft_tokens"]
     _all_free(engine)
 
