@@ -5,9 +5,11 @@ One seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_throughput.py), a pa
 rows (a fixed block table per row), every row at position ``--pos`` (attention span ``--pos + 1``). For B rows, a loop
 of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_eval`` it,
 then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
-median host time to build one step's graph (``build_ms``) and the wall time per step
-(``step_ms``). Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
-through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix), with the 4-bit
+median host time to build one step's graph (``build_ms``), to encode it into MLX's CUDA graphs
+(``encode_ms``: the ``mx.async_eval`` call), the wall time per step (``step_ms``) and the
+primitives one step records (``ops``); ``--engine``: the Engine's one-stream decode tok/s too. Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
+through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix; "fusedmm": the fused
+kernels with MLX's matmuls, without :func:`cuda_gemv.qmv`'s folded products), with the 4-bit
 weights or dequantized to dense matrices ("-dequant" suffix), and, at B = 1, the dense path
 (no mask, sliced cache) of the generic path. Also checks the fused path against the
 generic one (logits on ragged rows, greedy tokens of an Engine run; float32 and
@@ -34,8 +36,11 @@ there (no CUDA kernels).
 from __future__ import annotations
 
 import argparse
+import collections
+import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -54,7 +59,7 @@ from gpu_summary import step_floor_ms  # noqa: E402
 from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.decoder.decode_backends import DecodeBackend, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend  # noqa: E402
 from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
                                                     row_blocks)
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -112,19 +117,50 @@ def run(step: StepFn, b: int, n: int, warm: int = 3) -> dict[str, float]:
         mx.eval(tokens)
     first_ms = (time.perf_counter() - t_first) * 1e3
     builds: list[float] = []
+    encodes: list[float] = []
     prev = None
     t0 = time.perf_counter()
     for _ in range(n):
         a = time.perf_counter()
         tokens = step(tokens)
-        builds.append(time.perf_counter() - a)
+        e = time.perf_counter()
         mx.async_eval(tokens)
+        builds.append(e - a)
+        encodes.append(time.perf_counter() - e)
         if prev is not None:
             np.array(prev)
         prev = tokens
     np.array(prev)
     wall = time.perf_counter() - t0
-    return {"warm_ms": first_ms, "build_ms": statistics.median(builds) * 1e3, "step_ms": wall / n * 1e3}
+    return {"warm_ms": first_ms, "build_ms": statistics.median(builds) * 1e3,
+            "encode_ms": statistics.median(encodes) * 1e3, "step_ms": wall / n * 1e3}
+
+
+def graph_ops(step: StepFn, b: int) -> dict[str, int]:
+    """The primitives MLX records for one step (``mx.export_to_dot`` of its output, before evaluation),
+    by name, with their ``total``: each is encoded on the host per step; most launch one kernel."""
+    out = step(mx.zeros((b,), dtype=mx.int32))
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    mx.eval(out)
+    names = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue()))
+    return dict(names.most_common()) | {"total": sum(names.values())}
+
+
+def engine_one_stream(state: Any, decode: DecodeBackend, new: int = 128) -> dict[str, float]:
+    """Decode tokens per second of one request (128-token prompt, ``new`` tokens) through the Engine
+    with ``decode`` (compiled decode, the Engine's defaults otherwise); the faster of two runs."""
+    from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+    eng = Engine(state, EngineConfig.of(max_batch=1, max_len=512, decode_path=decode))
+    best = 0.0
+    for r in range(3):
+        eng.add(r, list(range(100, 228)), SamplingParams(max_new_tokens=new, eos_token_ids=()))
+        stamps = []
+        while eng.num_active:
+            stamps += [time.perf_counter() for _ in eng.step()]
+        best = max(best, (len(stamps) - 1) / (stamps[-1] - stamps[1 if len(stamps) > 2 else 0]))
+    eng.close()
+    return {"decode_tok_s": best}
 
 
 def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
@@ -250,10 +286,14 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 compiled = variant.startswith("compiled-")
                 path = variant.removeprefix("compiled-").removesuffix("-dequant")
                 st = dense_state if dequant else state
-                decode = decode_backend(st, "matmul" if variant == "dense" else path)
+                decode = (FusedDecode() if path == "fusedmm"  # the kernels with MLX's matmuls (no qmv)
+                          else decode_backend(st, "matmul" if variant == "dense" else path))
                 fn = (compiled_step(st, cache, table, b, args.pos, decode) if compiled
                       else eager_step(st, cache, table, b, args.pos, variant == "dense", decode))
                 r = run(fn, b, args.steps)
+                r["ops"] = graph_ops(fn, b)
+                if args.engine and b == 1 and not dequant:
+                    r["engine"] = engine_one_stream(st, decode)
                 fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
                                    floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
                 r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
@@ -294,6 +334,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's one-stream generate_step")
     ap.add_argument("--context", default="", help="ROWS:POS,... e.g. 1,256:1500: device-only paged decode steps")
     ap.add_argument("--copy-bytes", type=int, default=1 << 32, help="array size of the bandwidth probe")
+    ap.add_argument("--engine", action="store_true", help="also the Engine's one-stream tok/s per 4-bit variant")
     ap.add_argument("--quick", action="store_true", help="tiny preset, 1 and 4 rows, no parity: a CPU smoke run")
     args = ap.parse_args()
     if args.quick:
