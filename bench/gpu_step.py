@@ -147,20 +147,22 @@ def graph_ops(step: StepFn, b: int) -> dict[str, int]:
     return dict(names.most_common()) | {"total": sum(names.values())}
 
 
-def engine_one_stream(state: Any, decode: DecodeBackend, new: int = 128) -> dict[str, float]:
-    """Decode tokens per second of one request (128-token prompt, ``new`` tokens) through the Engine
-    with ``decode`` (compiled decode, the Engine's defaults otherwise); the faster of two runs."""
+def engine_one_stream(state: Any, decode: DecodeBackend, new: int = 128) -> dict[str, Any]:
+    """Decode tokens per second of one request (128-token prompt, ``new`` greedy tokens) through the
+    Engine with ``decode`` (the Engine's defaults otherwise): the best of three runs, and the ids."""
     from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
     eng = Engine(state, EngineConfig.of(max_batch=1, max_len=512, decode_path=decode))
-    best = 0.0
+    best, ids = 0.0, []
     for r in range(3):
         eng.add(r, list(range(100, 228)), SamplingParams(max_new_tokens=new, eos_token_ids=()))
-        stamps = []
+        stamps, ids = [], []
         while eng.num_active:
-            stamps += [time.perf_counter() for _ in eng.step()]
-        best = max(best, (len(stamps) - 1) / (stamps[-1] - stamps[1 if len(stamps) > 2 else 0]))
+            for ev in eng.step():
+                stamps.append(time.perf_counter())
+                ids.append(ev.token_id)
+        best = max(best, (len(stamps) - 2) / (stamps[-1] - stamps[1]))
     eng.close()
-    return {"decode_tok_s": best}
+    return {"decode_tok_s": best, "ids": ids}
 
 
 def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
@@ -301,6 +303,11 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 r = {"error": repr(e)[:300]}
             results[f"{variant} B={b}"] = r
             print(f"{variant:>16} B={b:<4} {r}", flush=True)
+    ids = {k: v["engine"].pop("ids") for k, v in results.items() if "engine" in v}
+    if "matmul B=1" in ids:  # greedy ids of the generic path: every variant's must equal them
+        for k, v in ids.items():
+            results[k]["engine"]["ids_equal_matmul"] = v == ids["matmul B=1"]
+            print(k, "ids equal matmul:", v == ids["matmul B=1"], flush=True)
     return results
 
 

@@ -25,8 +25,9 @@ from .cuda_kernels import _as, _kernel, sm_count
 
 __all__ = ["MAX_ROWS", "fits", "qmv"]
 
-#: Most rows one call takes (the input rows are staged in shared memory; more rows: MLX's matmul).
-MAX_ROWS = 8
+#: Most rows one call takes (the input rows are staged in shared memory and each row holds registers
+#: per lane: 161 at 4 rows with SwiGLU, spilling at 8; more rows: MLX's matmul).
+MAX_ROWS = 4
 _SHARED_BYTES = 48 * 1024  # the shared memory a block gets without opting in
 _WARPS = 8
 
@@ -155,17 +156,18 @@ def qmv(x: mx.array, lin: Linear, *, norm: mx.array | None = None, eps: float = 
     the matrix or the shapes do not fit, or when both ``residual`` and ``glu`` are asked for.
     """
     b, k = x.shape
-    if not fits(lin, b, x.dtype) or lin.weight.shape[1] * 8 != k or lin.spec is None:
+    scales, biases, spec = lin.scales, lin.biases, lin.spec
+    if not fits(lin, b, x.dtype) or lin.weight.shape[1] * 8 != k or scales is None or biases is None or spec is None:
         raise ValueError(f"qmv: x {x.shape} {x.dtype} does not fit the matrix {lin.weight.shape}")
     n = lin.weight.shape[0] // (2 if glu else 1)
     if (residual is not None and (glu or residual.shape != (b, n))) or (norm is not None and norm.shape != (k,)):
         raise ValueError(f"qmv: residual {None if residual is None else residual.shape}, norm "
                          f"{None if norm is None else norm.shape}, glu {glu}, output ({b}, {n})")
-    consts = (("K", k), ("G", lin.spec.group_size), ("VW", _vector_words(k)), ("NR", b), ("NOUT", n),
+    consts = (("K", k), ("G", spec.group_size), ("VW", _vector_words(k)), ("NR", b), ("NOUT", n),
               ("NORM", int(norm is not None)), ("RES", int(residual is not None)), ("GLU", int(glu)),
               ("EPS", float(eps)))
     kernel = _kernel("qmv", x.dtype, consts, _SIGNATURE, _QMV)
-    inputs = [x, x if norm is None else _as(norm, x.dtype), lin.weight, lin.scales, lin.biases,
+    inputs = [x, x if norm is None else _as(norm, x.dtype), lin.weight, scales, biases,
               x if residual is None else residual]  # x stands in for an absent norm or residual (never read)
     blocks = min(-(-n // _WARPS), 8 * sm_count())
     return kernel(inputs, [(b, n)], [x.dtype], [], grid=(blocks * 32 * _WARPS, 1, 1),
