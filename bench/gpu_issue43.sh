@@ -8,7 +8,7 @@
 #   step   bench/gpu_step.py at 1 and 4 rows: the generic path, the fused kernels with MLX's matmuls
 #          (fusedmm) and with the folded 4-bit products (fused), eager and compiled, each with its
 #          primitives per step, encode time, floor and the Engine's one-stream tok/s and greedy ids
-#   ops    the compiled fused steps again with MLX_MAX_OPS_PER_BUFFER=1000 (one CUDA graph per step)
+#   launch bench/gpu_launch_cost.py: host time per MLX primitive (custom kernels of small and large cubins, add)
 set -euo pipefail
 source bench/gpu_lease.sh
 tree=${GPU_TREE:-.}
@@ -18,8 +18,7 @@ python3 -c 'import mlx.core as mx; print(mx.default_device(), mx.__version__)'
 test -f /tmp/qwen3-0.6b-bench/config.json || python3 -c "from mlx_serving.models.seeded_checkpoint import \
 write_checkpoint as w; w('/tmp/qwen3-0.6b-bench', '0.6b', seed=0)"
 part tests 200 python3 -m pytest -q -p no:cacheprovider tests/models/test_qwen3_kernels_cuda.py
+part launch 60 python3 bench/gpu_launch_cost.py --out "$OUT/gpu_launch_cost.json"
 part step 300 python3 bench/gpu_step.py --batches 1,4 --engine --no-parity \
   --variants matmul,fusedmm,fused,compiled-fusedmm,compiled-fused,compiled-fused-dequant --out "$OUT/gpu_step_issue43.json"
-MLX_MAX_OPS_PER_BUFFER=1000 part ops 120 python3 bench/gpu_step.py --batches 1 --no-parity --no-mlx-lm \
-  --variants compiled-fusedmm,compiled-fused --copy-bytes $((1 << 30)) --out "$OUT/gpu_step_issue43_ops1000.json"
 cat "$OUT/parts.tsv"

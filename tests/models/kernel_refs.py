@@ -69,3 +69,9 @@ def ref_qmv(x, lin, *, norm=None, eps=0.0, residual=None, glu=False):
     if glu:
         return ref_swiglu(y)
     return y if residual is None else residual + y
+
+
+def ref_attention_o_proj(qkv, q_norm, k_norm, start, n_valid, keys, values, *, o_proj, residual, **kw):
+    """cuda_gemv.attention_o_proj's contract: attention, then o_proj and the residual add."""
+    return ref_qmv(ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, **kw), o_proj,
+                   residual=residual)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_qmv, ref_swiglu
+from kernel_refs import ref_add_rms_norm, ref_attention_o_proj, ref_decode_attention, ref_qmv, ref_swiglu
 
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.decoder.decode_backends import FusedDecode, GenericDecode, decode_backend, qmv_fits
@@ -105,11 +105,11 @@ def test_fused_qmv_wiring_equals_generic_path(tmp_path, compiled):
     taken (a broken qmv changes them)."""
     state = quantized_256(tmp_path, "float32")
     assert qmv_fits(state, 3, state.dtype) and not qmv_fits(state, 5, state.dtype)
-    folded = replace(REFERENCE, qmv=ref_qmv)
+    folded = replace(REFERENCE, qmv=ref_qmv, attention_o=ref_attention_o_proj)
     generic = _generate(state, False, decode=GenericDecode())
     assert _generate(state, compiled, decode=folded) == generic
 
     def broken(x, lin, **kw):
         return ref_qmv(x, lin, **kw) * (0.5 if kw.get("glu") else 1.0)
 
-    assert _generate(state, False, decode=replace(REFERENCE, qmv=broken)) != generic
+    assert _generate(state, False, decode=replace(folded, qmv=broken)) != generic

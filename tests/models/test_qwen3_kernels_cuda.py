@@ -7,12 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_qmv, ref_swiglu
+from kernel_refs import ref_add_rms_norm, ref_attention_o_proj, ref_decode_attention, ref_qmv, ref_swiglu
 
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models._checkpoint import QuantSpec
 from mlx_serving.models._weights import Linear
-from mlx_serving.models.decoder.cuda_gemv import qmv
+from mlx_serving.models.decoder.cuda_gemv import attention_o_proj, qmv
 from mlx_serving.models.decoder.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")]
@@ -148,3 +148,30 @@ def test_fused_qmv_generation_equals_generic_path(tmp_path, dtype):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (3, 17, 9, 30)]
     assert _greedy(state, prompts, "matmul", False, 16) == _greedy(state, prompts, "fused", True, 16)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_o_proj_matches_reference(dtype):
+    """Split-K attention whose partials o_proj merges as it stages them, plus the residual: the
+    reference (attention, then the 4-bit o_proj and the add) for a long row, a padding row and a
+    short one, with the new K/V written."""
+    b, h, hkv, d, bs, width = 3, 8, 2, 128, 16, 48
+    n_valid = mx.array([1, 0, 1], dtype=mx.int32)
+    qkv = mx.random.normal((b, (h + 2 * hkv) * d)).astype(dtype)
+    qw, kw = mx.random.normal((d,)).astype(dtype), mx.random.normal((d,)).astype(dtype)
+    keys = mx.random.normal(((1 + b * width) * bs, hkv, d)).astype(dtype)
+    values = mx.random.normal(((1 + b * width) * bs, hkv, d)).astype(dtype)
+    table = mx.array(1 + np.random.default_rng(2).permutation(b * width).reshape(b, width).astype(np.int32))
+    ref_keys, ref_values = (mx.array(np.array(a.astype(mx.float32))).astype(dtype) for a in (keys, values))
+    o_proj, res = _quantized(512, h * d, dtype, 64), mx.random.normal((b, 512)).astype(dtype)
+    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6, block_table=table, block_size=bs)
+    start = mx.array(np.array([700, 0, 40], dtype=np.int32))
+    got = attention_o_proj(qkv, qw, kw, start, n_valid, keys, values, o_proj=o_proj, residual=res, **kw_args)
+    mx.eval(got)
+    want = ref_attention_o_proj(qkv, qw, kw, start, n_valid, ref_keys, ref_values, o_proj=o_proj, residual=res,
+                                **kw_args)
+    got, want = got.astype(mx.float32)[mx.array([0, 2])], want.astype(mx.float32)[mx.array([0, 2])]
+    rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+    assert rel < (1e-3 if dtype == mx.float32 else 3e-2), rel
+    np.testing.assert_allclose(np.array(keys.astype(mx.float32))[bs:], np.array(ref_keys.astype(mx.float32))[bs:],
+                               atol=1e-4 if dtype == mx.float32 else 2e-2)

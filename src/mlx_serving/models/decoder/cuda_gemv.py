@@ -10,8 +10,11 @@ per ``group_size`` inputs) and dequantizes in registers, and folds into the same
 - ``residual``: the residual add after o_proj / down_proj;
 - ``glu``: SwiGLU over a fused [gate | up] matrix (each warp takes gate row c and up row I + c).
 
+- the merge of split-K attention's partials (:func:`attention_o_proj`): o_proj stages its input
+  from them, so attention needs no combine kernel.
+
 So a layer's decode is five launches (qkv, attention, o_proj, gate/up, down_proj) where the
-kernels of :mod:`.cuda_kernels` with MLX's ``quantized_matmul`` take eight. Roundings follow the
+kernels of :mod:`.cuda_kernels` with MLX's ``quantized_matmul`` take nine. Roundings follow the
 separate operations: the normed input is rounded to the activation dtype as ``mx.fast.rms_norm``
 rounds it, the product is rounded before the residual add or SwiGLU.
 """
@@ -21,9 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .._weights import Linear
-from .cuda_kernels import _as, _kernel, sm_count
+from .cuda_kernels import _as, _kernel, decode_attention_partials, sm_count, split_count
 
-__all__ = ["MAX_ROWS", "fits", "qmv"]
+__all__ = ["MAX_ROWS", "attention_o_proj", "fits", "qmv"]
 
 #: Most rows one call takes (the input rows are staged in shared memory and each row holds registers
 #: per lane: 161 at 4 rows with SwiGLU, spilling at 8; more rows: MLX's matmul).
@@ -43,7 +46,41 @@ _QMV = r"""
     extern __shared__ unsigned int xs[];
     __shared__ float red[NW];
     const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-    for (int b = 0; b < NR; ++b) {
+    if constexpr (COMB) {
+        // x is attention's split-K partials: per (row b, head h) pair p = b * NH + h and split s, the
+        // running max and sum pml[(p * splits + s) * 2 + {0, 1}] and weighted values pacc[(.. ) * HD + d];
+        // merged as decode_attention's combine kernel merges them
+        constexpr int NH = K / HD;
+        __shared__ float cw[NR * NH * 32];
+        __shared__ float cden[NR * NH];
+        for (int p = warp; p < NR * NH; p += NW) {
+            const float m = lane < splits ? pml[((u64)p * splits + lane) * 2] : -INF;
+            float top = m;
+            for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, off));
+            cw[p * 32 + lane] = (m == -INF) ? 0.f : expf(m - top);
+            __syncwarp();
+            if (lane == 0) {
+                float den = 0.f;
+                for (int q = 0; q < splits; ++q)
+                    if (pml[((u64)p * splits + q) * 2] != -INF) den += pml[((u64)p * splits + q) * 2 + 1] * cw[p * 32 + q];
+                cden[p] = den;
+            }
+        }
+        __syncthreads();
+        for (int b = 0; b < NR; ++b) {
+            T* row = (T*)(xs + b * RW);
+            for (int k = t; k < K; k += NW * 32) {
+                const int p = b * NH + k / HD;
+                float num = 0.f;
+                for (int q = 0; q < splits; ++q) {
+                    const float c = cw[p * 32 + q];
+                    if (pml[((u64)p * splits + q) * 2] != -INF) num += pacc[((u64)p * splits + q) * HD + k % HD] * c;
+                }
+                row[(k / CH) * SW * EPW + k % CH] = st(cden[p] > 0.f ? num / cden[p] : 0.f);
+            }
+        }
+    }
+    for (int b = 0; b < NR && !COMB; ++b) {
         const T* xr = x + (u64)b * K;
         float inv = 1.f;
         if (NORM) {
@@ -120,7 +157,8 @@ _QMV = r"""
     }
 """
 
-_SIGNATURE = "const T* x, const T* nw, const unsigned int* wq, const T* sc, const T* bi, const T* res, T* out"
+_SIGNATURE = ("const T* x, const float* pacc, const float* pml, const T* nw, const unsigned int* wq, const T* sc, "
+              "const T* bi, const T* res, T* out, int splits")
 
 
 def _vector_words(k: int) -> int:
@@ -156,19 +194,43 @@ def qmv(x: mx.array, lin: Linear, *, norm: mx.array | None = None, eps: float = 
     the matrix or the shapes do not fit, or when both ``residual`` and ``glu`` are asked for.
     """
     b, k = x.shape
+    return _launch(lin, b, k, x.dtype, [x, x, x], norm, eps, residual, glu, (("COMB", 0), ("HD", 1)), 1)
+
+
+def attention_o_proj(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | None, start: mx.array,
+                     n_valid: mx.array, keys: mx.array, values: mx.array, *, o_proj: Linear, residual: mx.array,
+                     heads: int, eps: float, rope_theta: float, block_table: mx.array, block_size: int) -> mx.array:
+    """``residual + o_proj(decode_attention(qkv, ...))`` (B, hidden) in two launches: the split-K
+    attention kernel (:func:`.cuda_kernels.decode_attention_partials`, at least two splits) and the
+    4-bit o_proj, which merges the splits' partials as it stages its input (rounded to the dtype,
+    as the combine kernel rounds them). Arguments as :func:`.cuda_kernels.decode_attention`;
+    ``o_proj`` must :func:`fit <fits>` B rows. Raises ValueError as those two."""
+    b, d = qkv.shape[0], keys.shape[2]
+    splits = max(2, split_count(b, keys.shape[1]))
+    part_acc, part_ml = decode_attention_partials(qkv, q_norm, k_norm, start, n_valid, keys, values, heads=heads,
+                                                  eps=eps, rope_theta=rope_theta, block_table=block_table,
+                                                  block_size=block_size, splits=splits)
+    return _launch(o_proj, b, heads * d, qkv.dtype, [qkv, part_acc, part_ml], None, eps, residual, False,
+                   (("COMB", 1), ("HD", d)), splits)
+
+
+def _launch(lin: Linear, b: int, k: int, dtype: mx.Dtype, x: list[mx.array], norm: mx.array | None, eps: float,
+            residual: mx.array | None, glu: bool, comb: tuple[tuple[str, int], ...], splits: int) -> mx.array:
+    """The qmv kernel over ``x`` = [rows (B, K) (COMB 0), partials acc, partials max/sum (COMB 1)]."""
     scales, biases, spec = lin.scales, lin.biases, lin.spec
-    if not fits(lin, b, x.dtype) or lin.weight.shape[1] * 8 != k or scales is None or biases is None or spec is None:
-        raise ValueError(f"qmv: x {x.shape} {x.dtype} does not fit the matrix {lin.weight.shape}")
+    if not fits(lin, b, dtype) or lin.weight.shape[1] * 8 != k or scales is None or biases is None or spec is None:
+        raise ValueError(f"qmv: {b} rows of {k} {dtype} do not fit the matrix {lin.weight.shape}")
     n = lin.weight.shape[0] // (2 if glu else 1)
     if (residual is not None and (glu or residual.shape != (b, n))) or (norm is not None and norm.shape != (k,)):
         raise ValueError(f"qmv: residual {None if residual is None else residual.shape}, norm "
                          f"{None if norm is None else norm.shape}, glu {glu}, output ({b}, {n})")
     consts = (("K", k), ("G", spec.group_size), ("VW", _vector_words(k)), ("NR", b), ("NOUT", n),
               ("NORM", int(norm is not None)), ("RES", int(residual is not None)), ("GLU", int(glu)),
-              ("EPS", float(eps)))
-    kernel = _kernel("qmv", x.dtype, consts, _SIGNATURE, _QMV)
-    inputs = [x, x if norm is None else _as(norm, x.dtype), lin.weight, scales, biases,
-              x if residual is None else residual]  # x stands in for an absent norm or residual (never read)
+              ("EPS", float(eps)), *comb)
+    kernel = _kernel("qmv", dtype, consts, _SIGNATURE, _QMV)
+    rows = x[0]  # also stands in for an absent norm or residual (never read)
+    inputs = [*x, rows if norm is None else _as(norm, dtype), lin.weight, scales, biases,
+              rows if residual is None else residual]
     blocks = min(-(-n // _WARPS), 8 * sm_count())
-    return kernel(inputs, [(b, n)], [x.dtype], [], grid=(blocks * 32 * _WARPS, 1, 1),
-                  threadgroup=(32 * _WARPS, 1, 1), shared_memory=_staged_bytes(b, k, x.dtype))[0]
+    return kernel(inputs, [(b, n)], [dtype], [splits], grid=(blocks * 32 * _WARPS, 1, 1),
+                  threadgroup=(32 * _WARPS, 1, 1), shared_memory=_staged_bytes(b, k, dtype))[0]

@@ -68,6 +68,8 @@ class FusedDecode:
     #: The fused 4-bit product (:func:`.cuda_gemv.qmv`'s contract), used where every matrix and the
     #: row count fit it (:func:`.cuda_gemv.fits`); None: MLX's matmuls and the kernels above.
     qmv: Callable[..., mx.array] | None = None
+    #: With ``qmv``: attention, o_proj and the residual add (:func:`.cuda_gemv.attention_o_proj`'s contract).
+    attention_o: Callable[..., mx.array] = cuda_gemv.attention_o_proj
     name: str = "fused"
     sdpa: bool = False
     reads_own_length: bool = True
@@ -94,15 +96,16 @@ class FusedDecode:
 
     def _decode_qmv(self, qmv: Callable[..., mx.array], state: State, cache: Cache, rows: Rows,
                     h: mx.array) -> mx.array:
-        """Five launches per layer: the norms, residual adds and SwiGLU folded into the 4-bit products."""
+        """Five launches per layer: the norms, residual adds, SwiGLU and the merge of attention's split-K
+        partials folded into the 4-bit products."""
         c = state.config
         eps = c.rms_norm_eps
         for i, layer in enumerate(state.layers):
             qkv = qmv(h, layer.qkv.merged, norm=layer.input_layernorm, eps=eps)
-            attn = self.attention(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
-                                  cache.values[i], heads=c.num_attention_heads, eps=eps, rope_theta=c.rope_theta,
-                                  block_table=rows.block_table, block_size=cache.block_size)
-            h = qmv(attn, layer.o_proj, residual=h)
+            h = self.attention_o(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
+                                 cache.values[i], o_proj=layer.o_proj, residual=h, heads=c.num_attention_heads,
+                                 eps=eps, rope_theta=c.rope_theta, block_table=rows.block_table,
+                                 block_size=cache.block_size)
             act = qmv(h, layer.gate_up.merged, norm=layer.post_attention_layernorm, eps=eps, glu=True)
             h = qmv(act, layer.down_proj, residual=h)
         return qmv(h, state.lm_head, norm=state.norm, eps=eps)
