@@ -7,7 +7,8 @@ of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_ev
 then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
 median host time to build one step's graph (``build_ms``), to encode it into MLX's CUDA graphs
 (``encode_ms``: the ``mx.async_eval`` call), the wall time per step (``step_ms``) and the
-primitives one step records (``ops``); ``--engine``: the Engine's one-stream decode tok/s too. Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
+primitives one step records (``ops``); ``--engine``: the Engine's one-stream decode tok/s and greedy ids
+per backend too (:func:`engine_rounds`). Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
 through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix; "fusedmm": the fused
 kernels with MLX's matmuls, without :func:`cuda_gemv.qmv`'s folded products), with the 4-bit
 weights or dequantized to dense matrices ("-dequant" suffix), and, at B = 1, the dense path
@@ -60,6 +61,7 @@ from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
 from mlx_serving.models.decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.cuda_kernels import kernels_available  # noqa: E402
 from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
                                                     row_blocks)
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -294,8 +296,6 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                       else eager_step(st, cache, table, b, args.pos, variant == "dense", decode))
                 r = run(fn, b, args.steps)
                 r["ops"] = graph_ops(fn, b)
-                if args.engine and b == 1 and not dequant:
-                    r["engine"] = engine_one_stream(st, decode)
                 fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
                                    floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
                 r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
@@ -303,12 +303,29 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 r = {"error": repr(e)[:300]}
             results[f"{variant} B={b}"] = r
             print(f"{variant:>16} B={b:<4} {r}", flush=True)
-    ids = {k: v["engine"].pop("ids") for k, v in results.items() if "engine" in v}
-    if "matmul B=1" in ids:  # greedy ids of the generic path: every variant's must equal them
-        for k, v in ids.items():
-            results[k]["engine"]["ids_equal_matmul"] = v == ids["matmul B=1"]
-            print(k, "ids equal matmul:", v == ids["matmul B=1"], flush=True)
     return results
+
+
+def engine_rounds(state: Any, rounds: int) -> dict[str, Any]:
+    """The Engine's one-stream decode tok/s per backend ("matmul": the generic path; "fusedmm": the
+    fused kernels with MLX's matmuls; "fused": with the folded 4-bit products), ``rounds`` alternating
+    rounds, each a fresh Engine: every round's figure, the median, and whether each backend's greedy
+    ids equal the generic path's."""
+    backends = {"matmul": decode_backend(state, "matmul")}
+    if kernels_available():  # the fused backends run only on MLX's CUDA build
+        backends |= {"fusedmm": FusedDecode(), "fused": decode_backend(state, "fused")}
+    runs: dict[str, list[float]] = {k: [] for k in backends}
+    ids: dict[str, list[int]] = {}
+    for _ in range(rounds):
+        for name, decode in backends.items():
+            r = engine_one_stream(state, decode)
+            runs[name].append(r["decode_tok_s"])
+            ids[name] = r["ids"]
+    out = {k: {"tok_s": v, "median_tok_s": statistics.median(v), "ids_equal_matmul": ids[k] == ids["matmul"],
+               "first_divergence": next((i for i, (a, b) in enumerate(zip(ids[k], ids["matmul"])) if a != b), None)}
+           for k, v in runs.items()}
+    print("engine one stream", json.dumps(out), flush=True)
+    return out
 
 
 def context_study(dense_state: Any, spec: str, floor: dict[str, Any]) -> list[dict[str, Any]]:
@@ -341,7 +358,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's one-stream generate_step")
     ap.add_argument("--context", default="", help="ROWS:POS,... e.g. 1,256:1500: device-only paged decode steps")
     ap.add_argument("--copy-bytes", type=int, default=1 << 32, help="array size of the bandwidth probe")
-    ap.add_argument("--engine", action="store_true", help="also the Engine's one-stream tok/s per 4-bit variant")
+    ap.add_argument("--engine", action="store_true", help="also the Engine's one-stream tok/s: matmul, fusedmm, fused alternating, 3 rounds")
     ap.add_argument("--quick", action="store_true", help="tiny preset, 1 and 4 rows, no parity: a CPU smoke run")
     args = ap.parse_args()
     if args.quick:
@@ -381,6 +398,9 @@ def main() -> None:
     save(args.out, out)
     if args.context:
         out["context"] = context_study(dense_state, args.context, floor)
+        save(args.out, out)
+    if args.engine:
+        out["engine_one_stream"] = engine_rounds(state, 3)
         save(args.out, out)
     if not args.no_mlx_lm:
         out["mlx_lm_generate_step"] = mlxlm_single(args.ckpt, 128)
