@@ -28,8 +28,8 @@ from .cuda_kernels import _as, _kernel, decode_attention_partials, sm_count, spl
 
 __all__ = ["MAX_ROWS", "attention_o_proj", "fits", "qmv"]
 
-#: Most rows one call takes (the input rows are staged in shared memory and each row holds registers
-#: per lane: 161 at 4 rows with SwiGLU, spilling at 8; more rows: MLX's matmul).
+#: Most rows one call takes (the input rows are staged in shared memory, and each row re-reads the
+#: weights from cache; more rows: MLX's matmul).
 MAX_ROWS = 4
 _SHARED_BYTES = 48 * 1024  # the shared memory a block gets without opting in
 _WARPS = 8
@@ -53,6 +53,7 @@ _QMV = r"""
         constexpr int NH = K / HD;
         __shared__ float cw[NR * NH * 32];
         __shared__ float cden[NR * NH];
+        #pragma unroll 1
         for (int p = warp; p < NR * NH; p += NW) {
             const float m = lane < splits ? pml[((u64)p * splits + lane) * 2] : -INF;
             float top = m;
@@ -61,17 +62,21 @@ _QMV = r"""
             __syncwarp();
             if (lane == 0) {
                 float den = 0.f;
+                #pragma unroll 1
                 for (int q = 0; q < splits; ++q)
                     if (pml[((u64)p * splits + q) * 2] != -INF) den += pml[((u64)p * splits + q) * 2 + 1] * cw[p * 32 + q];
                 cden[p] = den;
             }
         }
         __syncthreads();
+        #pragma unroll 1
         for (int b = 0; b < NR; ++b) {
             T* row = (T*)(xs + b * RW);
+            #pragma unroll 1
             for (int k = t; k < K; k += NW * 32) {
                 const int p = b * NH + k / HD;
                 float num = 0.f;
+                #pragma unroll 1
                 for (int q = 0; q < splits; ++q) {
                     const float c = cw[p * 32 + q];
                     if (pml[((u64)p * splits + q) * 2] != -INF) num += pacc[((u64)p * splits + q) * HD + k % HD] * c;
@@ -80,15 +85,18 @@ _QMV = r"""
             }
         }
     }
+    #pragma unroll 1
     for (int b = 0; b < NR && !COMB; ++b) {
         const T* xr = x + (u64)b * K;
         float inv = 1.f;
         if (NORM) {
             float ss = 0.f;
+            #pragma unroll 1
             for (int k = t; k < K; k += NW * 32) { const float v = ld(xr[k]); ss += v * v; }
             inv = rsqrtf(block_sum<NW>(ss, red) / (float)K + EPS);
         }
         T* row = (T*)(xs + b * RW);
+        #pragma unroll 1
         for (int k = t; k < K; k += NW * 32) {
             float v = ld(xr[k]);
             if (NORM) v = ld(st(ld(st(v * inv)) * ld(nw[k])));
@@ -96,57 +104,53 @@ _QMV = r"""
         }
     }
     __syncthreads();
+    // loops are kept rolled on purpose: MLX hashes a kernel's whole cubin at every launch (~0.25 us
+    // per KB on an H200's host, bench/gpu_launch_cost.py), which costs more than the loop overhead
+    #pragma unroll 1
     for (int c = blockIdx.x * NW + warp; c < NOUT; c += gridDim.x * NW) {
-        float acc[GLU + 1][NR];
-        #pragma unroll
-        for (int p = 0; p <= GLU; ++p) {
-            const u64 n = (u64)c + (u64)p * NOUT;
-            const unsigned int* wr = wq + n * (K / 8);
-            unsigned int wv[ITERS][VW];
-            float s[ITERS], z[ITERS];
-            #pragma unroll
-            for (int i = 0; i < ITERS; ++i) {
-                const int w0 = (i * 32 + lane) * VW;
-                if constexpr (VW == 4) {
-                    const uint4 v = *(const uint4*)(wr + w0);
-                    wv[i][0] = v.x; wv[i][1] = v.y; wv[i][2] = v.z; wv[i][3] = v.w;
-                } else if constexpr (VW == 2) {
-                    const uint2 v = *(const uint2*)(wr + w0);
-                    wv[i][0] = v.x; wv[i][1] = v.y;
-                } else {
-                    wv[i][0] = wr[w0];
-                }
-                s[i] = ld(sc[n * (K / G) + w0 * 8 / G]);
-                z[i] = ld(bi[n * (K / G) + w0 * 8 / G]);
-            }
-            #pragma unroll
-            for (int b = 0; b < NR; ++b) {
+        #pragma unroll 1
+        for (int b = 0; b < NR; ++b) {
+            float acc0 = 0.f, acc1 = 0.f;
+            #pragma unroll 1
+            for (int p = 0; p <= GLU; ++p) {
+                const u64 n = (u64)c + (u64)p * NOUT;
+                const unsigned int* wr = wq + n * (K / 8);
                 float a = 0.f;
-                #pragma unroll
+                #pragma unroll 1
                 for (int i = 0; i < ITERS; ++i) {
+                    const int w0 = (i * 32 + lane) * VW;
+                    unsigned int wv[VW];
+                    if constexpr (VW == 4) {
+                        const uint4 v = *(const uint4*)(wr + w0);
+                        wv[0] = v.x; wv[1] = v.y; wv[2] = v.z; wv[3] = v.w;
+                    } else if constexpr (VW == 2) {
+                        const uint2 v = *(const uint2*)(wr + w0);
+                        wv[0] = v.x; wv[1] = v.y;
+                    } else {
+                        wv[0] = wr[w0];
+                    }
+                    const float s = ld(sc[n * (K / G) + w0 * 8 / G]);
+                    const float z = ld(bi[n * (K / G) + w0 * 8 / G]);
                     const T* xc = (const T*)(xs + b * RW + (i * 32 + lane) * SW);
                     float dq = 0.f, sx = 0.f;
                     #pragma unroll
                     for (int v = 0; v < VW; ++v) {
-                        #pragma unroll
+                        #pragma unroll 1
                         for (int e = 0; e < 8; ++e) {
                             const float xv = ld(xc[v * 8 + e]);
-                            dq += xv * (float)((wv[i][v] >> (4 * e)) & 15u);
+                            dq += xv * (float)((wv[v] >> (4 * e)) & 15u);
                             sx += xv;
                         }
                     }
-                    a += s[i] * dq + z[i] * sx;
+                    a += s * dq + z * sx;
                 }
                 for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffff, a, off);
-                acc[p][b] = a;
+                if (p == 0) acc0 = a; else acc1 = a;
             }
-        }
-        if (lane == 0) {
-            #pragma unroll
-            for (int b = 0; b < NR; ++b) {
-                float y = ld(st(acc[0][b]));
+            if (lane == 0) {
+                float y = ld(st(acc0));
                 if (GLU) {
-                    const float u = ld(st(acc[GLU][b]));
+                    const float u = ld(st(acc1));
                     y = y / (1.f + expf(-y)) * u;
                 } else if (RES) {
                     y = ld(res[(u64)b * NOUT + c]) + y;

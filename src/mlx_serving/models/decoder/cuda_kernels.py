@@ -204,8 +204,12 @@ _ATTENTION = r"""
     }
 """
 
-# the split-K variant writes each split's unnormalized partial (running max, sum, weighted values)
+# the split-K variant writes each split's unnormalized partial (running max, sum, weighted values);
+# its loops stay rolled: it serves few rows, where MLX's host work per launch, which grows with the
+# cubin's size (it hashes the binary at every launch), costs more than the loop overhead
 _ATTENTION_SPLIT = _ATTENTION.replace(
+    "    for (int j = 0; j <= G; ++j) {", "    #pragma unroll 1\n    for (int j = 0; j <= G; ++j) {").replace(
+    "    for (int j = lo + warp; j < hi; j += W) {", "    #pragma unroll 1\n    for (int j = lo + warp; j < hi; j += W) {").replace(
     "        out[((u64)b * H + g * G + h) * D + t] = st(den > 0.f ? num / den : 0.f);",
     """        const u64 slot = ((u64)b * H + g * G + h) * splits_max + split;
         part_acc[slot * D + t] = num;
