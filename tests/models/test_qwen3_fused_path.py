@@ -104,7 +104,7 @@ def test_fused_qmv_wiring_equals_generic_path(tmp_path, compiled):
     its products (reference qmv here): the same greedy ids as the generic path; the folded path is
     taken (a broken qmv changes them)."""
     state = quantized_256(tmp_path, "float32")
-    assert qmv_fits(state, 3, state.dtype) and not qmv_fits(state, 5, state.dtype)
+    assert qmv_fits(state, 1, state.dtype) and not qmv_fits(state, 2, state.dtype)
     folded = replace(REFERENCE, qmv=ref_qmv, attention_o=ref_attention_o_proj)
     generic = _generate(state, False, decode=GenericDecode())
     assert _generate(state, compiled, decode=folded) == generic

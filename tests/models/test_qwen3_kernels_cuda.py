@@ -121,7 +121,7 @@ def _quantized(n: int, k: int, dtype, group: int) -> Linear:
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("rows,k,group", [(1, 1024, 64), (3, 3072, 64), (4, 512, 32), (2, 256, 128)])
+@pytest.mark.parametrize("rows,k,group", [(1, 1024, 64), (1, 3072, 64), (1, 512, 32), (1, 256, 128)])
 def test_qmv_matches_reference(dtype, rows, k, group):
     """The fused 4-bit product against MLX's quantized_matmul (with the norm, residual and SwiGLU as
     separate ops), on fresh random data at each vector width (k / 256 = 4, 12, 2, 1 words a lane)."""
@@ -144,7 +144,7 @@ def test_fused_qmv_generation_equals_generic_path(tmp_path, dtype):
     from mlx_serving.models.decoder.decode_backends import decode_backend, qmv_fits
 
     state = quantized_256(tmp_path, dtype)
-    assert decode_backend(state, "fused").qmv is qmv and qmv_fits(state, 4, state.dtype)
+    assert decode_backend(state, "fused").qmv is qmv and qmv_fits(state, 1, state.dtype)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 151000, n).tolist() for n in (3, 17, 9, 30)]
     assert _greedy(state, prompts, "matmul", False, 16) == _greedy(state, prompts, "fused", True, 16)
@@ -153,10 +153,10 @@ def test_fused_qmv_generation_equals_generic_path(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 def test_attention_o_proj_matches_reference(dtype):
     """Split-K attention whose partials o_proj merges as it stages them, plus the residual: the
-    reference (attention, then the 4-bit o_proj and the add) for a long row, a padding row and a
-    short one, with the new K/V written."""
-    b, h, hkv, d, bs, width = 3, 8, 2, 128, 16, 48
-    n_valid = mx.array([1, 0, 1], dtype=mx.int32)
+    reference (attention, then the 4-bit o_proj and the add) for a row of 700 cached positions
+    (11 of the 32 splits hold keys), with the new K/V written."""
+    b, h, hkv, d, bs, width = 1, 8, 2, 128, 16, 48
+    n_valid = mx.array([1], dtype=mx.int32)
     qkv = mx.random.normal((b, (h + 2 * hkv) * d)).astype(dtype)
     qw, kw = mx.random.normal((d,)).astype(dtype), mx.random.normal((d,)).astype(dtype)
     keys = mx.random.normal(((1 + b * width) * bs, hkv, d)).astype(dtype)
@@ -165,12 +165,12 @@ def test_attention_o_proj_matches_reference(dtype):
     ref_keys, ref_values = (mx.array(np.array(a.astype(mx.float32))).astype(dtype) for a in (keys, values))
     o_proj, res = _quantized(512, h * d, dtype, 64), mx.random.normal((b, 512)).astype(dtype)
     kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6, block_table=table, block_size=bs)
-    start = mx.array(np.array([700, 0, 40], dtype=np.int32))
+    start = mx.array(np.array([700], dtype=np.int32))
     got = attention_o_proj(qkv, qw, kw, start, n_valid, keys, values, o_proj=o_proj, residual=res, **kw_args)
     mx.eval(got)
     want = ref_attention_o_proj(qkv, qw, kw, start, n_valid, ref_keys, ref_values, o_proj=o_proj, residual=res,
                                 **kw_args)
-    got, want = got.astype(mx.float32)[mx.array([0, 2])], want.astype(mx.float32)[mx.array([0, 2])]
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
     rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
     assert rel < (1e-3 if dtype == mx.float32 else 3e-2), rel
     np.testing.assert_allclose(np.array(keys.astype(mx.float32))[bs:], np.array(ref_keys.astype(mx.float32))[bs:],

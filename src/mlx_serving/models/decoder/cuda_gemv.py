@@ -28,9 +28,9 @@ from .cuda_kernels import _as, _kernel, decode_attention_partials, sm_count, spl
 
 __all__ = ["MAX_ROWS", "attention_o_proj", "fits", "qmv"]
 
-#: Most rows one call takes (the input rows are staged in shared memory, and each row re-reads the
-#: weights from cache; more rows: MLX's matmul).
-MAX_ROWS = 4
+#: Most rows one call takes. The kernel stages NR rows, but with its loops rolled 4 rows ran slower
+#: than MLX's matmuls on an H200 (issue 43, lease 3: 4.72 vs 2.73 ms a step), so it takes one row.
+MAX_ROWS = 1
 _SHARED_BYTES = 48 * 1024  # the shared memory a block gets without opting in
 _WARPS = 8
 
