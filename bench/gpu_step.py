@@ -5,9 +5,12 @@ One seeded Qwen3-0.6B-shaped 4-bit checkpoint (as bench/gpu_throughput.py), a pa
 rows (a fixed block table per row), every row at position ``--pos`` (attention span ``--pos + 1``). For B rows, a loop
 of pipelined decode steps as the Engine runs them (build step n+1, ``mx.async_eval`` it,
 then read step n's tokens on the host), greedy tokens fed back. Reports per variant the
-median host time to build one step's graph (``build_ms``) and the wall time per step
-(``step_ms``). Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
-through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix), with the 4-bit
+median host time to build one step's graph (``build_ms``), to encode it into MLX's CUDA graphs
+(``encode_ms``: the ``mx.async_eval`` call), the wall time per step (``step_ms``) and the
+primitives one step records (``ops``); ``--engine``: the Engine's one-stream decode tok/s and greedy ids
+per backend too (:func:`engine_rounds`). Variants: the decode backend (``decode_backend(state, name)``) "matmul" / "sdpa" / "fused", eager or
+through one ``mx.compile``d step (forward + argmax) ("compiled-" prefix; "fusedmm": the fused
+kernels with MLX's matmuls, without :func:`cuda_gemv.qmv`'s folded products), with the 4-bit
 weights or dequantized to dense matrices ("-dequant" suffix), and, at B = 1, the dense path
 (no mask, sliced cache) of the generic path. Also checks the fused path against the
 generic one (logits on ragged rows, greedy tokens of an Engine run; float32 and
@@ -34,8 +37,11 @@ there (no CUDA kernels).
 from __future__ import annotations
 
 import argparse
+import collections
+import io
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -54,7 +60,8 @@ from gpu_summary import step_floor_ms  # noqa: E402
 from gpu_throughput import default_ckpt, save  # noqa: E402
 from mlx_serving.models._weights import Fused, Linear  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
-from mlx_serving.models.decoder.decode_backends import DecodeBackend, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.cuda_kernels import kernels_available  # noqa: E402
 from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token,  # noqa: E402
                                                     row_blocks)
 from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
@@ -112,19 +119,52 @@ def run(step: StepFn, b: int, n: int, warm: int = 3) -> dict[str, float]:
         mx.eval(tokens)
     first_ms = (time.perf_counter() - t_first) * 1e3
     builds: list[float] = []
+    encodes: list[float] = []
     prev = None
     t0 = time.perf_counter()
     for _ in range(n):
         a = time.perf_counter()
         tokens = step(tokens)
-        builds.append(time.perf_counter() - a)
+        e = time.perf_counter()
         mx.async_eval(tokens)
+        builds.append(e - a)
+        encodes.append(time.perf_counter() - e)
         if prev is not None:
             np.array(prev)
         prev = tokens
     np.array(prev)
     wall = time.perf_counter() - t0
-    return {"warm_ms": first_ms, "build_ms": statistics.median(builds) * 1e3, "step_ms": wall / n * 1e3}
+    return {"warm_ms": first_ms, "build_ms": statistics.median(builds) * 1e3,
+            "encode_ms": statistics.median(encodes) * 1e3, "step_ms": wall / n * 1e3}
+
+
+def graph_ops(step: StepFn, b: int) -> dict[str, int]:
+    """The primitives MLX records for one step (``mx.export_to_dot`` of its output, before evaluation),
+    by name, with their ``total``: each is encoded on the host per step; most launch one kernel."""
+    out = step(mx.zeros((b,), dtype=mx.int32))
+    buf = io.StringIO()
+    mx.export_to_dot(buf, out)
+    mx.eval(out)
+    names = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', buf.getvalue()))
+    return dict(names.most_common()) | {"total": sum(names.values())}
+
+
+def engine_one_stream(state: Any, decode: DecodeBackend, new: int = 128) -> dict[str, Any]:
+    """Decode tokens per second of one request (128-token prompt, ``new`` greedy tokens) through the
+    Engine with ``decode`` (the Engine's defaults otherwise): the best of three runs, and the ids."""
+    from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+    eng = Engine(state, EngineConfig.of(max_batch=1, max_len=512, decode_path=decode))
+    best, ids = 0.0, []
+    for r in range(3):
+        eng.add(r, list(range(100, 228)), SamplingParams(max_new_tokens=new, eos_token_ids=()))
+        stamps, ids = [], []
+        while eng.num_active:
+            for ev in eng.step():
+                stamps.append(time.perf_counter())
+                ids.append(ev.token_id)
+        best = max(best, (len(stamps) - 2) / (stamps[-1] - stamps[1]))
+    eng.close()
+    return {"decode_tok_s": best, "ids": ids}
 
 
 def path_parity(ckpt: Path, dtype: str, seed: int = 0) -> dict[str, Any]:
@@ -250,10 +290,12 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
                 compiled = variant.startswith("compiled-")
                 path = variant.removeprefix("compiled-").removesuffix("-dequant")
                 st = dense_state if dequant else state
-                decode = decode_backend(st, "matmul" if variant == "dense" else path)
+                decode = (FusedDecode() if path == "fusedmm"  # the kernels with MLX's matmuls (no qmv)
+                          else decode_backend(st, "matmul" if variant == "dense" else path))
                 fn = (compiled_step(st, cache, table, b, args.pos, decode) if compiled
                       else eager_step(st, cache, table, b, args.pos, variant == "dense", decode))
                 r = run(fn, b, args.steps)
+                r["ops"] = graph_ops(fn, b)
                 fl = step_floor_ms(floor["weight_bytes"]["dequantized" if dequant else "4bit"],
                                    floor["kv_bytes_per_token"], b * (args.pos + 1), floor["copy_gbs"])
                 r |= {"floor_ms": fl, "over_floor": r["step_ms"] / fl}
@@ -262,6 +304,28 @@ def step_study(args: argparse.Namespace, state: Any, dense_state: Any, floor: di
             results[f"{variant} B={b}"] = r
             print(f"{variant:>16} B={b:<4} {r}", flush=True)
     return results
+
+
+def engine_rounds(state: Any, rounds: int) -> dict[str, Any]:
+    """The Engine's one-stream decode tok/s per backend ("matmul": the generic path; "fusedmm": the
+    fused kernels with MLX's matmuls; "fused": with the folded 4-bit products), ``rounds`` alternating
+    rounds, each a fresh Engine: every round's figure, the median, and whether each backend's greedy
+    ids equal the generic path's."""
+    backends = {"matmul": decode_backend(state, "matmul")}
+    if kernels_available():  # the fused backends run only on MLX's CUDA build
+        backends |= {"fusedmm": FusedDecode(), "fused": decode_backend(state, "fused")}
+    runs: dict[str, list[float]] = {k: [] for k in backends}
+    ids: dict[str, list[int]] = {}
+    for _ in range(rounds):
+        for name, decode in backends.items():
+            r = engine_one_stream(state, decode)
+            runs[name].append(r["decode_tok_s"])
+            ids[name] = r["ids"]
+    out = {k: {"tok_s": v, "median_tok_s": statistics.median(v), "ids_equal_matmul": ids[k] == ids["matmul"],
+               "first_divergence": next((i for i, (a, b) in enumerate(zip(ids[k], ids["matmul"])) if a != b), None)}
+           for k, v in runs.items()}
+    print("engine one stream", json.dumps(out), flush=True)
+    return out
 
 
 def context_study(dense_state: Any, spec: str, floor: dict[str, Any]) -> list[dict[str, Any]]:
@@ -294,6 +358,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's one-stream generate_step")
     ap.add_argument("--context", default="", help="ROWS:POS,... e.g. 1,256:1500: device-only paged decode steps")
     ap.add_argument("--copy-bytes", type=int, default=1 << 32, help="array size of the bandwidth probe")
+    ap.add_argument("--engine", action="store_true", help="also the Engine's one-stream tok/s: matmul, fusedmm, fused alternating, 3 rounds")
     ap.add_argument("--quick", action="store_true", help="tiny preset, 1 and 4 rows, no parity: a CPU smoke run")
     args = ap.parse_args()
     if args.quick:
@@ -333,6 +398,9 @@ def main() -> None:
     save(args.out, out)
     if args.context:
         out["context"] = context_study(dense_state, args.context, floor)
+        save(args.out, out)
+    if args.engine:
+        out["engine_one_stream"] = engine_rounds(state, 3)
         save(args.out, out)
     if not args.no_mlx_lm:
         out["mlx_lm_generate_step"] = mlxlm_single(args.ckpt, 128)

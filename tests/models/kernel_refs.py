@@ -60,3 +60,18 @@ def ref_add_rms_norm(h, delta, weight, eps):
 def ref_swiglu(gate_up):
     gate, up = mx.split(gate_up, 2, axis=-1)
     return gate * mx.sigmoid(gate) * up
+
+
+def ref_qmv(x, lin, *, norm=None, eps=0.0, residual=None, glu=False):
+    """cuda_gemv.qmv's contract with MLX's own operations: RMSNorm, the 4-bit product, then the residual
+    add or SwiGLU."""
+    y = lin(x if norm is None else mx.fast.rms_norm(x, norm, eps))
+    if glu:
+        return ref_swiglu(y)
+    return y if residual is None else residual + y
+
+
+def ref_attention_o_proj(qkv, q_norm, k_norm, start, n_valid, keys, values, *, o_proj, residual, **kw):
+    """cuda_gemv.attention_o_proj's contract: attention, then o_proj and the residual add."""
+    return ref_qmv(ref_decode_attention(qkv, q_norm, k_norm, start, n_valid, keys, values, **kw), o_proj,
+                   residual=residual)

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
+from kernel_refs import ref_add_rms_norm, ref_attention_o_proj, ref_decode_attention, ref_qmv, ref_swiglu
 
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
-from mlx_serving.models.decoder.decode_backends import FusedDecode, GenericDecode, decode_backend
+from mlx_serving.models.decoder.decode_backends import FusedDecode, GenericDecode, decode_backend, qmv_fits
 
 #: The fused backend over the kernels' reference implementations.
 REFERENCE = FusedDecode(attention=ref_decode_attention, add_rms_norm=ref_add_rms_norm, swiglu=ref_swiglu)
@@ -87,3 +87,29 @@ def test_fused_wiring_serves_a_family_without_qk_norm(tmp_path, compiled):
     llama = load(path)
     assert not llama.config.qk_norm
     assert _generate(llama, compiled) == _generate(llama, False, decode=GenericDecode())
+
+
+def quantized_256(tmp_path, dtype: str):
+    """A tiny Qwen3 whose projections :func:`cuda_gemv.qmv` takes: 4-bit, inputs multiples of 256."""
+    from mlx_serving.models.loader import load
+    from mlx_serving.models.seeded_checkpoint import write_checkpoint
+
+    return load(write_checkpoint(tmp_path / f"q256-{dtype}", "tiny", seed=4, dtype=dtype,
+                                 config_overrides={"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_qmv_wiring_equals_generic_path(tmp_path, compiled):
+    """With 4-bit weights and few rows the fused backend folds norms, residual adds and SwiGLU into
+    its products (reference qmv here): the same greedy ids as the generic path; the folded path is
+    taken (a broken qmv changes them)."""
+    state = quantized_256(tmp_path, "float32")
+    assert qmv_fits(state, 1, state.dtype) and not qmv_fits(state, 2, state.dtype)
+    folded = replace(REFERENCE, qmv=ref_qmv, attention_o=ref_attention_o_proj)
+    generic = _generate(state, False, decode=GenericDecode())
+    assert _generate(state, compiled, decode=folded) == generic
+
+    def broken(x, lin, **kw):
+        return ref_qmv(x, lin, **kw) * (0.5 if kw.get("glu") else 1.0)
+
+    assert _generate(state, False, decode=replace(folded, qmv=broken)) != generic

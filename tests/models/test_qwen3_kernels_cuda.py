@@ -7,9 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from kernel_refs import ref_add_rms_norm, ref_decode_attention, ref_swiglu
+from kernel_refs import ref_add_rms_norm, ref_attention_o_proj, ref_decode_attention, ref_qmv, ref_swiglu
 
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+from mlx_serving.models._checkpoint import QuantSpec
+from mlx_serving.models._weights import Linear
+from mlx_serving.models.decoder.cuda_gemv import attention_o_proj, qmv
 from mlx_serving.models.decoder.cuda_kernels import add_rms_norm, decode_attention, kernels_available, swiglu
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not kernels_available(), reason="needs MLX's CUDA build and a GPU")]
@@ -109,3 +112,66 @@ def test_fused_generation_without_qk_norm_equals_generic_path(tmp_path):
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 1000, n).tolist() for n in (5, 21, 2)]
     assert _greedy(llama, prompts, "matmul", False, 10) == _greedy(llama, prompts, "fused", False, 10)
+
+
+def _quantized(n: int, k: int, dtype, group: int) -> Linear:
+    w = mx.random.normal((n, k)).astype(dtype)
+    q, scales, biases = mx.quantize(w, group_size=group, bits=4)
+    return Linear(q, scales, biases, QuantSpec(group_size=group, bits=4))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,k,group", [(1, 1024, 64), (1, 3072, 64), (1, 512, 32), (1, 256, 128)])
+def test_qmv_matches_reference(dtype, rows, k, group):
+    """The fused 4-bit product against MLX's quantized_matmul (with the norm, residual and SwiGLU as
+    separate ops), on fresh random data at each vector width (k / 256 = 4, 12, 2, 1 words a lane)."""
+    lin = _quantized(640, k, dtype, group)
+    x, w = mx.random.normal((rows, k)).astype(dtype), mx.random.normal((k,)).astype(dtype)
+    res = mx.random.normal((rows, 640)).astype(dtype)
+    tol = 1e-3 if dtype == mx.float32 else 3e-2
+    for kw in ({}, {"norm": w, "eps": 1e-6}, {"residual": res}, {"norm": w, "eps": 1e-6, "glu": True}):
+        got, want = qmv(x, lin, **kw).astype(mx.float32), ref_qmv(x, lin, **kw).astype(mx.float32)
+        rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+        assert rel < tol, (kw.keys(), rel)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_qmv_generation_equals_generic_path(tmp_path, dtype):
+    """4-bit weights, few rows: the fused backend takes the folded products (qmv) and generates the
+    generic path's greedy ids."""
+    from test_qwen3_fused_path import quantized_256
+
+    from mlx_serving.models.decoder.decode_backends import decode_backend, qmv_fits
+
+    state = quantized_256(tmp_path, dtype)
+    assert decode_backend(state, "fused").qmv is qmv and qmv_fits(state, 1, state.dtype)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 151000, n).tolist() for n in (3, 17, 9, 30)]
+    assert _greedy(state, prompts, "matmul", False, 16) == _greedy(state, prompts, "fused", True, 16)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_attention_o_proj_matches_reference(dtype):
+    """Split-K attention whose partials o_proj merges as it stages them, plus the residual: the
+    reference (attention, then the 4-bit o_proj and the add) for a row of 700 cached positions
+    (11 of the 32 splits hold keys), with the new K/V written."""
+    b, h, hkv, d, bs, width = 1, 8, 2, 128, 16, 48
+    n_valid = mx.array([1], dtype=mx.int32)
+    qkv = mx.random.normal((b, (h + 2 * hkv) * d)).astype(dtype)
+    qw, kw = mx.random.normal((d,)).astype(dtype), mx.random.normal((d,)).astype(dtype)
+    keys = mx.random.normal(((1 + b * width) * bs, hkv, d)).astype(dtype)
+    values = mx.random.normal(((1 + b * width) * bs, hkv, d)).astype(dtype)
+    table = mx.array(1 + np.random.default_rng(2).permutation(b * width).reshape(b, width).astype(np.int32))
+    ref_keys, ref_values = (mx.array(np.array(a.astype(mx.float32))).astype(dtype) for a in (keys, values))
+    o_proj, res = _quantized(512, h * d, dtype, 64), mx.random.normal((b, 512)).astype(dtype)
+    kw_args = dict(heads=h, eps=1e-6, rope_theta=1e6, block_table=table, block_size=bs)
+    start = mx.array(np.array([700], dtype=np.int32))
+    got = attention_o_proj(qkv, qw, kw, start, n_valid, keys, values, o_proj=o_proj, residual=res, **kw_args)
+    mx.eval(got)
+    want = ref_attention_o_proj(qkv, qw, kw, start, n_valid, ref_keys, ref_values, o_proj=o_proj, residual=res,
+                                **kw_args)
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    rel = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+    assert rel < (1e-3 if dtype == mx.float32 else 3e-2), rel
+    np.testing.assert_allclose(np.array(keys.astype(mx.float32))[bs:], np.array(ref_keys.astype(mx.float32))[bs:],
+                               atol=1e-4 if dtype == mx.float32 else 2e-2)

@@ -35,7 +35,7 @@ import mlx.core as mx
 from .cuda_build import CudaKernel
 from .memory import on_cuda
 
-__all__ = ["add_rms_norm", "decode_attention", "kernels_available", "split_count", "supports", "swiglu"]
+__all__ = ["add_rms_norm", "decode_attention", "decode_attention_partials", "kernels_available", "split_count", "supports", "swiglu"]
 
 # Every kernel's source starts with this prelude: the element type T behind ld()/st() (bfloat16 and
 # float16 as raw 16-bit values converted in registers, so no CUDA header is needed and NVRTC compiles
@@ -204,8 +204,12 @@ _ATTENTION = r"""
     }
 """
 
-# the split-K variant writes each split's unnormalized partial (running max, sum, weighted values)
+# the split-K variant writes each split's unnormalized partial (running max, sum, weighted values);
+# its loops stay rolled: it serves few rows, where MLX's host work per launch, which grows with the
+# cubin's size (it hashes the binary at every launch), costs more than the loop overhead
 _ATTENTION_SPLIT = _ATTENTION.replace(
+    "    for (int j = 0; j <= G; ++j) {", "    #pragma unroll 1\n    for (int j = 0; j <= G; ++j) {").replace(
+    "    for (int j = lo + warp; j < hi; j += W) {", "    #pragma unroll 1\n    for (int j = lo + warp; j < hi; j += W) {").replace(
     "        out[((u64)b * H + g * G + h) * D + t] = st(den > 0.f ? num / den : 0.f);",
     """        const u64 slot = ((u64)b * H + g * G + h) * splits_max + split;
         part_acc[slot * D + t] = num;
@@ -343,36 +347,63 @@ def decode_attention(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | 
     H = ``heads`` must be a multiple of Hkv; D a multiple of 32, at most 1024. Raises ValueError
     on shape mismatch.
     """
-    b, width = qkv.shape
-    _, hkv, d = keys.shape
-    if block_size < 1 or block_table.shape[0] != b or block_table.shape[1] > MAX_TABLE_WIDTH:
-        raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
-    table, length = _int32(block_table), block_table.shape[1]
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("decode_attention: q_norm and k_norm are both given or both None")
-    qkn = q_norm is not None
-    if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024:
-        raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
-    if splits is None:
-        splits = split_count(b, hkv)
-    if keys.dtype != qkv.dtype or values.dtype != qkv.dtype:
-        raise ValueError(f"decode_attention: qkv {qkv.dtype}, cache {keys.dtype}/{values.dtype}: one dtype")
-    norms = [_NO_NORM, _NO_NORM] if q_norm is None or k_norm is None else [_as(q_norm, qkv.dtype), _as(k_norm, qkv.dtype)]
-    inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, table]
-    consts = (("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size), ("QKN", int(qkn)),
-              ("EPS", float(eps)), ("LOG2_BASE", math.log2(rope_theta)))
-    shared = 4 * length  # the row's block ids (dynamic shared memory)
+    b, _ = qkv.shape
+    hkv, d = keys.shape[1], keys.shape[2]
+    splits = split_count(b, hkv) if splits is None else splits
     if splits == 1:
+        inputs, consts, length = _attention_args(qkv, q_norm, k_norm, start, n_valid, keys, values, heads, eps,
+                                                 rope_theta, block_table, block_size)
         return _attention_kernel(qkv.dtype, False, consts)(
             inputs, [(b, heads * d)], [qkv.dtype], [length, 1, 1], grid=(hkv * d, b, 1), threadgroup=(d, 1, 1),
-            shared_memory=shared)[0]
-    part_acc, part_ml = _attention_kernel(qkv.dtype, True, consts)(
-        inputs, [(b * heads * splits * d,), (b * heads * splits * 2,)], [mx.float32, mx.float32],
-        [length, splits, MIN_SPLIT_KEYS], grid=(hkv * d, b, splits), threadgroup=(d, 1, 1), shared_memory=shared)
+            shared_memory=4 * length)[0]
+    part_acc, part_ml = decode_attention_partials(qkv, q_norm, k_norm, start, n_valid, keys, values, heads=heads,
+                                                  eps=eps, rope_theta=rope_theta, block_table=block_table,
+                                                  block_size=block_size, splits=splits)
     combine = _kernel("decode_attention_combine", qkv.dtype, (("H", heads), ("D", d)),
                       "const float* part_acc, const float* part_ml, T* out, int splits", _COMBINE)
     return combine([part_acc, part_ml], [(b, heads * d)], [qkv.dtype], [splits], grid=(heads * d, b, 1),
                    threadgroup=(d, 1, 1))[0]
+
+
+def decode_attention_partials(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | None, start: mx.array,
+                              n_valid: mx.array, keys: mx.array, values: mx.array, *, heads: int, eps: float,
+                              rope_theta: float, block_table: mx.array, block_size: int,
+                              splits: int) -> tuple[mx.array, mx.array]:
+    """:func:`decode_attention`'s first kernel alone, ``splits`` (>= 1) blocks per (row, KV head): the
+    per-split partials for a consumer that merges them itself. Returns float32 ``part_acc``
+    (B * H * splits * D,) (unnormalized weighted values) and ``part_ml`` (B * H * splits * 2,) (running
+    max, running sum), at index ``(b * H + h) * splits + s``; a split with no keys has max -inf.
+    Merged: ``sum_s acc_s exp(m_s - M) / sum_s l_s exp(m_s - M)`` over splits with ``m_s > -inf``,
+    ``M`` their max (0 where none). Raises ValueError as :func:`decode_attention`."""
+    b, _ = qkv.shape
+    hkv, d = keys.shape[1], keys.shape[2]
+    inputs, consts, length = _attention_args(qkv, q_norm, k_norm, start, n_valid, keys, values, heads, eps,
+                                             rope_theta, block_table, block_size)
+    part_acc, part_ml = _attention_kernel(qkv.dtype, True, consts)(
+        inputs, [(b * heads * splits * d,), (b * heads * splits * 2,)], [mx.float32, mx.float32],
+        [length, splits, MIN_SPLIT_KEYS], grid=(hkv * d, b, splits), threadgroup=(d, 1, 1), shared_memory=4 * length)
+    return part_acc, part_ml
+
+
+def _attention_args(qkv: mx.array, q_norm: mx.array | None, k_norm: mx.array | None, start: mx.array,
+                    n_valid: mx.array, keys: mx.array, values: mx.array, heads: int, eps: float, rope_theta: float,
+                    block_table: mx.array, block_size: int) -> tuple[list[mx.array], tuple, int]:
+    """The attention kernels' checked inputs, constants and block-table width."""
+    b, width = qkv.shape
+    _, hkv, d = keys.shape
+    if block_size < 1 or block_table.shape[0] != b or block_table.shape[1] > MAX_TABLE_WIDTH:
+        raise ValueError(f"decode_attention: block_table {block_table.shape}, block_size {block_size}, rows {b}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_attention: q_norm and k_norm are both given or both None")
+    if width != (heads + 2 * hkv) * d or heads % hkv or d % 32 or d > 1024:
+        raise ValueError(f"decode_attention: qkv {qkv.shape}, heads {heads}, keys {keys.shape}")
+    if keys.dtype != qkv.dtype or values.dtype != qkv.dtype:
+        raise ValueError(f"decode_attention: qkv {qkv.dtype}, cache {keys.dtype}/{values.dtype}: one dtype")
+    norms = [_NO_NORM, _NO_NORM] if q_norm is None or k_norm is None else [_as(q_norm, qkv.dtype), _as(k_norm, qkv.dtype)]
+    inputs = [qkv, *norms, _int32(start), _int32(n_valid), keys, values, _int32(block_table)]
+    consts = (("G", heads // hkv), ("D", d), ("H", heads), ("HKV", hkv), ("BS", block_size),
+              ("QKN", int(q_norm is not None)), ("EPS", float(eps)), ("LOG2_BASE", math.log2(rope_theta)))
+    return inputs, consts, block_table.shape[1]
 
 
 def _as(a: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -3,7 +3,8 @@
 - :class:`GenericDecode` (``"matmul"``, ``"sdpa"``): the shared decoder of :func:`models.decoder.layers.forward`,
   masked attention through batched matmuls or ``mx.fast.scaled_dot_product_attention``;
 - :class:`FusedDecode` (``"fused"``): the custom CUDA kernels of :mod:`.cuda_kernels`, 8 launches per
-  layer, no mask; each row's kernel reads its own length, so a compiled decode needs one graph per
+  layer, no mask; with 4-bit weights and at most :data:`.cuda_gemv.MAX_ROWS` rows, 5 launches per layer
+  (:func:`.cuda_gemv.qmv`: the norms, residual adds and SwiGLU folded into the products); each row's kernel reads its own length, so a compiled decode needs one graph per
   row count, not per attention span. The kernels implement the shared decoder with plain
   split-half RoPE (no ``rope_scaling``, not ``rope_traditional``), q/k RMSNorm folded into the
   attention kernel where the family has it (Qwen3) and skipped where not (Llama, Qwen2).
@@ -24,14 +25,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .._weights import swiglu as split_swiglu
-from . import cuda_kernels
+from . import cuda_gemv, cuda_kernels
 from .attention import Cache, Rows
 from .cpu import NativeDecode, native_decode
 from .attention import DecodeBackend as _DecodeBackend
 from .layers import State
 
 __all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "NativeDecode", "decode_backend",
-           "fits_fused"]
+           "fits_fused", "qmv_fits"]
 
 #: The decode paths a caller may ask for by name.
 DECODE_PATHS = ("fused", "matmul", "native", "sdpa")
@@ -64,6 +65,11 @@ class FusedDecode:
     attention: Callable[..., mx.array] = cuda_kernels.decode_attention
     add_rms_norm: Callable[..., tuple[mx.array, mx.array]] = cuda_kernels.add_rms_norm
     swiglu: Callable[[mx.array], mx.array] = cuda_kernels.swiglu
+    #: The fused 4-bit product (:func:`.cuda_gemv.qmv`'s contract), used where every matrix and the
+    #: row count fit it (:func:`.cuda_gemv.fits`); None: MLX's matmuls and the kernels above.
+    qmv: Callable[..., mx.array] | None = None
+    #: With ``qmv``: attention, o_proj and the residual add (:func:`.cuda_gemv.attention_o_proj`'s contract).
+    attention_o: Callable[..., mx.array] = cuda_gemv.attention_o_proj
     name: str = "fused"
     sdpa: bool = False
     reads_own_length: bool = True
@@ -71,6 +77,8 @@ class FusedDecode:
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` over the blocks of
         ``rows.block_table``; the K/V cache is written in place. Returns logits ``(B, vocab_size)``, as :func:`models.decoder.layers.forward`."""
+        if self.qmv is not None and qmv_fits(state, h.shape[0], h.dtype):
+            return self._decode_qmv(self.qmv, state, cache, rows, h)
         c = state.config
         eps = c.rms_norm_eps
         x = mx.fast.rms_norm(h, state.layers[0].input_layernorm, eps)
@@ -85,6 +93,29 @@ class FusedDecode:
             after = state.layers[i + 1].input_layernorm if i + 1 < len(state.layers) else state.norm
             h, x = self.add_rms_norm(h, layer.down_proj(act), after, eps)
         return state.lm_head(x)
+
+    def _decode_qmv(self, qmv: Callable[..., mx.array], state: State, cache: Cache, rows: Rows,
+                    h: mx.array) -> mx.array:
+        """Five launches per layer: the norms, residual adds, SwiGLU and the merge of attention's split-K
+        partials folded into the 4-bit products."""
+        c = state.config
+        eps = c.rms_norm_eps
+        for i, layer in enumerate(state.layers):
+            qkv = qmv(h, layer.qkv.merged, norm=layer.input_layernorm, eps=eps)
+            h = self.attention_o(qkv, layer.q_norm, layer.k_norm, rows.start, rows.n_valid, cache.keys[i],
+                                 cache.values[i], o_proj=layer.o_proj, residual=h, heads=c.num_attention_heads,
+                                 eps=eps, rope_theta=c.rope_theta, block_table=rows.block_table,
+                                 block_size=cache.block_size)
+            act = qmv(h, layer.gate_up.merged, norm=layer.post_attention_layernorm, eps=eps, glu=True)
+            h = qmv(act, layer.down_proj, residual=h)
+        return qmv(h, state.lm_head, norm=state.norm, eps=eps)
+
+
+def qmv_fits(state: State, rows: int, dtype: mx.Dtype) -> bool:
+    """Every projection (q/k/v and gate/up merged) and the head fit :func:`.cuda_gemv.qmv` at ``rows`` rows."""
+    mats = [m for layer in state.layers for m in (layer.qkv.merged, layer.o_proj, layer.gate_up.merged,
+                                                  layer.down_proj)]
+    return all(cuda_gemv.fits(m, rows, dtype) for m in [*mats, state.lm_head])
 
 
 def fits_fused(state: State) -> bool:
@@ -107,7 +138,7 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None) -> Dec
     c = state.config
     runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
     if path == "fused" or (path is None and runs):
-        return FusedDecode() if fits_fused(state) else GenericDecode()
+        return FusedDecode(qmv=cuda_gemv.qmv) if fits_fused(state) else GenericDecode()
     if path == "native":
         return native_decode(state) or GenericDecode()
     return GenericDecode(sdpa=path == "sdpa")
