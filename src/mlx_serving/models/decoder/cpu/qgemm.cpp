@@ -3,7 +3,7 @@
 //
 // Where a GEMV loop (qgemv) unpacks every weight block again for every row and sums each block's
 // 8 int32 lanes horizontally, here a task unpacks a panel of 32 weight columns once into bytes
-// (4-bit nibbles spread out) and reuses it across up to 256 rows. Activations and unpacked weights
+// (4-bit nibbles spread out) and reuses it across all the rows (or a chunk of them, where the panels are too few for the threads). Activations and unpacked weights
 // are interleaved by groups of 8 blocks (QuantRows), so one 32-byte load feeds one int32 lane per
 // block: 8 multiply-accumulates (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) leave
 // the 8 blocks' exact integer sums in the 8 lanes, with no horizontal sums. A micro tile keeps
@@ -34,9 +34,9 @@ namespace mlx_serving {
 namespace {
 
 constexpr int64_t kRowPad = 4;   // QuantRows pads its rows to this (the largest micro tile's rows)
-constexpr int64_t kNR = 4;       // columns per micro tile (a panel is padded to it)
+constexpr int64_t kNR = 4;       // the most columns per micro tile (a panel is padded to it)
 constexpr int64_t kPanel = 32;   // weight columns a task unpacks
-constexpr int64_t kChunk = 256;  // rows a task runs its panel over
+constexpr int64_t kMinChunk = 64;  // fewest rows a task runs its panel over
 
 float param(const void* p, bool half, int64_t i) {
   return half ? static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]) : static_cast<const float*>(p)[i];
@@ -49,6 +49,28 @@ void interleave(const T* block, int64_t i, T* row) {
   for (int ch = 0; ch < 8; ++ch) std::memcpy(dst + 32 * ch, block + 4 * ch, 4 * sizeof(T));
 }
 
+#ifdef QG_X86
+QG_AVX2 void spread_nibbles_avx2(const uint8_t* in, uint8_t* out) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in)), m4 = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(lo, hi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_unpackhi_epi8(lo, hi));
+}
+#endif
+
+// The 32 4-bit values of one block (16 bytes, value 2t in byte t's low nibble) as 32 bytes.
+void spread_nibbles(const uint8_t* in, uint8_t* out, bool vector) {
+#ifdef QG_X86
+  if (vector) return spread_nibbles_avx2(in, out);
+#else
+  (void)vector;
+#endif
+  for (int t = 0; t < 16; ++t) {
+    out[2 * t] = in[t] & 0xF;
+    out[2 * t + 1] = in[t] >> 4;
+  }
+}
+
 // Weight columns [n0, n0 + cols) unpacked to one byte per value in the QuantRows order, the
 // columns padded to kNR with zeros; scales / offsets as float, 8 per group (padding 0).
 struct Panel {
@@ -56,7 +78,7 @@ struct Panel {
   std::vector<uint8_t> q;
   std::vector<float> s, b;
 
-  void unpack(const QMatrixView& m, int64_t first, int64_t last, int64_t g) {
+  void unpack(const QMatrixView& m, int64_t first, int64_t last, int64_t g, bool vector) {
     n0 = first;
     cols = last - first;
     groups = g;
@@ -70,10 +92,7 @@ struct Panel {
       const uint8_t* w = m.w + (first + c) * row_bytes;
       for (int64_t i = 0; i < blocks; ++i) {
         if (m.bits == 4) {
-          for (int t = 0; t < 16; ++t) {
-            v[2 * t] = w[16 * i + t] & 0xF;
-            v[2 * t + 1] = w[16 * i + t] >> 4;
-          }
+          spread_nibbles(w + 16 * i, v, vector);
         } else {
           std::memcpy(v, w + 32 * i, 32);
         }
@@ -132,31 +151,31 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
 
 QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
 
-// One micro tile: rows r0..r0+MR x columns c0..c0+kNR of the panel (results stored for the first
+// One micro tile: rows r0..r0+MR x columns c0..c0+NR of the panel (results stored for the first
 // ``rows`` x ``cols`` of them; the rest is padding).
 #define QG_MICRO(ACC)                                                                                        \
   const int64_t g = x.groups;                                                                                \
-  __m256 fa[MR][kNR], fb[MR][kNR];                                                                           \
+  __m256 fa[MR][NR], fb[MR][NR];                                                                           \
   for (int m = 0; m < MR; ++m)                                                                               \
-    for (int n = 0; n < kNR; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                                 \
+    for (int n = 0; n < NR; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                                 \
   for (int64_t k = 0; k < g; ++k) {                                                                          \
-    __m256i ia[MR][kNR];                                                                                     \
+    __m256i ia[MR][NR];                                                                                     \
     for (int m = 0; m < MR; ++m)                                                                             \
-      for (int n = 0; n < kNR; ++n) ia[m][n] = _mm256_setzero_si256();                                       \
+      for (int n = 0; n < NR; ++n) ia[m][n] = _mm256_setzero_si256();                                       \
     const int8_t* xr = x.q.data() + (r0 * g + k) * 256;                                                      \
     const uint8_t* wr = p.q.data() + (c0 * g + k) * 256;                                                     \
     for (int ch = 0; ch < 8; ++ch) {                                                                         \
-      __m256i wv[kNR];                                                                                       \
-      for (int n = 0; n < kNR; ++n) wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + n * g * 256 + 32 * ch)); \
+      __m256i wv[NR];                                                                                       \
+      for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + n * g * 256 + 32 * ch)); \
       for (int m = 0; m < MR; ++m) {                                                                         \
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + m * g * 256 + 32 * ch)); \
-        for (int n = 0; n < kNR; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                                  \
+        for (int n = 0; n < NR; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                                  \
       }                                                                                                      \
     }                                                                                                        \
     for (int m = 0; m < MR; ++m) {                                                                           \
       const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                               \
       const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                              \
-      for (int n = 0; n < kNR; ++n) {                                                                        \
+      for (int n = 0; n < NR; ++n) {                                                                        \
         const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(p.s.data() + ((c0 + n) * g + k) * 8), dx);           \
         fa[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), sc, fa[m][n]);                              \
         fb[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(p.b.data() + ((c0 + n) * g + k) * 8), sm, fb[m][n]);      \
@@ -171,32 +190,32 @@ QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256
   const QuantRows &x, int64_t r0, int64_t rows, const Panel &p, int64_t c0, int64_t cols, const float *bias, float *y, \
       int64_t ldy
 
-template <int MR, int Bits>
+template <int MR, int NR, int Bits>
 QG_AVX2 void micro_avx2(QG_MICRO_ARGS) {
   QG_MICRO(acc_avx2<Bits>)
 }
 
-template <int MR>
+template <int MR, int NR>
 QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
   QG_MICRO(acc_vnni)
 }
 
 using MicroFn = void (*)(QG_MICRO_ARGS);
 
-template <int MR>
+template <int MR, int NR>
 void panel_tiles(MicroFn micro, const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, const float* bias,
                  float* y, int64_t ldy) {
   for (int64_t r = r0; r < r1; r += MR)
-    for (int64_t c = 0; c < p.cols; c += kNR)
-      micro(x, r, std::min<int64_t>(MR, r1 - r), p, c, std::min(kNR, p.cols - c), bias, y, ldy);
+    for (int64_t c = 0; c < p.cols; c += NR)
+      micro(x, r, std::min<int64_t>(MR, r1 - r), p, c, std::min<int64_t>(NR, p.cols - c), bias, y, ldy);
 }
 #endif
 
 void run_panel(const QMatrixView& m, const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, float* y, Isa isa) {
 #ifdef QG_X86
-  if (isa == Isa::avx512vnni) return panel_tiles<4>(micro_vnni<4>, x, r0, r1, p, m.bias, y, m.n);
+  if (isa == Isa::avx512vnni) return panel_tiles<4, 4>(micro_vnni<4, 4>, x, r0, r1, p, m.bias, y, m.n);
   if (isa == Isa::avx2)
-    return panel_tiles<2>(m.bits == 4 ? micro_avx2<2, 4> : micro_avx2<2, 8>, x, r0, r1, p, m.bias, y, m.n);
+    return panel_tiles<2, 4>(m.bits == 4 ? micro_avx2<2, 4, 4> : micro_avx2<2, 4, 8>, x, r0, r1, p, m.bias, y, m.n);
 #else
   (void)isa;
 #endif
@@ -228,12 +247,17 @@ void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool
 }
 
 void qgemm(const QMatrixView& m, const QuantRows& x, float* y, Isa isa, Pool& pool) {
-  const int64_t panels = (m.n + kPanel - 1) / kPanel, chunks = (x.rows + kChunk - 1) / kChunk;
+  // Rows split into chunks only where the panels are too few to keep the threads busy (each
+  // chunk unpacks its panel again); chunks of a multiple of 4 rows (QuantRows' padding).
+  const int64_t panels = (m.n + kPanel - 1) / kPanel, wanted = 4 * pool.threads();
+  const int64_t chunks = std::clamp<int64_t>((wanted + panels - 1) / panels, 1, (x.rows + kMinChunk - 1) / kMinChunk);
+  const int64_t chunk = ((x.rows + chunks - 1) / chunks + kRowPad - 1) / kRowPad * kRowPad;
   pool.run(panels * chunks, [&](int64_t t) {
     thread_local Panel p;
-    const int64_t n0 = (t / chunks) * kPanel, r0 = (t % chunks) * kChunk;
-    p.unpack(m, n0, std::min(m.n, n0 + kPanel), x.groups);
-    run_panel(m, x, r0, std::min(x.rows, r0 + kChunk), p, y, isa);
+    const int64_t n0 = (t / chunks) * kPanel, r0 = (t % chunks) * chunk;
+    if (r0 >= x.rows) return;
+    p.unpack(m, n0, std::min(m.n, n0 + kPanel), x.groups, isa != Isa::portable);
+    run_panel(m, x, r0, std::min(x.rows, r0 + chunk), p, y, isa);
   });
 }
 
