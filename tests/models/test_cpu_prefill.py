@@ -175,3 +175,30 @@ def test_native_prefill_batched_equals_solo_and_two_chunks_equal_one(family_stat
     (first,), cache = _prefill(state, [row[:16]], table=table[:1])
     (second,), _ = _prefill(state, [row[16:]], [16], cache, table[:1])
     np.testing.assert_array_equal(np.concatenate([first, second]), batched[2])
+
+
+def test_native_prefill_is_the_native_decode_up_to_float_rounding(family_state):
+    """A preempted row's recomputation (a prefill) beside its original decode steps, both native: the
+    same int8 products, so the logits differ only by the float32 rounding of the norms, RoPE and
+    attention (MLX's operations vs the decode step's): within 1e-5 of the largest, where the exact
+    prefill is ~1e-2 away. Not bit for bit: a recomputed greedy token can still differ at a near tie."""
+    ids = [np.random.default_rng(1).integers(0, family_state.config.vocab_size, 12).tolist()]
+    table = row_blocks(1, 64)
+    (prefilled,), _ = _prefill(_native(family_state), ids, table=table)
+    (exact,), _ = _prefill(family_state, ids, table=table)
+    decoded = _decoded(family_state, ids[0], table)
+    scale = np.abs(decoded).max(-1)
+    assert (np.abs(prefilled - decoded).max(-1) <= 1e-5 * scale).all()
+    assert np.abs(exact - decoded).max() > 1e-3 * scale.max()
+
+
+def _decoded(state: layers.State, ids: list[int], table: np.ndarray) -> np.ndarray:
+    """Logits (T, vocab) of ``ids`` decoded one token per step on the native path (teacher-forced)."""
+    backend = native_decode(state)
+    cache = init_paged_kv_cache(state, int(table.max()))
+    out = []
+    for j, token in enumerate(ids):
+        rows = Rows(mx.array([[token]], dtype=mx.int32), mx.array([j], dtype=mx.int32), mx.ones((1,), mx.int32),
+                    j + 1, mx.zeros((1,), mx.int32), mx.array(table), dense=True)
+        out.append(np.array(layers.forward(state, cache, rows, backend))[0])
+    return np.stack(out)
