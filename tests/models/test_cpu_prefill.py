@@ -59,11 +59,12 @@ def _reference(x: np.ndarray, w: mx.array, s: mx.array, b: mx.array, bits: int, 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("half", [False, True], ids=["f32-scales", "f16-scales"])
 def test_gemm_is_the_int8_reference_and_the_decode_steps_product(isa, bits, group, half):
-    """K with a partial group of 8 blocks (576 = 18 blocks), rows and columns off the tile sizes:
-    within float32 accumulation error of the integer reference, and bit for bit the decode step's
-    product of each row (qgemv)."""
+    """K ending in a partial group of 8 blocks (416: 13 blocks, a padded group of 5; 576: 18, a
+    group of 2 in two lanes each; 640: 20, 4 blocks likewise), rows and columns off the tile
+    sizes: within float32 accumulation error of the integer reference, and bit for bit the decode
+    step's product of each row (qgemv)."""
     rng = np.random.default_rng(bits * group + half)
-    k = 576 if group != 128 else 640
+    k = {32: 416, 64: 576, 128: 640}[group]
     w, s, b = _matrix(rng, 45, k, bits, group, half)
     x = (rng.normal(size=(7, k)) * np.linspace(0.1, 3, k)).astype(np.float32)
     got = np.array(module.int8_quantized_matmul(mx.array(x), w, s, b, group, bits, 2))

@@ -3,11 +3,14 @@
 //
 // Where a GEMV loop (qgemv) unpacks every weight block again for every row and sums each block's
 // 8 int32 lanes horizontally, here a task unpacks a panel of 32 weight columns once into bytes
-// (4-bit nibbles spread out) and reuses it across all the rows (or a chunk of them, where the panels are too few for the threads). Activations and unpacked weights
-// are interleaved by groups of 8 blocks (QuantRows), so one 32-byte load feeds one int32 lane per
-// block: 8 multiply-accumulates (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) leave
-// the 8 blocks' exact integer sums in the 8 lanes, with no horizontal sums. A micro tile keeps
-// 4 rows x 4 columns (2 x 4 on AVX2, which has 16 registers) of these sums in registers.
+// (4-bit nibbles spread out) and reuses it across all the rows (or a chunk of them, where the
+// panels are too few for the threads). Activations and unpacked weights are interleaved by groups
+// of 8 blocks (BlockLayout), so one 32-byte load feeds one int32 lane per block: 8
+// multiply-accumulates (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) leave the 8
+// blocks' exact integer sums in the 8 lanes, with no horizontal sums; a last group of 1-4 blocks
+// (SmolLM2's K = 576 is 18 blocks) takes two lanes per block, 4 steps and one pairwise sum, not 8
+// steps with half the lanes idle. A micro tile keeps 4 rows x 4 columns (2 x 4 on AVX2, which has
+// 16 registers) of these sums in registers.
 //
 // Numerics: the integer sums are exact, and each block's float scaling and accumulation follow
 // qgemv's order on the same ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets'
@@ -42,11 +45,10 @@ float param(const void* p, bool half, int64_t i) {
   return half ? static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]) : static_cast<const float*>(p)[i];
 }
 
-// Copy the 32 values of one block into its place in an interleaved group (see QuantRows).
+// Copy the 32 values of block i into its place in a row laid out as ``at`` says.
 template <typename T>
-void interleave(const T* block, int64_t i, T* row) {
-  T* dst = row + (i / 8) * 256 + (i % 8) * 4;
-  for (int ch = 0; ch < 8; ++ch) std::memcpy(dst + 32 * ch, block + 4 * ch, 4 * sizeof(T));
+void interleave(const T* block, int64_t i, const BlockLayout& at, T* row) {
+  for (int ch = 0; ch < 8; ++ch) std::memcpy(row + at.offset(i, ch), block + 4 * ch, 4 * sizeof(T));
 }
 
 #ifdef QG_X86
@@ -74,16 +76,15 @@ void spread_nibbles(const uint8_t* in, uint8_t* out, bool vector) {
 // Weight columns [n0, n0 + cols) unpacked to one byte per value in the QuantRows order, the
 // columns padded to kNR with zeros; scales / offsets as float, 8 per group (padding 0).
 struct Panel {
-  int64_t n0 = 0, cols = 0, groups = 0;
-  std::vector<uint8_t> q;
+  int64_t n0 = 0, cols = 0;
+  std::vector<uint8_t> q;  // padded columns x at.row_bytes
   std::vector<float> s, b;
 
-  void unpack(const QMatrixView& m, int64_t first, int64_t last, int64_t g, bool vector) {
+  void unpack(const QMatrixView& m, int64_t first, int64_t last, const BlockLayout& at, bool vector) {
     n0 = first;
     cols = last - first;
-    groups = g;
-    const int64_t padded = (cols + kNR - 1) / kNR * kNR;
-    q.assign(padded * groups * 256, 0);
+    const int64_t padded = (cols + kNR - 1) / kNR * kNR, groups = at.groups;
+    q.assign(padded * at.row_bytes, 0);
     s.assign(padded * groups * 8, 0.f);
     b.assign(padded * groups * 8, 0.f);
     const int64_t blocks = m.k / 32, per = m.group / 32, row_groups = m.k / m.group, row_bytes = m.k * m.bits / 8;
@@ -96,10 +97,10 @@ struct Panel {
         } else {
           std::memcpy(v, w + 32 * i, 32);
         }
-        interleave(v, i, q.data() + c * groups * 256);
-        const int64_t at = (c * groups + i / 8) * 8 + i % 8, src = (first + c) * row_groups + i / per;
-        s[at] = param(m.scales, m.half, src);
-        b[at] = param(m.biases, m.half, src);
+        interleave(v, i, at, q.data() + c * at.row_bytes);
+        const int64_t slot = (c * groups + i / 8) * 8 + i % 8, src = (first + c) * row_groups + i / per;
+        s[slot] = param(m.scales, m.half, src);
+        b[slot] = param(m.biases, m.half, src);
       }
     }
   }
@@ -108,17 +109,17 @@ struct Panel {
 // Rows [r0, r1) x the panel's columns, block by block in qgemv's portable order.
 void panel_portable(const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, const float* bias, float* y,
                     int64_t ldy) {
-  const int64_t blocks = x.k / 32, g = x.groups;
+  const BlockLayout& at = x.at;
+  const int64_t g = at.groups;
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < p.cols; ++c) {
       float acc = 0.f, bacc = 0.f;
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t lane = (i / 8) * 256 + (i % 8) * 4;
-        const int8_t* xq = x.q.data() + r * g * 256 + lane;
-        const uint8_t* wq = p.q.data() + c * g * 256 + lane;
+      for (int64_t i = 0; i < at.blocks; ++i) {
+        const int8_t* xq = x.q.data() + r * at.row_bytes;
+        const uint8_t* wq = p.q.data() + c * at.row_bytes;
         int32_t d = 0;
         for (int ch = 0; ch < 8; ++ch)
-          for (int t = 0; t < 4; ++t) d += wq[32 * ch + t] * xq[32 * ch + t];
+          for (int t = 0; t < 4; ++t) d += wq[at.offset(i, ch) + t] * xq[at.offset(i, ch) + t];
         const int64_t wi = (c * g + i / 8) * 8 + i % 8, xi = (r * g + i / 8) * 8 + i % 8;
         acc += p.s[wi] * x.dx[xi] * static_cast<float>(d);
         bacc += p.b[wi] * x.sum[xi];
@@ -154,24 +155,30 @@ QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256
 // One micro tile: rows r0..r0+MR x columns c0..c0+NR of the panel (results stored for the first
 // ``rows`` x ``cols`` of them; the rest is padding).
 #define QG_MICRO(ACC)                                                                                        \
-  const int64_t g = x.groups;                                                                                \
-  __m256 fa[MR][NR], fb[MR][NR];                                                                           \
+  const int64_t g = x.at.groups, rb = x.at.row_bytes;                                                        \
+  __m256 fa[MR][NR], fb[MR][NR];                                                                             \
   for (int m = 0; m < MR; ++m)                                                                               \
     for (int n = 0; n < NR; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                                 \
   for (int64_t k = 0; k < g; ++k) {                                                                          \
-    __m256i ia[MR][NR];                                                                                     \
+    const bool pairs = x.at.pairs && k == x.at.full; /* 1-4 blocks, two lanes each: 4 steps */              \
+    __m256i ia[MR][NR];                                                                                      \
     for (int m = 0; m < MR; ++m)                                                                             \
       for (int n = 0; n < NR; ++n) ia[m][n] = _mm256_setzero_si256();                                       \
-    const int8_t* xr = x.q.data() + (r0 * g + k) * 256;                                                      \
-    const uint8_t* wr = p.q.data() + (c0 * g + k) * 256;                                                     \
-    for (int ch = 0; ch < 8; ++ch) {                                                                         \
-      __m256i wv[NR];                                                                                       \
-      for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + n * g * 256 + 32 * ch)); \
+    const int8_t* xr = x.q.data() + r0 * rb + k * 256;                                                       \
+    const uint8_t* wr = p.q.data() + c0 * rb + k * 256;                                                      \
+    for (int ch = 0; ch < (pairs ? 4 : 8); ++ch) {                                                           \
+      __m256i wv[NR];                                                                                        \
+      for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + n * rb + 32 * ch)); \
       for (int m = 0; m < MR; ++m) {                                                                         \
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + m * g * 256 + 32 * ch)); \
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + m * rb + 32 * ch));     \
         for (int n = 0; n < NR; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                                  \
       }                                                                                                      \
     }                                                                                                        \
+    if (pairs) /* lanes 2j, 2j + 1 summed into lane j (lanes 4-7: 0) */                                      \
+      for (int m = 0; m < MR; ++m)                                                                           \
+        for (int n = 0; n < NR; ++n)                                                                         \
+          ia[m][n] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(ia[m][n], _mm256_setzero_si256()),       \
+                                                 _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));                \
     for (int m = 0; m < MR; ++m) {                                                                           \
       const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                               \
       const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                              \
@@ -227,9 +234,9 @@ void run_panel(const QMatrixView& m, const QuantRows& x, int64_t r0, int64_t r1,
 void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool) {
   rows = n_rows;
   k = n_k;
-  const int64_t blocks = k / 32, padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
-  groups = (blocks + 7) / 8;
-  q.assign(padded * groups * 256, 0);
+  at = BlockLayout(k);
+  const int64_t blocks = at.blocks, groups = at.groups, padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
+  q.assign(padded * at.row_bytes, 0);
   dx.assign(padded * groups * 8, 0.f);
   sum.assign(padded * groups * 8, 0.f);
   constexpr int64_t kPer = 16;  // rows per task
@@ -238,7 +245,7 @@ void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool
     for (int64_t r = t * kPer; r < std::min(rows, (t + 1) * kPer); ++r) {
       row.quantize(x + r * k, k);
       for (int64_t i = 0; i < blocks; ++i) {
-        interleave(row.q.data() + 32 * i, i, q.data() + r * groups * 256);
+        interleave(row.q.data() + 32 * i, i, at, q.data() + r * at.row_bytes);
         dx[(r * groups + i / 8) * 8 + i % 8] = row.dx[i];
         sum[(r * groups + i / 8) * 8 + i % 8] = row.sum[i];
       }
@@ -256,7 +263,7 @@ void qgemm(const QMatrixView& m, const QuantRows& x, float* y, Isa isa, Pool& po
     thread_local Panel p;
     const int64_t n0 = (t / chunks) * kPanel, r0 = (t % chunks) * chunk;
     if (r0 >= x.rows) return;
-    p.unpack(m, n0, std::min(m.n, n0 + kPanel), x.groups, isa != Isa::portable);
+    p.unpack(m, n0, std::min(m.n, n0 + kPanel), x.at, isa != Isa::portable);
     run_panel(m, x, r0, std::min(x.rows, r0 + chunk), p, y, isa);
   });
 }
