@@ -203,3 +203,8 @@ def _decoded(state: layers.State, ids: list[int], table: np.ndarray) -> np.ndarr
                     j + 1, mx.zeros((1,), mx.int32), mx.array(table), dense=True)
         out.append(np.array(layers.forward(state, cache, rows, backend))[0])
     return np.stack(out)
+
+
+def test_gemm_of_no_rows_is_empty():
+    w, s, b = _matrix(np.random.default_rng(0), 8, 64, 4, 32, False)
+    assert module.int8_quantized_matmul(mx.zeros((0, 64)), w, s, b, 32, 4, 2).shape == (0, 8)

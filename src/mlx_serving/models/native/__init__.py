@@ -173,5 +173,6 @@ def _check(module: ModuleType) -> None:
 
 def cpu_decode_module() -> ModuleType | None:
     """The built module when it is available (its ``make_decoder`` / ``decode_step`` are the CPU
-    decode step of :mod:`models.decoder.cpu`), None otherwise (as :func:`quantized_matmul_cpu`)."""
+    decode step of :mod:`models.decoder.cpu`, its ``int8_quantized_matmul`` the native prefill's
+    int8 GEMM), None otherwise (as :func:`quantized_matmul_cpu`)."""
     return _load()

@@ -256,6 +256,7 @@ void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool
 void qgemm(const QMatrixView& m, const QuantRows& x, float* y, Isa isa, Pool& pool) {
   // Rows split into chunks only where the panels are too few to keep the threads busy (each
   // chunk unpacks its panel again); chunks of a multiple of 4 rows (QuantRows' padding).
+  if (x.rows == 0 || m.n == 0) return;
   const int64_t panels = (m.n + kPanel - 1) / kPanel, wanted = 4 * pool.threads();
   const int64_t chunks = std::clamp<int64_t>((wanted + panels - 1) / panels, 1, (x.rows + kMinChunk - 1) / kMinChunk);
   const int64_t chunk = ((x.rows + chunks - 1) / chunks + kRowPad - 1) / kRowPad * kRowPad;
