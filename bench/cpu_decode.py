@@ -5,7 +5,9 @@
   running Python's LICENSE.txt, the first ``--tokens`` tokens, split into ``--rows`` consecutive
   chunks decoded as one batch), every token through the one-token decode step of each path: the
   perplexity of each path (exp of the mean negative log-likelihood of the next token), their ratio,
-  and the top-1 agreement (the share of positions whose argmax is the same).
+  and the top-1 agreement (the share of positions whose argmax is the same). The same for the
+  prefill (``prefill_*``): each chunk in one forward, the native path's over its int8 GEMM
+  (``NativeDecode.prefill_state``), every position's logits scored.
 - speed (``--part speed``): milliseconds per decode step of B rows (B in ``--batch``) at a context
   of ``--context`` tokens, alternating the two paths ``--rounds`` times, medians; tok/s = B / step.
   The load average is recorded with each round.
@@ -33,7 +35,7 @@ import numpy as np
 from mlx_serving.models import loader, sources
 from mlx_serving.models.decoder import layers
 from mlx_serving.models.decoder.attention import Rows
-from mlx_serving.models.decoder.decode_backends import DecodeBackend, decode_backend
+from mlx_serving.models.decoder.decode_backends import DecodeBackend, NativeDecode, decode_backend
 from mlx_serving.models.decoder.kv_cache import PagedKVCache, init_paged_kv_cache, row_blocks
 from mlx_serving.tokenization import Tokenizer
 
@@ -68,15 +70,44 @@ def quality(state: layers.State, ids: np.ndarray, rows: int) -> dict[str, float]
         nll, top = [], []
         for p in range(n - 1):
             logits = np.array(_step(state, backend, cache, chunks[:, p], p, table), dtype=np.float64)
-            logp = logits - logits.max(1, keepdims=True)
-            logp -= np.log(np.exp(logp).sum(1, keepdims=True))
-            nll.extend(-logp[np.arange(rows), chunks[:, p + 1]])
+            nll.extend(_scores(logits, chunks[:, p + 1]))
             top.append(logits.argmax(1))
         out[f"ppl_{name}"] = float(np.exp(np.mean(nll)))
         argmax[name] = np.stack(top)
     out["ppl_ratio"] = out["ppl_native"] / out["ppl_matmul"]
     out["top1_agreement"] = float((argmax["native"] == argmax["matmul"]).mean())
     out["tokens_scored"] = float(rows * (n - 1))
+    return out
+
+
+def _scores(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Negative log-likelihoods of ``targets`` (M,) under ``logits`` (M, vocab)."""
+    logp = logits.astype(np.float64) - logits.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    return -logp[np.arange(len(targets)), targets]
+
+
+def prefill_quality(state: layers.State, ids: np.ndarray, rows: int) -> dict[str, float]:
+    """As :func:`quality`, each chunk prefilled in one forward (all positions' logits gathered)."""
+    n = len(ids) // rows
+    chunks = ids[: n * rows].reshape(rows, n)
+    table = mx.array(row_blocks(rows, n))
+    gather = mx.array([r * n + p for r in range(rows) for p in range(n - 1)], dtype=mx.int32)
+    targets = chunks[:, 1:].reshape(-1)
+    out: dict[str, float] = {}
+    argmax: dict[str, np.ndarray] = {}
+    for name in ("matmul", "native"):
+        backend = decode_backend(state, name)
+        forward_state = backend.prefill_state if isinstance(backend, NativeDecode) else state
+        cache = init_paged_kv_cache(state, rows * -(-n // 16))
+        tokens = mx.array(chunks.astype(np.int32))
+        batch = Rows(tokens, mx.zeros((rows,), mx.int32), mx.full((rows,), n, mx.int32), n, mx.zeros((rows,), mx.int32),
+                     table, gather=gather)
+        logits = np.array(layers.forward(forward_state, cache, batch), dtype=np.float64)
+        out[f"prefill_ppl_{name}"] = float(np.exp(_scores(logits, targets).mean()))
+        argmax[name] = logits.argmax(1)
+    out["prefill_ppl_ratio"] = out["prefill_ppl_native"] / out["prefill_ppl_matmul"]
+    out["prefill_top1_agreement"] = float((argmax["native"] == argmax["matmul"]).mean())
     return out
 
 
@@ -123,7 +154,8 @@ def main() -> None:
                                  "isa": _isa(), "loadavg_start": os.getloadavg()}
     if args.part in ("quality", "both"):
         ids = np.array(Tokenizer.from_dir(resolved.path).encode(args.corpus.read_text())[: args.tokens])
-        report["quality"] = {"corpus": str(args.corpus), **quality(state, ids, args.rows)}
+        report["quality"] = {"corpus": str(args.corpus), **quality(state, ids, args.rows),
+                             **prefill_quality(state, ids, args.rows)}
         print(json.dumps(report["quality"]), flush=True)
     if args.part in ("speed", "both"):
         report["speed"] = []

@@ -14,6 +14,12 @@ issue 39: activations rounded to int8 per block of 32, integer dot products, AVX
 portable) on one thread (``int8_ms``, the rounding and the output copy included), and its largest
 difference from the float product relative to the output's largest value (``int8_rel_diff``).
 ``--rows 1`` times the decode shapes only.
+
+And the int8 GEMM of the native prefill (models/decoder/cpu/qgemm.cpp through the
+``int8_quantized_matmul`` primitive, issue 39: the same products as the decode step's, each weight
+panel unpacked once for all the rows) on the pool's threads (``OMP_NUM_THREADS``, else the cores),
+as the float kernel: ``gemm_ms`` / ``gemm_gflops``, and ``gemm_equal`` (bit for bit the decode
+step's int8 product).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_serving.models import native
+from mlx_serving.models.decoder.cpu import pool_threads
 
 SHAPES = [(rows, out, inn, bits) for rows in (1, 8, 32, 512)
           for out, inn, bits in ((960, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))]
@@ -54,20 +61,25 @@ def measure(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str,
     module = native.cpu_decode_module()
     matrix = module.QMatrix(w, s, b, None, bits, 32)
     int8 = lambda: mx.eval(module.int8_matmul(matrix, x))  # noqa: E731
-    mlx_ms, native_ms, int8_ms = [], [], []
+    gemm = lambda: mx.eval(module.int8_quantized_matmul(x, w, s, b, 32, bits, pool_threads()))  # noqa: E731
+    mlx_ms, native_ms, int8_ms, gemm_ms = [], [], [], []
     for _ in range(3):  # alternating
         mlx_ms.append(_median_ms(theirs, repeats))
         native_ms.append(_median_ms(ours, repeats))
         int8_ms.append(_median_ms(int8, repeats))
+        gemm_ms.append(_median_ms(gemm, repeats))
     diff = mx.abs(kernel(x, w, s, b, 32, bits) - mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32,
                                                                      bits=bits)).max().item()
     ref = kernel(x, w, s, b, 32, bits)
     rel = (mx.abs(module.int8_matmul(matrix, x) - ref).max() / mx.abs(ref).max()).item()
     flops = 2 * rows * out * inn
-    m, n, i8 = statistics.median(mlx_ms), statistics.median(native_ms), statistics.median(int8_ms)
+    m, n, i8, g = (statistics.median(v) for v in (mlx_ms, native_ms, int8_ms, gemm_ms))
+    equal = mx.array_equal(module.int8_quantized_matmul(x, w, s, b, 32, bits, pool_threads()),
+                           module.int8_matmul(matrix, x)).item()
     return {"rows": rows, "out": out, "in": inn, "bits": bits, "mlx_ms": m, "native_ms": n,
             "mlx_gflops": flops / m / 1e6, "native_gflops": flops / n / 1e6, "speedup": m / n, "max_abs_diff": diff,
-            "int8_ms": i8, "int8_gflops": flops / i8 / 1e6, "int8_rel_diff": rel}
+            "int8_ms": i8, "int8_gflops": flops / i8 / 1e6, "int8_rel_diff": rel, "gemm_ms": g,
+            "gemm_gflops": flops / g / 1e6, "gemm_equal": equal}
 
 
 def main() -> None:
@@ -87,7 +99,8 @@ def main() -> None:
         print(f"{r['rows']:>4} x {r['out']:>5} x {r['in']:>4} q{r['bits']}: MLX {r['mlx_ms']:8.3f} ms "
               f"({r['mlx_gflops']:5.1f} GFLOP/s)  native {r['native_ms']:7.3f} ms ({r['native_gflops']:5.1f})  "
               f"x{r['speedup']:.1f}  max |diff| {r['max_abs_diff']:.1e}  int8 (1 thread) {r['int8_ms']:7.3f} ms "
-              f"({r['int8_gflops']:5.1f}, rel diff {r['int8_rel_diff']:.1e})", flush=True)
+              f"({r['int8_gflops']:5.1f}, rel diff {r['int8_rel_diff']:.1e})  int8 GEMM {r['gemm_ms']:7.3f} ms "
+              f"({r['gemm_gflops']:5.1f}, equal {r['gemm_equal']})", flush=True)
     info = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "mlx": mx.__version__,
             "isa": native._load().isa(), "int8_isa": native.cpu_decode_module().decoder_isa(), "loadavg": os.getloadavg(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decoder import cuda_kernels
-from ..decoder.decode_backends import DecodeBackend, FusedDecode, decode_backend
+from ..decoder.decode_backends import DecodeBackend, FusedDecode, NativeDecode, decode_backend
 from .config import EngineConfig
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
@@ -110,7 +110,9 @@ class Engine:
                                    whole_chunks=bucket,  # chunk starts stay on the warmed shapes
                                    speculator=self.speculator)
         compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
-        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
+        backend = self.decode_backend  # on the native path the prefill runs int8 products too
+        forward_state = backend.prefill_state if isinstance(backend, NativeDecode) else state
+        self.runner = ModelRunner(forward_state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=d.pack_prefill,
                                   max_causal_groups=d.max_causal_groups)

@@ -39,8 +39,10 @@ __all__ = ["PagedAttention", "QuantizedMatmul", "cpu_decode_module", "paged_atte
 _DIR = Path(__file__).parent
 _CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources, built into the same module
 _SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
-            _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp")
-_HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h")
+            _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp", _CPU_DECODER / "qgemm.cpp",
+            _CPU_DECODER / "prefill.cpp")
+_HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h",
+            _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
@@ -171,5 +173,6 @@ def _check(module: ModuleType) -> None:
 
 def cpu_decode_module() -> ModuleType | None:
     """The built module when it is available (its ``make_decoder`` / ``decode_step`` are the CPU
-    decode step of :mod:`models.decoder.cpu`), None otherwise (as :func:`quantized_matmul_cpu`)."""
+    decode step of :mod:`models.decoder.cpu`, its ``int8_quantized_matmul`` the native prefill's
+    int8 GEMM), None otherwise (as :func:`quantized_matmul_cpu`)."""
     return _load()

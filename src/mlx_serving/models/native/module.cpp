@@ -10,6 +10,7 @@
 
 #include "decode_step.h"
 #include "kernels.h"
+#include "prefill.h"
 #include "qdot.h"
 
 namespace nb = nanobind;
@@ -78,6 +79,10 @@ NB_MODULE(_kernels, m) {
         "One decode token per row -> [logits (B, vocab), keys..., values...] (the K/V written in place).");
   m.def("int8_matmul", &ms::int8_matmul, nb::arg("m"), nb::arg("x"),
         "x (M, K) @ dequantize(m).T (+ bias) with x quantized to int8 per block of 32 (one thread).");
+  m.def("int8_quantized_matmul", &ms::int8_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("threads"),
+        "x (..., K) float32 @ dequantize(w).T -> (..., N) with x quantized to int8 per block of 32 (the int8 GEMM "
+        "of the native prefill, on a pool of ``threads``).");
   m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
   m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
         "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");

@@ -5,7 +5,9 @@ is one primitive (``decode_step.cpp``) instead of ~20 MLX operations per layer, 
 pool kept alive across steps (``pool.h``: dynamic task claiming, brief spinning then sleeping), and
 its products quantize their activations to int8 per block of 32 and take integer dot products with
 the 4- or 8-bit weights (``qdot.cpp``: AVX-512 VNNI, AVX2 or a portable loop, picked at run time).
-The weights are MLX's own arrays, shared with the generic path (prefill), not copied.
+The weights are MLX's own arrays, shared with the generic path, not copied. Prefill on this path
+is the generic forward over :attr:`NativeDecode.prefill_state`, whose products are the same int8
+products as a GEMM (:mod:`.prefill`).
 
 Numerics: the int8 activations make the logits differ from the exact float path (``"matmul"``) by
 ~1e-2 relative; bench/cpu_decode.py measures top-1 agreement and perplexity on real text.
@@ -25,6 +27,7 @@ from ..._weights import Fused, Linear
 from ...native import cpu_decode_module
 from ..attention import Cache, Rows
 from ..layers import Layer, State
+from .prefill import prefill_state
 
 __all__ = ["NativeDecode", "native_decode", "pool_threads"]
 
@@ -32,10 +35,12 @@ __all__ = ["NativeDecode", "native_decode", "pool_threads"]
 @dataclass(frozen=True)
 class NativeDecode:
     """The native CPU decode backend over one loaded model (``decoder``: the built C++ decoder,
-    ``module``: the native module that runs it)."""
+    ``module``: the native module that runs it, ``prefill_state``: the model whose projections
+    run the int8 GEMM, for the forwards of more than one token per row: :mod:`.prefill`)."""
 
     decoder: Any
     module: Any
+    prefill_state: State
     name: str = "native"
     sdpa: bool = False
     reads_own_length: bool = True
@@ -79,7 +84,7 @@ def native_decode(state: State) -> NativeDecode | None:
         c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
         c.rope_traditional, 1 / c.rope_scaling.factor if linear and c.rope_scaling is not None else 1.0,
         layers, state.norm, head, _inverse_frequencies(state), pool_threads())
-    return NativeDecode(decoder, module)
+    return NativeDecode(decoder, module, prefill_state(state, module, pool_threads()))
 
 
 def _inverse_frequencies(state: State) -> mx.array:

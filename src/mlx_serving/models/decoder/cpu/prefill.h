@@ -1,0 +1,17 @@
+// The native prefill's product (prefill.cpp): an MLX primitive over the int8 GEMM (qgemm.cpp).
+#pragma once
+
+#include "mlx/array.h"
+
+namespace mlx_serving {
+
+// x (..., K) float32 @ dequantize(w, scales, biases).T -> (..., N) float32, MLX's affine layout
+// (w (N, K * bits / 32) uint32, scales / biases (N, K / group_size) both float32 or both float16;
+// bits 4 or 8, group_size 32, 64 or 128, K a multiple of 32), with x quantized to int8 per block
+// of 32: the decode step's product (bit for bit), computed by the int8 GEMM on a process-wide
+// pool of ``threads`` (kept alive across calls). Raises std::invalid_argument naming the argument.
+mlx::core::array int8_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
+                                       const mlx::core::array& scales, const mlx::core::array& biases,
+                                       int group_size, int bits, int threads);
+
+}  // namespace mlx_serving
