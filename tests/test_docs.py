@@ -55,6 +55,13 @@ def doc_env(tmp_path_factory: pytest.TempPathFactory, private_cache) -> dict[str
             "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "examples"), os.environ.get("PYTHONPATH")]))}
 
 
+def test_the_suites_ray_caps_reach_the_pages(doc_env: dict[str, str]):
+    """tests/conftest.py's Ray Serve health-check caps are in the pages' environment (the Ray a page
+    starts, its Serve controller included, inherits it: a healthy proxy on busy cores stays up)."""
+    caps = {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_PROXY_")}
+    assert len(caps) == 3 and all(doc_env[k] == v for k, v in caps.items())
+
+
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_every_block_is_tagged(path: Path):
     untagged = [src.splitlines()[0] if src else "" for lang, src in blocks(path) if lang not in _LANGS]

@@ -5,6 +5,7 @@ path on each family (Qwen3 q/k norm, Llama biases + untied head, Qwen2 biases), 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -194,11 +195,18 @@ def test_backend_choice(tiny):
 
 
 @pytest.mark.timeout(300)  # a cap that only ends a hang
-def test_a_pool_destroyed_at_once_stops_its_workers(tiny):
+def test_a_pool_destroyed_at_once_stops_its_workers(tiny, monkeypatch):
     """A native step built and dropped before its pool's workers ran (a worker that read the wake
-    count after the destructor's wake-up slept for ever and the destructor's join hung)."""
-    import gc
+    count after the destructor's wake-up slept for ever and the destructor's join hung). 63 workers
+    per pool, dropped as soon as built: before the fix the first build already hung; after each
+    drop the process has no more threads than after the first (every worker joined)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")  # pool_threads(): the caller + 63 workers
 
-    for _ in range(40):
-        assert native_decode(tiny) is not None
-        gc.collect()
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+    assert native_decode(tiny) is not None  # the first build may start MLX's own threads
+    before = threads()
+    for _ in range(4):
+        assert native_decode(tiny) is not None  # dropped here (no reference cycle): the pool's destructor joins
+        assert threads() <= before

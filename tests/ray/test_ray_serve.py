@@ -101,9 +101,9 @@ def test_check_health_fails_when_the_serving_is_stuck(ray_cluster):
         replica.check_health()
         thread = threading.Thread(target=replica._handle.run, args=((6.0, "stuck", None),))  # long: a late wake-up
         thread.start()
-        time.sleep(0.1)
+        wait_until(lambda: replica._handle.stats().running == 1)  # its batch runs: no progress until it ends
         replica.check_health()  # progress noted
-        time.sleep(0.5)
+        time.sleep(0.5)  # > stuck_after; a busy machine only sleeps longer (the batch sleeps 6 s)
         with pytest.raises(RuntimeError, match="stuck"):
             replica.check_health()
         thread.join()

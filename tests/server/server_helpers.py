@@ -49,8 +49,9 @@ def serve(app: object) -> Iterator[str]:
         sock.close()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll ``predicate`` every 10 ms until true; AssertionError naming ``what`` past ``timeout`` s."""
+def wait_for(predicate: Callable[[], bool], timeout: float = 120.0, what: str = "condition") -> None:
+    """Poll ``predicate`` every 10 ms until true; AssertionError naming ``what`` past ``timeout`` s
+    (a cap that only ends a hang: a model load on a busy machine can take tens of seconds)."""
     end = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < end, f"timed out waiting for {what}"
@@ -59,7 +60,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """``GET {url}/metrics`` (asserted 200, text exposition) as ``{(sample name, sorted labels): value}``."""
-    response = httpx.get(f"{url}/metrics")
+    response = httpx.get(f"{url}/metrics", timeout=120)  # httpx's own 5 s is short on a busy machine
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(response.text) for s in family.samples}

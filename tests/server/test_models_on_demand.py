@@ -23,6 +23,7 @@ from server_helpers import OPTIONS, metric_samples, serve, wait_for
 from test_serve_cli import serve_process
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+HTTP_S = 120.0  # httpx's own 5 s read timeout failed a request that reloads a model on a busy machine; a cap that only ends a hang
 
 
 class Factory:
@@ -45,7 +46,7 @@ def _client(url: str) -> openai.OpenAI:
 
 
 def _statuses(url: str) -> dict[str, str]:
-    return {m["id"]: m["status"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+    return {m["id"]: m["status"] for m in httpx.get(f"{url}/v1/models", timeout=HTTP_S).json()["data"]}
 
 
 def _chat(url: str, model: str, **extra: object) -> str:
@@ -70,13 +71,13 @@ def test_a_model_loads_at_its_first_request(tiny_ckpt: Path):
     a, b = Factory(tiny_ckpt), Factory(tiny_ckpt)
     with serve(create_app({"a": Lazy(a), "b": Lazy(b)})) as url:
         assert _statuses(url) == {"a": "unloaded", "b": "unloaded"}
-        assert httpx.get(f"{url}/health").status_code == 200  # servable: each model loads when asked for
-        unloaded = httpx.get(f"{url}/v1/models/a").json()
+        assert httpx.get(f"{url}/health", timeout=HTTP_S).status_code == 200  # servable: each model loads when asked for
+        unloaded = httpx.get(f"{url}/v1/models/a", timeout=HTTP_S).json()
         assert {k: v for k, v in unloaded.items() if k != "created"} == {
             "id": "a", "object": "model", "owned_by": "mlx-serving", "status": "unloaded"}  # task: not known yet
         assert _chat(url, "a") == "a"
         assert _statuses(url) == {"a": "loaded", "b": "unloaded"}
-        loaded = httpx.get(f"{url}/v1/models/a").json()
+        loaded = httpx.get(f"{url}/v1/models/a", timeout=HTTP_S).json()
         assert loaded["task"] == "generate" and loaded["max_model_len"] == OPTIONS["max_len"]
         assert len(a.built) == 1 and not b.built
         assert _count(url, "model_loaded", "a") == 1 and _count(url, "model_loaded", "b") == 0
@@ -111,7 +112,7 @@ def test_keep_alive_zero_unloads_after_the_request(tiny_ckpt: Path):
         assert _count(url, "model_unloads_total", "a", reason="keep_alive") == 1
         # the other routes take the field too
         response = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 1,
-                                                               "keep_alive": -1})
+                                                               "keep_alive": -1}, timeout=HTTP_S)
         assert response.status_code == 200
         assert _client(url).responses.create(model="a", input="hi", max_output_tokens=1,
                                              extra_body={"keep_alive": "1h"}).model == "a"
@@ -167,7 +168,7 @@ def test_a_request_waits_for_a_load_at_most_load_wait(tiny_ckpt: Path):
     gate = threading.Event()
     a = Factory(tiny_ckpt, gate)
     with serve(create_app({"a": Lazy(a)}, load_wait=0.2)) as url:
-        refused = httpx.post(f"{url}/v1/chat/completions", json={"model": "a", "messages": MESSAGES})
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"model": "a", "messages": MESSAGES}, timeout=HTTP_S)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "model_loading" and "'a'" in refused.json()["error"]["message"]
         gate.set()
@@ -187,7 +188,7 @@ def test_a_failing_load_names_the_model_and_spares_the_others(tiny_ckpt: Path):
         assert "'broken'" in error["message"] and "no checkpoint at /nowhere" in error["message"]
         assert _statuses(url) == {"broken": "failed", "a": "unloaded"}
         assert _chat(url, "a") == "a"
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/health", timeout=HTTP_S).status_code == 200
         assert _count(url, "model_loads_total", "broken", outcome="failed") == 1
         with pytest.raises(openai.InternalServerError):  # tried again at the next request
             _chat(url, "broken")
