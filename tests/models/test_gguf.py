@@ -71,7 +71,8 @@ def test_converted_checkpoint_loads_and_matches_mlx_lm(tmp_path: Path, shape: Sh
     write_gguf(tmp_path / "m.gguf", shape, T.Q4_1, seed=3)
     out = G.convert(tmp_path / "m.gguf", tmp_path / "out")
     state = load(out)
-    ours, _ = generate(PROMPT, state, max_new_tokens=12, eos_token_ids=[])
+    # mlx-lm's ids: the exact path (the native step's int8 activations differ)
+    ours, _ = generate(PROMPT, state, max_new_tokens=12, eos_token_ids=[], decode_path="matmul")
     model = load_model(out)[0]
     model.set_dtype(mx.float32)
     theirs = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=12)]
@@ -148,7 +149,8 @@ def test_llama3_rope_factors_become_the_llama3_block(tmp_path: Path) -> None:
     config = G.hf_config(read_header(tmp_path / "l3.gguf"))
     assert config["rope_scaling"] == block and config["rope_theta"] == 5e5
     out = G.convert(tmp_path / "l3.gguf", tmp_path / "out")
-    ours, _ = generate(PROMPT, load(out), max_new_tokens=8, eos_token_ids=[])
+    # mlx-lm's ids: the exact path (the native step's int8 activations differ)
+    ours, _ = generate(PROMPT, load(out), max_new_tokens=8, eos_token_ids=[], decode_path="matmul")
     model = load_model(out)[0]
     model.set_dtype(mx.float32)
     assert ours == [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=8)]

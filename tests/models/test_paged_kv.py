@@ -43,11 +43,18 @@ _SOLO: dict = {}
 
 
 def _solo(state, prompt: list[int], p: SamplingParams) -> list[int]:
-    key = (tuple(prompt), p)
+    key = (id(state), tuple(prompt), p)
     if key not in _SOLO:
         _SOLO[key] = generate(prompt, state, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                               top_p=p.top_p, seed=p.seed, eos_token_ids=p.eos_token_ids, max_len=128)[0]
     return _SOLO[key]
+
+
+@pytest.fixture(params=["matmul", "native"])
+def path_state(request):
+    """(model, decode path): the float32 checkpoint on the exact path, the 4-bit one (float32
+    activations) on the native CPU step."""
+    return request.getfixturevalue("tiny32" if request.param == "matmul" else "tiny"), request.param
 
 
 def _all_free(engine: Engine) -> None:
@@ -87,14 +94,15 @@ def test_budget_is_allocated_up_front_and_logged(tiny32, caplog):
 
 
 @pytest.mark.parametrize("shared", [48, 47, 64])
-def test_prefix_hit_equals_miss(tiny32, shared):
+def test_prefix_hit_equals_miss(path_state, shared):
     """A second sequence sharing a prefix reuses its full blocks and prefills only the rest;
-    its tokens equal a cold run's (float32, exact)."""
+    its tokens equal a cold run's (bit for bit on both decode paths)."""
+    tiny32, path = path_state
     system = _prompt(7, shared)
     a, b = system + _prompt(8, 9), system + _prompt(9, 5)
     p = SamplingParams(max_new_tokens=6)
     q = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=4)
-    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128))
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, decode_path=path))
     engine.add(0, a, p)
     out = _run(engine)
     engine.add(1, b, q)
@@ -105,7 +113,7 @@ def test_prefix_hit_equals_miss(tiny32, shared):
     s = engine.kv_stats()
     assert (s.prefix_queries, s.prefix_hits) == (3, 2)
     assert s.prefix_hit_tokens == (shared // BS) * BS + ((len(a) - 1) // BS) * BS
-    cold = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, prefix_caching=False))
+    cold = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, prefix_caching=False, decode_path=path))
     cold.add(1, b, q)
     assert _run(cold) == {1: out[1]} and cold.kv_stats().prefix_hits == 0
     _all_free(engine)
@@ -128,20 +136,29 @@ def test_concurrent_sequences_share_cached_blocks(tiny32):
 
 
 @pytest.mark.parametrize("chunk", [512, 7])
-def test_preempted_equals_uninterrupted(tiny32, chunk):
+def test_preempted_equals_uninterrupted(path_state, chunk):
     """5 blocks for 4 sequences that each need 3: decode runs out of blocks, the newest running
-    sequence is preempted and recomputed; no token changes or repeats."""
+    sequence is preempted and recomputed; no token changes or repeats. On the native path the
+    recompute is a float prefill of tokens decoded with int8 activations, so only what it
+    guarantees is checked: the never-preempted oldest sequence and every first token (from the
+    prefill) equal the solo runs, every sequence gets its full length."""
+    tiny32, path = path_state
     params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=28, temperature=1.1, seed=2),
               SamplingParams(max_new_tokens=25, temperature=0.7, top_p=0.8, seed=3), SamplingParams(max_new_tokens=30)]
     prompts = [_prompt(20 + i, 10 + 3 * i) for i in range(4)]
     for caching in (True, False):
-        engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=chunk,
+        engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=chunk, decode_path=path,
                                                 kv_cache_bytes=_budget(tiny32, 5), prefix_caching=caching))
         assert engine.kv_stats().blocks_total == 5
         for i, (pr, p) in enumerate(zip(prompts, params)):
             engine.add(i, pr, p)
         out = _run(engine)
-        assert out == {i: _solo(tiny32, pr, p) for i, (pr, p) in enumerate(zip(prompts, params))}
+        solo = {i: _solo(tiny32, pr, p) for i, (pr, p) in enumerate(zip(prompts, params))}
+        if path == "matmul":
+            assert out == solo
+        else:
+            assert out[0] == solo[0] and all(out[i][0] == solo[i][0] for i in solo)
+            assert [len(out[i]) for i in solo] == [p.max_new_tokens for p in params]
         assert engine.kv_stats().preemptions > 0
         _all_free(engine)
 

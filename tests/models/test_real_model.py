@@ -42,7 +42,9 @@ def test_greedy_ids_match_mlx_lm_on_the_converted_checkpoint(smollm2_dir: Path) 
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     prompts = [tokenizer.encode(t) for t in ("The three primary colors are", "def add(a, b):\n")]
-    ours, _ = generate(prompts, load(smollm2_dir), max_new_tokens=16, eos_token_ids=[])
+    # mlx-lm's ids: the exact path (the native step's int8 activations differ)
+    ours, _ = generate(prompts, load(smollm2_dir), max_new_tokens=16, eos_token_ids=[],
+                       decode_path="matmul")
     model = load_model(smollm2_dir)[0]
     model.set_dtype(mx.float32)
     for prompt, mine in zip(prompts, ours):
@@ -51,7 +53,8 @@ def test_greedy_ids_match_mlx_lm_on_the_converted_checkpoint(smollm2_dir: Path) 
 
 def test_golden_answers_through_a_serving(smollm2_dir: Path) -> None:
     """Real weights, real tokenizer, real template: greedy chat answers, batched in one serving."""
-    serving = text_generation.from_mlx4bit(smollm2_dir, max_new_tokens=24, max_len=256, max_batch=2)
+    serving = text_generation.from_mlx4bit(smollm2_dir, max_new_tokens=24, max_len=256, max_batch=2,
+                                           decode_path="matmul")  # golden answers of the exact path
     try:
         results = Serving.run(serving, [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS])
     finally:

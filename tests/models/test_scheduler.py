@@ -84,3 +84,36 @@ def test_random_schedules_equal_solo_runs(tiny32, trial: int) -> None:
     stats = engine.kv_stats()
     assert stats.blocks_used == 0 and stats.blocks_free == stats.blocks_total
     engine.close()
+
+
+
+def test_admission_stays_within_the_step_token_budget(tiny32) -> None:
+    """Waiting prompts start only while the step's budget has room (vLLM's max_num_batched_tokens):
+    the others wait without a row or blocks, and first tokens come a few prompts at a time, each
+    output its solo run's."""
+    engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=8, max_step_tokens=10,
+                                            block_size=4, prefix_caching=False))
+    p = SamplingParams(max_new_tokens=4, eos_token_ids=())
+    prompts = [list(range(10 * i + 1, 10 * i + 9)) for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        engine.add(i, prompt, p)
+    sched = engine.scheduler
+    plans: list[SchedulerOutput] = []
+    schedule = sched.schedule
+    sched.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]  # records
+    out: dict[int, list[int]] = {i: [] for i in range(4)}
+    first: dict[int, int] = {}
+    for step in range(60):
+        for ev in engine.step():
+            out[ev.seq_id].append(ev.token_id)
+            first.setdefault(ev.seq_id, step)
+        if step == 0:
+            assert [r.seq_id for r in plans[0].started] == [0, 1] and len(sched.waiting) == 2
+            assert [len(c.tokens) for c in plans[0].prefills] == [8, 2]
+            assert engine.kv_stats().blocks_used == 4  # the first chunks of the two started; none waiting
+        if not engine.num_active:
+            break
+    assert all(plan.num_scheduled_tokens <= 10 for plan in plans)
+    assert first[0] < first[2] < first[3]
+    assert out == {i: _solo(tiny32, prompt, p) for i, prompt in enumerate(prompts)}
+    engine.close()

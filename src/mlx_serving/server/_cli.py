@@ -126,8 +126,8 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (("--prefill-chunk",), dict(type=int, help="prompt tokens per sequence per engine step (chunked prefill)")),
     (("--max-num-batched-tokens", "--max-step-tokens"), dict(
         dest="max_step_tokens", type=int, metavar="TOKENS",
-        help="per-step token budget shared by decode rows and prefill chunks (default: 2048 where shapes are "
-             "bucketed, a GPU; else none)")),
+        help="per-step token budget shared by decode rows and prefill chunks; waiting prompts start while it has "
+             "room (default: 2048 where shapes are bucketed, a GPU; 512 on the CPU; else none)")),
     (("--kv-cache-memory-bytes", "--kv-cache-bytes"), dict(
         dest="kv_cache_bytes", type=int, metavar="BYTES",
         help="KV-cache budget in bytes (default: --kv-cache-fraction, else 1 GiB on the CPU, half the available "
@@ -144,8 +144,9 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         help="bound on MLX's buffer cache of freed buffers ('none': MLX's own)")),
     (("--decode-path",), dict(
         choices=("fused", "matmul", "native", "sdpa"),  # decode_backends.DECODE_PATHS (not imported: mlx)
-        help="how one-token rows run (default: the fused CUDA kernels where they run and fit, else matmul; "
-             "native: the CPU decode step with int8-activation products, approximate)")),
+        help="how one-token rows run (default: the fused CUDA kernels where they run and fit, else native "
+             "where it applies, else matmul; native: the CPU decode step with int8-activation products, "
+             "approximate; matmul: the exact float path)")),
     (("--compile-decode",), dict(
         action=argparse.BooleanOptionalAction,
         help="run decode steps through compiled graphs (default: with the fused decode path only)")),

@@ -13,8 +13,9 @@
   projections and head stored affine 4- or 8-bit, float32 activations on the CPU).
 
 :func:`decode_backend` picks one for a model: the fused kernels where they run (MLX's CUDA build,
-a supported shape) and the config fits them, the matmul path elsewhere; "native" by name. bench/gpu_step.py times the GPU ones,
-bench/cpu_decode.py the CPU ones.
+a supported shape) and the config fits them, else the native step where it applies (the CPU,
+float32 activations, affine 4/8-bit weights), else the matmul path; the exact ``"matmul"`` path by
+name. bench/gpu_step.py times the GPU ones, bench/cpu_decode.py the CPU ones.
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None) -> Dec
     """The decode backend for ``state``: ``path`` as given when it is a backend; by name "fused"
     (the CUDA kernels where the config fits them, else "matmul"), "native" (the CPU decode step
     where it applies, :func:`~.cpu.native_decode`, else "matmul"), "matmul" or "sdpa"; None:
-    "fused" where the kernels run and fit, else "matmul" (the exact path: "native" changes the
-    numerics, so it is asked for by name). Raises ValueError for another name."""
+    "fused" where the kernels run and fit, else "native" where it applies, else "matmul" (the
+    native step's int8 activations change the numerics: "matmul" is the exact path, asked for by
+    name). Raises ValueError for another name."""
     if path is not None and not isinstance(path, str):
         return path
     if path is not None and path not in DECODE_PATHS:
@@ -139,6 +141,6 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None) -> Dec
     runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
     if path == "fused" or (path is None and runs):
         return FusedDecode(qmv=cuda_gemv.qmv) if fits_fused(state) else GenericDecode()
-    if path == "native":
+    if path in ("native", None):
         return native_decode(state) or GenericDecode()
     return GenericDecode(sdpa=path == "sdpa")

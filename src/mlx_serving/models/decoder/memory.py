@@ -24,8 +24,8 @@ import mlx.core as mx
 
 from ...serving import POOL_WORKERS_ENV
 
-__all__ = ["CPU_FALLBACK_BYTES", "WIRED_HEADROOM", "available_memory", "check_fits", "device_limit", "on_cuda",
-           "pool_share", "wire"]
+__all__ = ["CPU_FALLBACK_BYTES", "WIRED_HEADROOM", "available_memory", "check_fits", "device_limit", "on_cpu",
+           "on_cuda", "pool_share", "wire"]
 
 log = logging.getLogger("mlx_serving")
 
@@ -39,6 +39,11 @@ def on_cuda() -> bool:
     """True when the default device is a GPU of MLX's CUDA build (not Metal, not the CPU)."""
     cuda = getattr(mx, "cuda", None)  # absent from some non-CUDA builds
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def on_cpu() -> bool:
+    """True when the default device is the CPU."""
+    return mx.default_device() == mx.cpu
 
 
 def device_limit() -> int | None:

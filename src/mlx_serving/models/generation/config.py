@@ -130,8 +130,9 @@ class DecodeConfig:
     """How steps run on the device (:class:`~.model_runner.ModelRunner`).
 
     decode_path: how one-token rows attend (:func:`~..decoder.decode_backends.decode_backend`):
-      "fused", "matmul", "sdpa", a backend object, or None for the fused CUDA kernels where they
-      run and fit, else "matmul".
+      "fused", "matmul" (the exact path), "native", "sdpa", a backend object, or None for the
+      fused CUDA kernels where they run and fit, else the native CPU step where it applies (CPU,
+      float32 activations, affine 4/8-bit weights; int8 activations, approximate), else "matmul".
     compile_decode: run decode steps through ``mx.compile``d graphs; None: on with the fused path,
       off elsewhere.
     bucket_shapes: pad batches to shape buckets, built by ``Engine.warm_up``; None: on for a GPU,

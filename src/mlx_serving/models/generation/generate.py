@@ -28,7 +28,8 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
              max_len: int = 2048, temperature: float = 0.0,
              top_p: float = 1.0, seed: int | None = None,
              profile_timing: bool = True, prefill_chunk: int = 2048,
-             eos_token_ids: Sequence[int] | None = None) -> tuple[Any, dict[str, Any]]:
+             eos_token_ids: Sequence[int] | None = None,
+             decode_path: str | None = None) -> tuple[Any, dict[str, Any]]:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids``.
 
     ``input_ids``: one prompt (list of ints) or a batch (list of lists; lengths may
@@ -36,7 +37,8 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     ``temperature``: 0 (default) is greedy, > 0 samples from the ``top_p`` nucleus at that
     temperature (``top_p`` 1: plain temperature sampling; see ``sampling``); ``seed``: an int >= 0
     for reproducible sampling (row i of a batch uses ``seed + i``).
-    ``eos_token_ids``: defaults to the checkpoint's (generation_config.json).
+    ``eos_token_ids``: defaults to the checkpoint's (generation_config.json). ``decode_path``: the
+    engine's (:class:`~.config.DecodeConfig`; None: its default, "matmul": the exact path).
 
     Returns ``(token_ids, info)``. For one prompt ``token_ids`` is a list of ints (an
     EOS, when hit, is its last element) and ``info`` is ``{"timing": {"prefill_ms",
@@ -54,7 +56,8 @@ def generate(input_ids: Sequence[int] | Sequence[Sequence[int]], state: State, m
     eos = tuple(state.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
     first = SamplingParams(max_new_tokens, temperature, top_p, seed, eos)  # validates
     params = [first if seed is None else replace(first, seed=seed + i) for i in range(len(prompts))]
-    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk))
+    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=max_len, prefill_chunk=prefill_chunk,
+                                           decode_path=decode_path))
     try:  # the engine releases its KV cache here, on the caller's thread
         out, reasons, timing = _run(engine, prompts, params, profile_timing)
     finally:

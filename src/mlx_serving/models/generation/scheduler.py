@@ -6,7 +6,9 @@ the model runner (:mod:`.model_runner`) turns it into forwards, and :meth:`Sched
 advances each planned request's two counters (:class:`~.request.Request`). KV memory is behind a
 :class:`~.kv_cache_manager.KVCacheManager` (block tables, prefix lookup, frees).
 
-A step admits waiting requests on free rows in the policy's order while the blocks of their first
+A step admits waiting requests on free rows in the policy's order while the step's token budget
+has room for them (``max_step_tokens``, less one token per decoding request and the chunks the
+prefilling ones ask for: vLLM's ``max_num_batched_tokens``) and the blocks of their first
 prefill chunk are free (their longest cached prefix is reused), gives every decoding request one
 token and the prefilling ones a chunk of up to ``prefill_chunk`` tokens each (in start order, within
 ``max_step_tokens``), and reserves the blocks those tokens need, oldest request first; when the pool
@@ -187,10 +189,11 @@ class Scheduler:
         return sorted((r for r in self.running if r is not None), key=lambda r: r.order)
 
     def _admit(self) -> list[Request]:
-        started = []
+        started: list[Request] = []
+        room, prefilling = self._room()
         for row, occupant in enumerate(self.running):
-            if not self.waiting:
-                break
+            if not self.waiting or (room <= 0 and (prefilling or not self.whole_chunks)):
+                break  # no tokens left this step (the oldest prefilling request of whole chunks always runs)
             if occupant is not None:
                 continue
             r = self.waiting.peek()
@@ -207,7 +210,22 @@ class Scheduler:
                 r.num_cached_tokens = reused
             self.running[row] = r
             started.append(r)
+            room, prefilling = room - self._wants(r), True
         return started
+
+    def _room(self) -> tuple[int, bool]:
+        """The step's token budget left after the running requests' tokens (one per decoding
+        request, its next chunk per prefilling one; unbounded without ``max_step_tokens``), and
+        whether any running request is prefilling."""
+        running = [r for r in self.running if r is not None]
+        budget = 1 << 62 if self.max_step_tokens is None else self.max_step_tokens
+        return budget - sum(self._wants(r) for r in running), any(r.prefilling for r in running)
+
+    def _wants(self, r: Request) -> int:
+        """Tokens ``r`` asks of this step: its next prefill chunk, else one when decoding."""
+        if r.prefilling:
+            return min(self.prefill_chunk, r.prefill_end - r.num_computed_tokens)
+        return int(r.decoding)
 
     def _prefilling_elsewhere(self, r: Request) -> bool:
         """A running request is prefilling the first block of ``r``'s prompt that the prefix cache
@@ -226,7 +244,7 @@ class Scheduler:
         for r in running:
             if not r.prefilling:
                 continue
-            n = min(self.prefill_chunk, r.prefill_end - r.num_computed_tokens)
+            n = self._wants(r)
             if self.whole_chunks and n > budget:
                 if not chunks:  # the oldest prefilling request always progresses
                     chunks[r] = n

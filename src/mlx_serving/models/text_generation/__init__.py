@@ -49,9 +49,10 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     half of max_len, capped per request to what the prompt leaves; max_len=2048,
     temperature=0.0, top_p=1.0, chat=False, stop=(), profile_timing=True, max_batch=32,
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
-    policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, bucket_shapes=None: on
+    policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, 512 on the CPU, bucket_shapes=None: on
     a GPU, and then every shape is built before ``Serving.start`` returns, block_size=16,
-    buffer_cache_bytes=1 GiB, decode_path=None ("native": the CPU decode step with int8-activation products), compile_decode=None, pack_prefill=None,
+    buffer_cache_bytes=1 GiB, decode_path=None (the native CPU decode step where it applies, int8-activation products;
+    "matmul": the exact path), compile_decode=None, pack_prefill=None,
     max_causal_groups=4; the engine fields make its one ``EngineConfig``; typed Any: callers forward them by name at run time and
     :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch``
     (under either policy) and a 5 ms admission window; the serving hands every queued request to the engine's scheduler (the

@@ -9,11 +9,12 @@ from pathlib import Path
 
 from ..decoder.kv_cache import BLOCK_SIZE
 from .._checkpoint import read_json
+from ..decoder.memory import on_cpu
 from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from ..generation.sampling import SamplingParams, _show
 
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "GenerationOptions",
-           "default_max_new_tokens"]
+__all__ = ["CPU_STEP_TOKENS", "DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS",
+           "GenerationOptions", "default_max_new_tokens"]
 
 #: ``max_new_tokens`` when none is given, capped at half of ``max_len`` (:func:`default_max_new_tokens`).
 DEFAULT_MAX_NEW_TOKENS = 100
@@ -22,6 +23,11 @@ DEFAULT_MAX_NEW_TOKENS = 100
 #: share each step with the decode rows, so a wave of prompts never stalls decoding for long (vLLM's
 #: ``max_num_batched_tokens`` default for chunked prefill).
 GPU_STEP_TOKENS = 2048
+
+#: The per-step token budget on the CPU where none is given: waiting prompts start a few at a time
+#: beside the decode rows, so their first tokens come in turn instead of all after the whole wave's
+#: prefill (issue 39: the time to first token of 32 streams).
+CPU_STEP_TOKENS = 512
 
 # Stop strings are matched in the caller (in a ServingPool: on the worker's event loop, shared by
 # every request of that worker) at each token, in time ~ count x length (the held-back tail is at
@@ -64,8 +70,9 @@ class GenerationOptions:
     max_batch: most sequences decoding at once (KV-cache slots); also the default
       ``batch_size`` of ``Serving.start``.
     prefill_chunk: prompt tokens per sequence per engine step (chunked prefill).
-    max_step_tokens: the per-step token budget (decode rows one each, then whole prefill chunks);
-      None: :data:`GPU_STEP_TOKENS` where shapes are bucketed, else unbounded.
+    max_step_tokens: the per-step token budget (decode rows one each, then prefill chunks; waiting
+      prompts start while it has room); None: :data:`GPU_STEP_TOKENS` where shapes are bucketed,
+      :data:`CPU_STEP_TOKENS` on the CPU, else unbounded.
     policy: "fcfs" (first come, first served) or "priority" (each request's ``priority``, lower
       first, ties by arrival; the serving hands every queued request to the engine's scheduler, one
       queue in the policy's order); the running sequence preempted when KV blocks run out is the
@@ -77,8 +84,8 @@ class GenerationOptions:
     block_size: tokens per KV block (16).
     buffer_cache_bytes: the bound on MLX's buffer cache (1 GiB; None: MLX's own).
     decode_path: "fused", "matmul", "sdpa", "native" or None (the fused CUDA kernels where they run
-      and fit, else "matmul"); "native": the CPU decode step with int8-activation products
-      (docs/generation.md).
+      and fit, else "native" where it applies, else "matmul"); "native": the CPU decode step with
+      int8-activation products (approximate), "matmul": the exact float path (docs/generation.md).
     compile_decode: ``mx.compile`` the decode steps (None: with the fused path only).
     bucket_shapes: pad steps to the shape buckets and build every bucket at start (None: on MLX's
       CUDA build; off on Metal and the CPU).
@@ -140,11 +147,12 @@ class GenerationOptions:
     @cached_property
     def engine(self) -> EngineConfig:
         """The serving's engine configuration: the engine fields by name, with ``max_step_tokens``
-        None resolved to :data:`GPU_STEP_TOKENS` where shapes are bucketed. Built (and checked)
-        when the options are."""
+        None resolved to :data:`GPU_STEP_TOKENS` where shapes are bucketed, :data:`CPU_STEP_TOKENS`
+        on the CPU. Built (and checked) when the options are."""
         config = EngineConfig.of(**{name: getattr(self, name) for name in EngineConfig.field_names()})
-        if config.scheduler.max_step_tokens is None and config.decode.bucketed():
-            config = replace(config, scheduler=replace(config.scheduler, max_step_tokens=GPU_STEP_TOKENS))
+        if config.scheduler.max_step_tokens is None:
+            budget = GPU_STEP_TOKENS if config.decode.bucketed() else CPU_STEP_TOKENS if on_cpu() else None
+            config = replace(config, scheduler=replace(config.scheduler, max_step_tokens=budget))
         return config
 
 
