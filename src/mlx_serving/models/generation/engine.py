@@ -69,7 +69,8 @@ class Engine:
       half the available memory on a GPU), never more than ``max_batch x ceil(max_len /
       block_size)`` blocks (:func:`~..decoder.kv_cache.plan_blocks`); ``prefix_caching`` reuses
       the blocks of cached prefixes; ``buffer_cache_bytes`` bounds MLX's buffer cache
-      (process-wide, set here).
+      (process-wide, set here); ``kv_cache_dtype`` ("auto", "int8", "int4") is what the blocks
+      hold, the budget planned at its bytes per block.
     - ``config.decode``: ``decode_path`` (chosen once, as :attr:`decode_backend`),
       ``compile_decode``, ``bucket_shapes`` (:meth:`warm_up` runs every bucket once; with buckets
       the step budget never cuts a chunk short: a chunk waits for a step with room, the oldest
@@ -96,8 +97,9 @@ class Engine:
         if c.buffer_cache_bytes is not None:
             mx.set_cache_limit(c.buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.config = state, config
-        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path))
-        blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size)
+        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path, c.kv_cache_dtype))
+        blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size,
+                             c.kv_cache_dtype)
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
@@ -106,7 +108,7 @@ class Engine:
                                    whole_chunks=bucket,  # chunk starts stay on the warmed shapes
                                    speculator=self.speculator)
         compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
-        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
+        self.runner = ModelRunner(state, init_paged_kv_cache(state, blocks, c.block_size, c.kv_cache_dtype), s.max_batch, c.max_len,
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=d.pack_prefill,
                                   max_causal_groups=d.max_causal_groups)
