@@ -240,9 +240,7 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     hkv = k.shape[1]
     cache.write(i, k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d), v.reshape(b * t, hkv, d), step.write_idx)
     if step.kernel is not None:
-        out = step.kernel(q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, d**-0.5,
-                          cache.block_size, **_quantized(cache, i))
-        return out.reshape(b * t, h * d)
+        return _native(step.kernel, cache, i, q, rows).reshape(b * t, h * d)
     if step.groups is not None:
         outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *cache.gather(i, read), scale=d**-0.5,
                                                      mask="causal") for lo, hi, read in step.groups]
@@ -257,10 +255,12 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
-def _quantized(cache: Cache, i: int) -> dict[str, mx.array | int]:
-    """The native attention's keywords for layer ``i`` of a quantized cache (none for a float one)."""
-    q = cache.quant
-    if q is None:
-        return {}
-    return dict(k_scales=cache.key_scales[i], k_biases=cache.key_biases[i], v_scales=cache.value_scales[i],
-                v_biases=cache.value_biases[i], group_size=q.group_size, bits=q.bits)
+def _native(kernel: PagedAttention, cache: Cache, i: int, q: mx.array, rows: Rows) -> mx.array:
+    """The native CPU attention of layer ``i`` over the float or quantized cache: ``(B, T, H, D)``."""
+    args = (q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, q.shape[-1] ** -0.5,
+            cache.block_size)
+    c = cache.quant
+    if c is None:
+        return kernel(*args)
+    return kernel(*args, k_scales=cache.key_scales[i], k_biases=cache.key_biases[i], v_scales=cache.value_scales[i],
+                  v_biases=cache.value_biases[i], group_size=c.group_size, bits=c.bits)
