@@ -237,3 +237,27 @@ def test_random_workloads_with_cancels_keep_outputs_and_free_every_block(tiny32,
         got = out.get(i, [])
         assert got == (solo[: len(got)] if i in cancelled else solo)
     _all_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_greedy_with_speculation_equals_without(tiny32, dtype):
+    """Speculative verify spans write quantized K/V too (rejected drafts overwritten later):
+    greedy tokens with n-gram speculation equal those without, drafts accepted, blocks freed."""
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(6):
+        base = [int(x) for x in rng.integers(0, 1000, 10)]
+        prompts.append((base * 3 + base[: i % 7])[: 20 + 3 * i])  # repeats: the drafts find matches
+    p = SamplingParams(max_new_tokens=24)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    outs, engines = [], []
+    for config in (None, spec):
+        engine = _engine(tiny32, dtype, max_batch=3, max_len=96, prefill_chunk=7,
+                         kv_cache_bytes=_blocks(tiny32, dtype, 10), speculative_config=config)
+        for i, prompt in enumerate(prompts):
+            engine.add(i, prompt, p)
+        outs.append(_run(engine))
+        _all_free(engine)
+        engines.append(engine)
+    assert outs[0] == outs[1]
+    assert engines[1].spec_decode_stats()["spec_decode_num_drafts"] > 0, engines[1].spec_decode_stats()
