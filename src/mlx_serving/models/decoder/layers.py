@@ -160,9 +160,11 @@ def compiled_decode(state: State, kv_len: int, layout: PagedKVCache,
     (looked up when traced), whatever ``state``'s family.
     """
 
+    template = layout.cleared()  # the layout only: the closure holds none of the cache's arrays
+
     def step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
              arrays: list[mx.array]) -> tuple:
-        cache = layout.cleared()
+        cache = template.cleared()
         cache.set_arrays(list(arrays))
         rows = Rows(tokens, start, n_valid, kv_len, mx.zeros_like(start), table)
         return forward(state, cache, rows, decode), cache.arrays()
