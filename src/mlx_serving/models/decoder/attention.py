@@ -229,8 +229,9 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
     prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
 
-    K/V are written at each token's flat block position (:func:`make_step`; quantized first in a
-    quantized cache, :meth:`~.kv_cache.PagedKVCache.write`) and each row's blocks
+    K/V are written at each token's flat block position (:func:`make_step`; rotated and quantized
+    first in a quantized cache, :meth:`~.kv_cache.PagedKVCache.write`, whose queries and output
+    are rotated to match) and each row's blocks
     are gathered into ``(B, Hkv, kv_len, D)`` before a masked attention, or per causal group
     (``Rows.causal_groups``) into ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with
     ``step.kernel`` the native CPU attention reads them (quantized or not) through the block table
@@ -239,8 +240,9 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     b, h, t, d = q.shape
     hkv = k.shape[1]
     cache.write(i, k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d), v.reshape(b * t, hkv, d), step.write_idx)
+    q = cache.rotate(q)  # a quantized cache's basis (identity for a float cache), rotated back below
     if step.kernel is not None:
-        return _native(step.kernel, cache, i, q, rows).reshape(b * t, h * d)
+        return cache.rotate(_native(step.kernel, cache, i, q, rows)).reshape(b * t, h * d)
     if step.groups is not None:
         outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *cache.gather(i, read), scale=d**-0.5,
                                                      mask="causal") for lo, hi, read in step.groups]
@@ -252,7 +254,7 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
         out = _sdpa(q, *cache.gather(i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
     else:
         raise RuntimeError("attend: a step with neither causal groups nor read indices")
-    return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
+    return cache.rotate(out).transpose(0, 2, 1, 3).reshape(b * t, h * d)
 
 
 def _native(kernel: PagedAttention, cache: Cache, i: int, q: mx.array, rows: Rows) -> mx.array:

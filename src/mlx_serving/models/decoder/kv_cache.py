@@ -18,9 +18,13 @@ is allocated up front for that budget.
 Quantized blocks (``kv_cache_dtype`` "int8" / "int4", :class:`KVQuant`): each K and V array holds
 MLX's affine ``mx.quantize`` layout along ``head_dim``, ``(rows, kv_heads, head_dim * bits / 32)``
 uint32, beside per-group ``scales`` and ``biases`` ``(rows, kv_heads, head_dim / group_size)`` in the
-activation dtype. The group is one head vector (``group_size = head_dim``, or the largest of
-128/64/32 dividing it): one scale and bias per token per head, so a token's stored K/V depend on
-that vector alone (batched == solo and prefix hit == miss hold as in the float cache), and the
+activation dtype, of each head vector rotated first by the orthonormal Hadamard transform
+(``mx.hadamard_transform``, QuaRot's rotation, Ashkboos et al. 2024: it spreads the few outlier
+channels of the keys over all of them, so one scale fits the vector; int4 perplexity on SmolLM2
+went from +25.7% to the figure in docs/benchmarks.md). The group is one head vector (``group_size
+= head_dim``, or the largest of 128/64/32 dividing it): one scale and bias per token per head, so a
+token's stored K/V depend on that vector alone (batched == solo and prefix hit == miss hold as in
+the float cache), and the
 scales cost ``4 / head_dim`` bytes per value at a 16-bit activation dtype (head_dim 64: int8 stores
 68 bytes per head vector against 128, 1.88x; int4 36, 3.56x; head_dim 128: 1.94x and 3.76x; at
 float32 activations, the CPU's, twice those). A token is quantized when it is written
@@ -148,19 +152,26 @@ class PagedKVCache:
 
     def write(self, i: int, k: mx.array, v: mx.array, rows: mx.array) -> None:
         """Write layer ``i``'s new keys and values ``(N, Hkv, D)`` at the flat cache ``rows`` ``(N,)``
-        int32, quantized first when the cache is."""
+        int32; a quantized cache stores them rotated (:meth:`rotate`) and quantized."""
         q = self.quant
         if q is None:
             self.keys[i][rows], self.values[i][rows] = k, v
             return
         for x, data, scales, biases in ((k, self.keys, self.key_scales, self.key_biases),
                                         (v, self.values, self.value_scales, self.value_biases)):
-            w, s, b = mx.quantize(x, group_size=q.group_size, bits=q.bits)
+            w, s, b = mx.quantize(mx.hadamard_transform(x), group_size=q.group_size, bits=q.bits)
             data[i][rows], scales[i][rows], biases[i][rows] = w, s, b
+
+    def rotate(self, x: mx.array) -> mx.array:
+        """``x`` ``(..., D)`` in the basis the cache stores K and V in: the orthonormal Hadamard
+        transform along ``D`` for a quantized cache (its own inverse), ``x`` itself for a float one.
+        Attention over a quantized cache rotates its queries in and its output back out:
+        ``(Hq) . (Hk) = q . k`` and ``H sum p (Hv) = sum p v``."""
+        return x if self.quant is None else mx.hadamard_transform(x)
 
     def gather(self, i: int, read: mx.array) -> tuple[mx.array, mx.array]:
         """Layer ``i``'s keys and values at the flat rows ``read`` ``(R, S)``: ``(R, Hkv, S, D)``
-        each in the activation dtype (dequantized for a quantized cache)."""
+        each in the activation dtype (dequantized, in the rotated basis, for a quantized cache)."""
         q = self.quant
         if q is None:
             return self.keys[i][read].transpose(0, 2, 1, 3), self.values[i][read].transpose(0, 2, 1, 3)
