@@ -11,11 +11,13 @@ real SmolLM2-135M (default model): quality, blocks per byte and decode speed on 
   before the first divergence.
 - blocks (``--part blocks``): bytes per token and blocks in a 1 GiB budget for each dtype, at the
   model's activation dtype here (float32 on the CPU) and at a 16-bit one (a GPU's), ratio to float.
-- speed (``--part speed``): ms per decode step of B rows (``--batch``) at ``--context`` tokens, the
-  dtypes alternating ``--rounds`` times, medians (the load average with each round).
+- speed (``--part speed``): ms per decode step of B rows (``--batch``) at ``--context`` tokens, wall
+  and process CPU time (the CPU time is the robust figure on a shared machine: with
+  ``OMP_NUM_THREADS=1`` it is the step's work, whatever else runs), the dtypes alternating
+  ``--rounds`` times, medians (the load average with each round).
 
     .venv/bin/python bench/kv_quant.py                   # every part, JSON to bench/results/kv_quant.json
-    .venv/bin/python bench/kv_quant.py --part speed --context 4096 --batch 1 8
+    OMP_NUM_THREADS=1 .venv/bin/python bench/kv_quant.py --part speed --context 4096 --batch 1
 """
 
 from __future__ import annotations
@@ -124,21 +126,25 @@ def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int
     table = mx.array(row_blocks(batch, context + steps + 1))
     tokens = mx.full((batch, 1), 100, mx.int32)
     runs: dict[str, list[float]] = {d: [] for d in DTYPES}
+    cpu: dict[str, list[float]] = {d: [] for d in DTYPES}
     loads = []
     for _ in range(rounds):
         loads.append(os.getloadavg()[0])
         for dtype in DTYPES:
             cache = init_paged_kv_cache(state, table.size, 16, dtype)
-            times = []
+            times, cpu_times = [], []
             for p in range(context, context + steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 _step(state, cache, tokens, p, table)
                 times.append(time.perf_counter() - t0)
+                cpu_times.append(time.process_time() - c0)
             runs[dtype].append(statistics.median(times[2:]) * 1e3)
+            cpu[dtype].append(statistics.median(cpu_times[2:]) * 1e3)
             del cache
     ms = {d: statistics.median(v) for d, v in runs.items()}
     return {"batch": batch, "context": context, "ms": ms, "tok_s": {d: batch * 1e3 / v for d, v in ms.items()},
-            "rounds": runs, "loadavg_1min": loads}
+            "cpu_ms": {d: statistics.median(v) for d, v in cpu.items()}, "rounds": runs, "cpu_rounds": cpu,
+            "loadavg_1min": loads}
 
 
 def main() -> None:
@@ -171,7 +177,8 @@ def main() -> None:
     if args.part in ("speed", "all"):
         report["speed"] = [speed(state, b, args.context, args.steps, args.rounds) for b in args.batch]
         for r in report["speed"]:
-            print(json.dumps({k: r[k] for k in ("batch", "context", "ms", "tok_s", "loadavg_1min")}), flush=True)
+            print(json.dumps({k: r[k] for k in ("batch", "context", "ms", "tok_s", "cpu_ms", "loadavg_1min")}),
+                  flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
