@@ -38,15 +38,15 @@ def device_step_ms(state: Any, b: int, pos: int, iters: int = 30) -> float:
     (no engine: the device time of the step plus its launch) over the paged cache."""
     table = row_blocks(b, pos + 16)
     cache = init_paged_kv_cache(state, table.size)
-    fn = compiled_decode(state, 0, cache.block_size, decode_backend(state))
+    fn = compiled_decode(state, 0, cache, decode_backend(state))
     args = [mx.zeros((b, 1), dtype=mx.int32), mx.full((b,), pos, dtype=mx.int32), mx.ones((b,), dtype=mx.int32),
             mx.array(table)]
-    keys, values = cache.keys, cache.values
+    arrays = cache.arrays()
     times = []
     for _ in range(iters + 3):
         t0 = time.perf_counter()
-        logits, keys, values = fn(*args, keys, values)
-        mx.eval(logits, keys, values)
+        logits, arrays = fn(*args, arrays)
+        mx.eval(logits, arrays)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[3:]) * 1e3
 

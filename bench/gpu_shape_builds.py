@@ -88,16 +88,16 @@ def trace_split(engine: Engine, hi: int) -> dict[str, float]:
     from mlx_serving.models.decoder.layers import compiled_decode
 
     r = engine.runner
-    fn = compiled_decode(r.state, r._span(1), r.cache.block_size, r.decode_backend)
+    fn = compiled_decode(r.state, r._span(1), r.cache, r.decode_backend)
     z = mx.array(np.zeros(hi, dtype=np.int32))
     table = mx.array(np.zeros((hi, r._width(r._table_span(r._span(1)))), dtype=np.int32))
     t0 = time.perf_counter()
-    out = fn(r._tokens[:hi, None], z, z, table, r.cache.keys, r.cache.values)
+    out = fn(r._tokens[:hi, None], z, z, table, r.cache.arrays())
     t1 = time.perf_counter()
     mx.eval(out)
     mx.synchronize()
     t2 = time.perf_counter()
-    out = fn(r._tokens[:hi, None], z, z, table, r.cache.keys, r.cache.values)
+    out = fn(r._tokens[:hi, None], z, z, table, r.cache.arrays())
     mx.eval(out)
     mx.synchronize()
     t3 = time.perf_counter()

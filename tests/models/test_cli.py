@@ -332,7 +332,8 @@ _ENGINE_ARGS = ["--prefill-chunk", "8", "--max-num-batched-tokens", "24", "--kv-
                 "--max-causal-groups", "2", "--speculative-config", '{"num_speculative_tokens": 3}']
 _ENGINE_VALUES = dict(prefill_chunk=8, max_step_tokens=24, kv_cache_bytes=4000000, prefix_caching=False, block_size=8,
                       buffer_cache_bytes=None, decode_path="sdpa", compile_decode=True, bucket_shapes=False,
-                      pack_prefill=False, max_causal_groups=2, speculative_config='{"num_speculative_tokens": 3}')
+                      pack_prefill=False, max_causal_groups=2, speculative_config='{"num_speculative_tokens": 3}',
+                      kv_cache_dtype="auto")  # its flag left at its default: the float cache keeps the greedy text
 
 
 def test_every_engine_field_has_a_flag() -> None:

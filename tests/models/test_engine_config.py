@@ -22,7 +22,7 @@ from mlx_serving.models.text_generation._options import CPU_STEP_TOKENS, GPU_STE
 _OTHER: dict[str, Any] = dict(max_batch=3, prefill_chunk=8, max_step_tokens=40, policy="priority", max_len=96,
                               block_size=8, kv_cache_bytes=None, kv_cache_fraction=0.01, prefix_caching=False,
                               buffer_cache_bytes=1 << 20, decode_path="sdpa", compile_decode=True,
-                              bucket_shapes=False, pack_prefill=False, max_causal_groups=2,
+                              bucket_shapes=False, pack_prefill=False, max_causal_groups=2, kv_cache_dtype="int8",
                               speculative_config=SpeculativeConfig(num_speculative_tokens=3))
 
 
@@ -34,6 +34,7 @@ _OTHER: dict[str, Any] = dict(max_batch=3, prefill_chunk=8, max_step_tokens=40, 
     (CacheConfig, "kv_cache_fraction", 0), (CacheConfig, "kv_cache_fraction", 1.5),
     (CacheConfig, "kv_cache_fraction", True), (CacheConfig, "prefix_caching", 1), (CacheConfig, "prefix_caching", None),
     (CacheConfig, "buffer_cache_bytes", -1), (CacheConfig, "buffer_cache_bytes", 1.0),
+    (CacheConfig, "kv_cache_dtype", "fp8"), (CacheConfig, "kv_cache_dtype", None),
     (DecodeConfig, "decode_path", "flash"), (DecodeConfig, "compile_decode", 1), (DecodeConfig, "bucket_shapes", "yes"),
     (DecodeConfig, "pack_prefill", 0), (DecodeConfig, "max_causal_groups", 0),
 ])

@@ -223,39 +223,46 @@ def _read_idx(table: mx.array, span: int, bs: int) -> mx.array:
     return table[:, j // bs] * bs + (j % bs)[None, :]
 
 
-def _gather(cache: Cache, i: int, read: mx.array) -> tuple[mx.array, mx.array]:
-    """Layer ``i``'s keys and values at the flat rows ``read`` (R, S): ``(R, Hkv, S, D)`` each."""
-    return cache.keys[i][read].transpose(0, 2, 1, 3), cache.values[i][read].transpose(0, 2, 1, 3)
-
-
 def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: Step) -> mx.array:
     """Attention of layer ``i`` over the KV cache: the seam between a model family and the
     cache. ``q`` (B, H, T, D) and ``k`` (B, Hkv, T, D) already normed and rotated, ``v``
     (B, T, Hkv, D); writes this call's K/V into the cache, attends over each row's valid
     prefix (GQA) and returns ``(B * T, H * D)`` ready for the output projection.
 
-    K/V are written at each token's flat block position (:func:`make_step`) and each row's blocks
+    K/V are written at each token's flat block position (:func:`make_step`; rotated and quantized
+    first in a quantized cache, :meth:`~.kv_cache.PagedKVCache.write`, whose queries and output
+    are rotated to match) and each row's blocks
     are gathered into ``(B, Hkv, kv_len, D)`` before a masked attention, or per causal group
     (``Rows.causal_groups``) into ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with
-    ``step.kernel`` the native CPU attention reads them through the block table instead."""
+    ``step.kernel`` the native CPU attention reads them (quantized or not) through the block table
+    instead."""
     rows = step.rows
     b, h, t, d = q.shape
     hkv = k.shape[1]
-    cache.keys[i][step.write_idx] = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d)
-    cache.values[i][step.write_idx] = v.reshape(b * t, hkv, d)
+    cache.write(i, k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d), v.reshape(b * t, hkv, d), step.write_idx)
+    q = cache.rotate(q)  # a quantized cache's basis (identity for a float cache), rotated back below
     if step.kernel is not None:
-        out = step.kernel(q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, d**-0.5,
-                          cache.block_size)
-        return out.reshape(b * t, h * d)
+        return cache.rotate(_native(step.kernel, cache, i, q, rows)).reshape(b * t, h * d)
     if step.groups is not None:
-        outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read), scale=d**-0.5,
+        outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *cache.gather(i, read), scale=d**-0.5,
                                                      mask="causal") for lo, hi, read in step.groups]
         covered = step.groups[-1][1]
         if covered < b:  # trailing padding rows outside every group
             outs.append(mx.zeros((b - covered, h, t, d), dtype=q.dtype))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     elif step.read_idx is not None:  # make_step sets it whenever there are no groups
-        out = _sdpa(q, *_gather(cache, i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
+        out = _sdpa(q, *cache.gather(i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
     else:
         raise RuntimeError("attend: a step with neither causal groups nor read indices")
-    return out.transpose(0, 2, 1, 3).reshape(b * t, h * d)
+    return cache.rotate(out).transpose(0, 2, 1, 3).reshape(b * t, h * d)
+
+
+def _native(kernel: PagedAttention, cache: Cache, i: int, q: mx.array, rows: Rows) -> mx.array:
+    """The native CPU attention of layer ``i`` over the float or quantized cache: ``(B, T, H, D)``."""
+    args = (q, cache.keys[i], cache.values[i], rows.block_table, rows.start, rows.n_valid, q.shape[-1] ** -0.5,
+            cache.block_size)
+    c = cache.quant
+    if c is None:
+        return kernel(*args)
+    return kernel(*args, k_scales=cache.key_scales[i], k_biases=cache.key_biases[i], v_scales=cache.value_scales[i],
+                  v_biases=cache.value_biases[i], group_size=c.group_size, bits=c.bits)

@@ -126,17 +126,22 @@ def fits_fused(state: State) -> bool:
     return c.rope_scaling is None and not c.rope_traditional and cuda_kernels.supports(c.hidden_size, c.head_dim)
 
 
-def decode_backend(state: State, path: str | DecodeBackend | None = None) -> DecodeBackend:
+def decode_backend(state: State, path: str | DecodeBackend | None = None,
+                   kv_cache_dtype: str = "auto") -> DecodeBackend:
     """The decode backend for ``state``: ``path`` as given when it is a backend; by name "fused"
     (the CUDA kernels where the config fits them, else "matmul"), "native" (the CPU decode step
     where it applies, :func:`~.cpu.native_decode`, else "matmul"), "matmul" or "sdpa"; None:
     "fused" where the kernels run and fit, else "native" where it applies, else "matmul" (the
     native step's int8 activations change the numerics: "matmul" is the exact path, asked for by
-    name). Raises ValueError for another name."""
+    name). The fused and native steps read a float KV cache only: with a quantized
+    ``kv_cache_dtype`` a name or None gives "matmul" (whose attention dequantizes, or on the CPU
+    reads the quantized blocks in the native attention). Raises ValueError for another name."""
     if path is not None and not isinstance(path, str):
         return path
     if path is not None and path not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {list(DECODE_PATHS)} or None, got {path!r}")
+    if kv_cache_dtype != "auto":
+        return GenericDecode(sdpa=path == "sdpa")
     c = state.config
     runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
     if path == "fused" or (path is None and runs):

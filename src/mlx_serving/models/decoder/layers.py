@@ -145,25 +145,29 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend[State]
     return state.lm_head(h)
 
 
-def compiled_decode(state: State, kv_len: int, block_size: int,
+def compiled_decode(state: State, kv_len: int, layout: PagedKVCache,
                     decode: DecodeBackend[State] | None = None) -> Callable[..., tuple]:
     """An ``mx.compile``d one-token decode of B rows through the ``decode`` backend
     (:mod:`.decode_backends`; None: the generic path), attention span ``kv_len`` (unused by a
-    backend whose rows read their own length, the fused one), over a paged cache of
-    ``block_size``-token blocks.
+    backend whose rows read their own length, the fused one), over a paged cache like ``layout``
+    (its block size and quantization; its arrays are not captured).
 
     Call as ``fn(tokens (B, 1) int32, start (B,) int32, n_valid (B,) int32, block_table (B, W)
-    int32, keys, values)`` with the cache's per-layer lists; returns ``(logits (B, vocab), keys,
-    values)``, the new per-layer arrays (the caller stores them back). Weights are captured as
+    int32, arrays)`` with the cache's arrays (``PagedKVCache.arrays()``, of a cache laid out as
+    ``layout``: float or quantized); returns ``(logits (B, vocab), arrays)``, the new arrays (the
+    caller stores them back: ``set_arrays``). Weights are captured as
     constants. MLX retraces once per new input shape. The forward traced is :func:`forward`
     (looked up when traced), whatever ``state``'s family.
     """
 
+    template = layout.cleared()  # the layout only: the closure holds none of the cache's arrays
+
     def step(tokens: mx.array, start: mx.array, n_valid: mx.array, table: mx.array,
-             keys: list[mx.array], values: list[mx.array]) -> tuple:
-        cache = PagedKVCache(list(keys), list(values), block_size)
+             arrays: list[mx.array]) -> tuple:
+        cache = template.cleared()
+        cache.set_arrays(list(arrays))
         rows = Rows(tokens, start, n_valid, kv_len, mx.zeros_like(start), table)
-        return forward(state, cache, rows, decode), cache.keys, cache.values
+        return forward(state, cache, rows, decode), cache.arrays()
 
     return mx.compile(step)
 

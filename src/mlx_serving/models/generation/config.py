@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoder.decode_backends import DECODE_PATHS, DecodeBackend
-from ..decoder.kv_cache import BLOCK_SIZE
+from ..decoder.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
 from ..decoder.memory import on_cuda
 from .policy import Policy
 from .sampling import _show
@@ -99,6 +99,10 @@ class CacheConfig:
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     buffer_cache_bytes: the bound set on MLX's buffer cache when the engine is built, process-wide
       (:data:`BUFFER_CACHE_BYTES`, 1 GiB); None: left as it is.
+    kv_cache_dtype: what the blocks hold (vLLM's name): "auto", the activation dtype (the exact
+      float cache); "int8" / "int4", K and V quantized when written (MLX's affine layout, one
+      scale and bias per head vector: :mod:`..decoder.kv_cache`) and dequantized when attention
+      reads them: smaller blocks, so more of them in the budget; approximate (docs/generation.md).
 
     Raises ValueError naming the field for a value out of range.
     """
@@ -109,9 +113,12 @@ class CacheConfig:
     kv_cache_fraction: float | None = None
     prefix_caching: bool = True
     buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("max_len", self.max_len)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {_show(self.kv_cache_dtype)}")
         _positive("block_size", self.block_size)
         k = self.kv_cache_bytes  # its range against max_len: plan_blocks, when the engine is built
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):

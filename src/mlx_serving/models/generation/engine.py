@@ -70,7 +70,8 @@ class Engine:
       half the available memory on a GPU), never more than ``max_batch x ceil(max_len /
       block_size)`` blocks (:func:`~..decoder.kv_cache.plan_blocks`); ``prefix_caching`` reuses
       the blocks of cached prefixes; ``buffer_cache_bytes`` bounds MLX's buffer cache
-      (process-wide, set here).
+      (process-wide, set here); ``kv_cache_dtype`` ("auto", "int8", "int4") is what the blocks
+      hold, the budget planned at its bytes per block.
     - ``config.decode``: ``decode_path`` (chosen once, as :attr:`decode_backend`),
       ``compile_decode``, ``bucket_shapes`` (:meth:`warm_up` runs every bucket once; with buckets
       the step budget never cuts a chunk short: a chunk waits for a step with room, the oldest
@@ -97,10 +98,10 @@ class Engine:
         if c.buffer_cache_bytes is not None:
             mx.set_cache_limit(c.buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.config = state, config
-        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path))
+        self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path, c.kv_cache_dtype))
         draft = load_draft(config.speculative, state)  # its KV shares the budget
         blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size,
-                             draft=draft)
+                             c.kv_cache_dtype, draft=draft)
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
@@ -112,7 +113,7 @@ class Engine:
         compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
         backend = self.decode_backend  # on the native path the prefill runs int8 products too
         forward_state = backend.prefill_state if isinstance(backend, NativeDecode) else state
-        self.runner = ModelRunner(forward_state, init_paged_kv_cache(state, blocks, c.block_size), s.max_batch, c.max_len,
+        self.runner = ModelRunner(forward_state, init_paged_kv_cache(state, blocks, c.block_size, c.kv_cache_dtype), s.max_batch, c.max_len,
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=d.pack_prefill,
                                   max_causal_groups=d.max_causal_groups)

@@ -32,7 +32,7 @@ call); a group's key span is its start + tokens, not bucketed.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -143,7 +143,7 @@ class ModelRunner:
         flight.tokens = self._tokens
         history = self._history.arrays() if self._history is not None else []
         spec = [flight.spec_tokens] if flight.spec_tokens is not None else []
-        mx.async_eval(flight.tokens, *spec, *flight.pending, *history, *self.cache.keys, *self.cache.values)
+        mx.async_eval(flight.tokens, *spec, *flight.pending, *history, *self.cache.arrays())
         return flight
 
     def land(self, flight: Flight) -> list[Landed]:
@@ -326,11 +326,11 @@ class ModelRunner:
             raise RuntimeError("a compiled decode on a runner built without compile_decode")
         fn = self._compiled.get((hi, span))
         if fn is None:
-            fn = self._compiled[(hi, span)] = layers.compiled_decode(self.state, span, self.cache.block_size,
+            fn = self._compiled[(hi, span)] = layers.compiled_decode(self.state, span, self.cache,
                                                               self.decode_backend)
-        logits, keys, values = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid), mx.array(table),
-                                  self.cache.keys, self.cache.values)
-        self.cache.keys[:], self.cache.values[:] = keys, values
+        logits, arrays = fn(self._tokens[:hi, None], mx.array(start), mx.array(n_valid), mx.array(table),
+                            self.cache.arrays())
+        self.cache.set_arrays(arrays)
         return logits
 
     def _note(self, *keys: tuple) -> None:
@@ -477,7 +477,7 @@ class ModelRunner:
         self._history = None
         if self._compiled is not None:
             self._compiled.clear()
-        self.cache = replace(self.cache, keys=[], values=[])
+        self.cache = self.cache.cleared()
         self._tokens = mx.zeros((0,), dtype=mx.int32)
         self._warm = deque()
 

@@ -1,6 +1,8 @@
 // The native CPU kernels of mlx-serving: MLX primitives with eval_cpu (see each source file).
 #pragma once
 
+#include <optional>
+
 #include "mlx/array.h"
 
 namespace mlx_serving {
@@ -14,9 +16,14 @@ mlx::core::array quantized_matmul(const mlx::core::array& x, const mlx::core::ar
                                   const mlx::core::array& scales, const mlx::core::array& biases, int group_size,
                                   int bits);
 
-// Causal GQA attention over the paged KV cache -> (B, T, H, D) float32 (paged_attention.cpp).
+// Causal GQA attention over the paged KV cache, float or quantized (the scales and biases given)
+// -> (B, T, H, D) float32 (paged_attention.cpp).
 mlx::core::array paged_attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                                  const mlx::core::array& block_table, const mlx::core::array& start,
-                                 const mlx::core::array& n_valid, float scale, int block_size);
+                                 const mlx::core::array& n_valid, float scale, int block_size,
+                                 const std::optional<mlx::core::array>& k_scales,
+                                 const std::optional<mlx::core::array>& k_biases,
+                                 const std::optional<mlx::core::array>& v_scales,
+                                 const std::optional<mlx::core::array>& v_biases, int group_size, int bits);
 
 }  // namespace mlx_serving

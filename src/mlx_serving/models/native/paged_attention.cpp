@@ -14,6 +14,13 @@
 // block_table[b, pos / bs] * bs + pos % bs. Head h reads KV head h / (H / Hkv) (mlx-lm's GQA). The
 // output is (B, T, H, D) float32, zeros at padding queries.
 //
+// Quantized cache (kv_cache_dtype int8 / int4): k and v are MLX's affine layout (R, Hkv, D * bits / 32)
+// uint32 (value c of a head vector in bits [bits * (c % per), ...) of word c / per, per = 32 / bits)
+// with scales and biases (R, Hkv, D / group) float32; each block's key and value rows are
+// dequantized (scale * q + bias, in float32) into the work unit's scratch once and shared by all
+// its queries, so the read is bits / 32 of the float cache's bytes. The values a query sees depend
+// only on the stored rows: the invariance below holds unchanged.
+//
 // Invariance: keys are visited in blocks of kSk at absolute positions (0, kSk, 2 kSk, ...), and
 // every query keeps its own running maximum, sum and accumulator; a query's result depends only on
 // its own vector and its prefix's keys and values, never on the other rows, the tile it shares or
@@ -24,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -49,6 +57,27 @@ struct Geometry {
   int64_t b, h, hkv, t, d, w, bs, rows;
   float scale;
 };
+
+// A quantized cache side (keys or values); bits 0: a float cache.
+struct Quant {
+  const uint32_t* w = nullptr;
+  const float* scales = nullptr;
+  const float* biases = nullptr;
+  int bits = 0, group = 0;
+};
+
+// out[0..d) = the head vector at flat index idx (row * Hkv + head), dequantized.
+void dequantize_portable(const Quant& q, int64_t idx, int64_t d, float* out) {
+  const int per = 32 / q.bits;
+  const uint32_t mask = (1u << q.bits) - 1;
+  const uint32_t* w = q.w + idx * (d / per);
+  const float* s = q.scales + idx * (d / q.group);
+  const float* b = q.biases + idx * (d / q.group);
+  for (int64_t c = 0; c < d; ++c) {
+    const float x = static_cast<float>((w[c / per] >> (q.bits * (c % per))) & mask);
+    out[c] = s[c / q.group] * x + b[c / q.group];
+  }
+}
 
 // ---- scores: s[i][0..kSk) = q_i . K[0..kSk) for two queries, K given transposed (D, kSk) ----------
 
@@ -171,6 +200,27 @@ __attribute__((target("avx2,fma"))) float softmax_avx2(float* sc, int n, float m
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
+
+// dequantize_portable with 8 lanes (d % 8 == 0; a group is a multiple of 32 values, so 8 lanes
+// share one scale and bias); the same scale * q + bias per value, fused.
+__attribute__((target("avx2,fma"))) void dequantize_avx2(const Quant& q, int64_t idx, int64_t d, float* out) {
+  const int per = 32 / q.bits;
+  const uint32_t* w = q.w + idx * (d / per);
+  const float* s = q.scales + idx * (d / q.group);
+  const float* b = q.biases + idx * (d / q.group);
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256i x;
+    if (q.bits == 8) {
+      x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 4)));
+    } else {  // 4 bits: the 8 nibbles of one word, low first
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+      x = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w[c / 8])), shifts),
+                           _mm256_set1_epi32(0xf));
+    }
+    const __m256 vs = _mm256_set1_ps(s[c / q.group]), vb = _mm256_set1_ps(b[c / q.group]);
+    _mm256_storeu_ps(out + c, _mm256_fmadd_ps(vs, _mm256_cvtepi32_ps(x), vb));
+  }
+}
 #endif
 
 // The same step with the C library's exp (the portable path).
@@ -199,12 +249,29 @@ bool avx2_path(int64_t d) {
 // ---- one work unit: up to kTq queries of every head of one KV head of one row ------------------
 
 struct Scratch {
-  std::vector<float> q, o, m, l, kt, s;
+  std::vector<float> q, o, m, l, kt, s, kd, vd;
   std::vector<const float*> k, v;
 };
 
-void unit(const float* q, const float* k, const float* v, const int32_t* table, int64_t b, int64_t g, int64_t j0,
-          int64_t j1, int64_t start, const Geometry& ge, bool avx2, float* out, Scratch& w) {
+// The row pointers of one key or value block: into the float cache, or into ``buf`` where the
+// quantized rows ``idx`` are dequantized.
+void dequantize_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, std::vector<float>& buf,
+                      std::vector<const float*>& rows) {
+  for (int s = 0; s < kSk; ++s) {
+    float* dst = buf.data() + s * d;
+#ifdef ATT_X86
+    if (avx2) dequantize_avx2(q, idx[s], d, dst);
+    else
+#endif
+      dequantize_portable(q, idx[s], d, dst);
+    (void)avx2;
+    rows[s] = dst;
+  }
+}
+
+void unit(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq, const int32_t* table,
+          int64_t b, int64_t g, int64_t j0, int64_t j1, int64_t start, const Geometry& ge, bool avx2, float* out,
+          Scratch& w) {
   const int64_t group = ge.h / ge.hkv, d = ge.d, nq = group * (j1 - j0);
   w.q.resize(nq * d);  // every buffer but the running o, m and l is written before it is read
   w.o.assign(nq * d, 0.f);
@@ -214,6 +281,11 @@ void unit(const float* q, const float* k, const float* v, const int32_t* table, 
   w.s.resize(2 * kSk);
   w.k.resize(kSk);
   w.v.resize(kSk);
+  int64_t idx[kSk];
+  if (kq.bits) {
+    w.kd.resize(kSk * d);
+    w.vd.resize(kSk * d);
+  }
   // Query i = r * (j1 - j0) + (j - j0) is head g * group + r at token j; scaled first, as MLX does.
   for (int64_t r = 0; r < group; ++r)
     for (int64_t j = j0; j < j1; ++j) {
@@ -228,8 +300,15 @@ void unit(const float* q, const float* k, const float* v, const int32_t* table, 
       const int64_t pos = s0 + s;
       int64_t row = pos / ge.bs < ge.w ? static_cast<int64_t>(table[b * ge.w + pos / ge.bs]) * ge.bs + pos % ge.bs : -1;
       if (row < 0 || row >= ge.rows || s >= ns) row = 0;  // past the span, or a table that does not cover it: the null block
-      w.k[s] = k + (row * ge.hkv + g) * d;
-      w.v[s] = v + (row * ge.hkv + g) * d;
+      idx[s] = row * ge.hkv + g;
+      if (!kq.bits) {
+        w.k[s] = k + idx[s] * d;
+        w.v[s] = v + idx[s] * d;
+      }
+    }
+    if (kq.bits) {
+      dequantize_block(kq, idx, d, avx2, w.kd, w.k);
+      dequantize_block(vq, idx, d, avx2, w.vd, w.v);
     }
 #ifdef ATT_X86
     if (avx2) {
@@ -279,8 +358,8 @@ void unit(const float* q, const float* k, const float* v, const int32_t* table, 
   }
 }
 
-void attention(const float* q, const float* k, const float* v, const int32_t* table, const int32_t* start,
-               const int32_t* n_valid, float* out, const Geometry& ge) {
+void attention(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq,
+               const int32_t* table, const int32_t* start, const int32_t* n_valid, float* out, const Geometry& ge) {
   std::memset(out, 0, sizeof(float) * ge.b * ge.t * ge.h * ge.d);  // padding queries stay zero
   struct Work {
     int64_t b, g, j0, j1;
@@ -303,15 +382,17 @@ void attention(const float* q, const float* k, const float* v, const int32_t* ta
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < count; ++u) {
       const Work& x = units[u];
-      unit(q, k, v, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
+      unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
     }
   }
 }
 
 class PagedAttention : public mx::Primitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, int block_size)
-      : mx::Primitive(stream), scale_(scale), block_size_(block_size) {}
+  // bits 0: a float cache (inputs q, k, v, table, start, n_valid); 4 or 8: k and v quantized, their
+  // scales and biases the inputs 6..9 (k scales, k biases, v scales, v biases).
+  PagedAttention(mx::Stream stream, float scale, int block_size, int group_size, int bits)
+      : mx::Primitive(stream), scale_(scale), block_size_(block_size), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -321,12 +402,21 @@ class PagedAttention : public mx::Primitive {
     y.set_data(mx::allocator::malloc(y.nbytes()));
     const Geometry ge{q.shape(0), q.shape(1), k.shape(1), q.shape(2), q.shape(3), table.shape(1), block_size_,
                       k.shape(0), scale_};
+    Quant kq, vq;
+    const float *kp = nullptr, *vp = nullptr;
+    if (bits_) {
+      kq = {k.data<uint32_t>(), inputs[6].data<float>(), inputs[7].data<float>(), bits_, group_size_};
+      vq = {inputs[2].data<uint32_t>(), inputs[8].data<float>(), inputs[9].data<float>(), bits_, group_size_};
+    } else {
+      kp = k.data<float>();
+      vp = inputs[2].data<float>();
+    }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(y);
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = inputs[2].data<float>(),
-                      tp = table.data<int32_t>(), sp = inputs[4].data<int32_t>(), np = inputs[5].data<int32_t>(),
-                      yp = y.data<float>(), ge]() { attention(qp, kp, vp, tp, sp, np, yp, ge); });
+    encoder.dispatch([qp = q.data<float>(), kp, vp, kq, vq, tp = table.data<int32_t>(), sp = inputs[4].data<int32_t>(),
+                      np = inputs[5].data<int32_t>(), yp = y.data<float>(),
+                      ge]() { attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -342,23 +432,31 @@ class PagedAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttention&>(other);
-    return scale_ == o.scale_ && block_size_ == o.block_size_;
+    return scale_ == o.scale_ && block_size_ == o.block_size_ && group_size_ == o.group_size_ && bits_ == o.bits_;
   }
 
  private:
   float scale_;
-  int block_size_;
+  int block_size_, group_size_, bits_;
 };
 
 }  // namespace
 
 mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& block_table,
-                          const mx::array& start, const mx::array& n_valid, float scale, int block_size) {
-  if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32)
-    throw std::invalid_argument("paged_attention_cpu: q, k and v must be float32");
+                          const mx::array& start, const mx::array& n_valid, float scale, int block_size,
+                          const std::optional<mx::array>& k_scales, const std::optional<mx::array>& k_biases,
+                          const std::optional<mx::array>& v_scales, const std::optional<mx::array>& v_biases,
+                          int group_size, int bits) {
+  const bool quantized = k_scales.has_value();
+  if (quantized != (k_biases && v_scales && v_biases && bits != 0))
+    throw std::invalid_argument("paged_attention_cpu: a quantized cache needs k/v scales and biases and bits");
+  if (q.dtype() != mx::float32 || k.shape() != v.shape() || k.dtype() != v.dtype() ||
+      k.dtype() != (quantized ? mx::uint32 : mx::float32))
+    throw std::invalid_argument("paged_attention_cpu: q must be float32, and k, v float32 (uint32 when quantized)");
   if (block_table.dtype() != mx::int32 || start.dtype() != mx::int32 || n_valid.dtype() != mx::int32)
     throw std::invalid_argument("paged_attention_cpu: block_table, start and n_valid must be int32");
-  if (q.ndim() != 4 || k.ndim() != 3 || k.shape() != v.shape() || k.shape(2) != q.shape(3) || k.shape(1) < 1 ||
+  const int64_t d = q.ndim() == 4 ? q.shape(3) : 0;
+  if (q.ndim() != 4 || k.ndim() != 3 || k.shape(2) * (quantized ? 32 / bits : 1) != d || k.shape(1) < 1 ||
       q.shape(1) % k.shape(1) != 0)
     throw std::invalid_argument("paged_attention_cpu: q (B, H, T, D) and k, v (R, Hkv, D) with H % Hkv == 0 expected");
   if (block_table.ndim() != 2 || block_table.shape(0) != q.shape(0) || start.ndim() != 1 ||
@@ -368,8 +466,20 @@ mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::arra
   std::vector<mx::array> inputs = {mx::contiguous(q, false, s),           mx::contiguous(k, false, s),
                                    mx::contiguous(v, false, s),           mx::contiguous(block_table, false, s),
                                    mx::contiguous(start, false, s),       mx::contiguous(n_valid, false, s)};
+  if (quantized) {
+    if ((bits != 4 && bits != 8) || (group_size != 32 && group_size != 64 && group_size != 128) || d % group_size)
+      throw std::invalid_argument("paged_attention_cpu: bits 4 or 8 and a group of 32, 64 or 128 dividing D expected");
+    for (const auto* a : {&*k_scales, &*k_biases, &*v_scales, &*v_biases}) {
+      if (a->dtype() != mx::float32 || a->ndim() != 3 || a->shape(0) != k.shape(0) || a->shape(1) != k.shape(1) ||
+          a->shape(2) != d / group_size)
+        throw std::invalid_argument("paged_attention_cpu: scales and biases (R, Hkv, D / group) float32 expected");
+      inputs.push_back(mx::contiguous(*a, false, s));
+    }
+  }
   return mx::array({q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
-                   std::make_shared<PagedAttention>(mx::default_stream(s), scale, block_size), std::move(inputs));
+                   std::make_shared<PagedAttention>(mx::default_stream(s), scale, block_size, quantized ? group_size : 0,
+                                                    quantized ? bits : 0),
+                   std::move(inputs));
 }
 
 }  // namespace mlx_serving

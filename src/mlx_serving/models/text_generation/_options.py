@@ -83,6 +83,8 @@ class GenerationOptions:
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     block_size: tokens per KV block (16).
     buffer_cache_bytes: the bound on MLX's buffer cache (1 GiB; None: MLX's own).
+    kv_cache_dtype: what the KV blocks hold: "auto" (the activation dtype, exact), "int8" or
+      "int4" (quantized K and V, more blocks in the same budget; docs/generation.md).
     decode_path: "fused", "matmul", "sdpa", "native" or None (the fused CUDA kernels where they run
       and fit, else "native" where it applies, else "matmul"); "native": the CPU decode step with
       int8-activation products (approximate), "matmul": the exact float path (docs/generation.md).
@@ -120,6 +122,7 @@ class GenerationOptions:
     bucket_shapes: bool | None = None
     block_size: int = BLOCK_SIZE
     buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+    kv_cache_dtype: str = "auto"
     decode_path: str | None = None
     compile_decode: bool | None = None
     pack_prefill: bool | None = None

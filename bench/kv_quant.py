@@ -1,0 +1,188 @@
+"""The quantized KV cache (``kv_cache_dtype`` int8 / int4, issue 42) beside the float cache on the
+real SmolLM2-135M (default model): quality, blocks per byte and decode speed on the CPU.
+
+- quality (``--part quality``): perplexity over a fixed real-text corpus (default: the running
+  Python's LICENSE.txt, as bench/cpu_decode.py; the first ``--tokens`` tokens in ``--rows``
+  consecutive chunks, each one prefill forward whose attention reads every position back from the
+  cache, so each token's K/V are quantized before any query sees them), the ratio to the float
+  cache's, the top-1 agreement of the next-token argmax; then greedy agreement over a prompt set
+  (``--prompts`` chunks of the corpus after the scored part, ``--new`` greedy tokens each through
+  the engine): the share of sequences identical to the float cache's and the share of tokens
+  before the first divergence.
+- blocks (``--part blocks``): bytes per token and blocks in a 1 GiB budget for each dtype, at the
+  model's activation dtype here (float32 on the CPU) and at a 16-bit one (a GPU's), ratio to float.
+- speed (``--part speed``): ms per decode step of B rows (``--batch``) at ``--context`` tokens, wall
+  and process CPU time (the CPU time is the robust figure on a shared machine: with
+  ``OMP_NUM_THREADS=1`` it is the step's work, whatever else runs), the dtypes alternating
+  ``--rounds`` times, medians (the load average with each round).
+
+    .venv/bin/python bench/kv_quant.py                   # every part, JSON to bench/results/kv_quant.json
+    OMP_NUM_THREADS=1 .venv/bin/python bench/kv_quant.py --part speed --context 4096 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_serving.models import loader, sources
+from mlx_serving.models.decoder import layers
+from mlx_serving.models.decoder.attention import Rows
+from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token, plan_blocks,
+                                                 row_blocks)
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+from mlx_serving.tokenization import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_decode import default_corpus  # noqa: E402  (the corpus bench/cpu_decode.py scores)
+
+DTYPES = ("auto", "int8", "int4")
+
+
+def _nll(state: layers.State, chunks: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per-position next-token NLL ``(rows, n - 1)`` and argmax of ``chunks`` ``(rows, n)``: one prefill
+    forward of every row over a ``dtype`` cache, logits at every position (``Rows.gather``)."""
+    rows, n = chunks.shape
+    cache = init_paged_kv_cache(state, rows * -(-n // 16), 16, dtype)
+    z = mx.zeros((rows,), mx.int32)
+    batch = Rows(mx.array(chunks.astype(np.int32)), z, mx.full((rows,), n, mx.int32), n, z,
+                 mx.array(row_blocks(rows, n)), gather=mx.arange(rows * n, dtype=mx.int32))
+    logits = np.array(layers.forward(state, cache, batch).astype(mx.float32), dtype=np.float64).reshape(rows, n, -1)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp[:, :-1], chunks[:, 1:, None], axis=-1)[..., 0]
+    return nll, logits[:, :-1].argmax(-1)
+
+
+def _greedy(state: layers.State, prompts: list[list[int]], dtype: str, new: int) -> dict[int, list[int]]:
+    engine = Engine(state, EngineConfig.of(max_batch=len(prompts), max_len=max(map(len, prompts)) + new + 1,
+                                           kv_cache_dtype=dtype))
+    p = SamplingParams(max_new_tokens=new, eos_token_ids=())
+    for i, prompt in enumerate(prompts):
+        engine.add(i, prompt, p)
+    out: dict[int, list[int]] = {}
+    while engine.num_active:
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    return out
+
+
+def quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int, prompts: int, new: int) -> dict:
+    n = tokens // rows
+    chunks = ids[: n * rows].reshape(rows, n)
+    scored = {dtype: _nll(state, chunks, dtype) for dtype in DTYPES}
+    out: dict[str, object] = {"tokens_scored": rows * (n - 1), "rows": rows, "row_tokens": n}
+    for dtype, (nll, top) in scored.items():
+        out[f"ppl_{dtype}"] = float(np.exp(nll.mean()))
+        if dtype != "auto":
+            out[f"ppl_ratio_{dtype}"] = out[f"ppl_{dtype}"] / float(np.exp(scored["auto"][0].mean()))
+            out[f"top1_agreement_{dtype}"] = float((top == scored["auto"][1]).mean())
+    plen = 64
+    rest = ids[n * rows:]
+    set_ = [[int(t) for t in rest[i * plen: (i + 1) * plen]] for i in range(prompts)]
+    if min(map(len, set_)) < plen:
+        raise SystemExit("the corpus is too short for the prompt set: lower --tokens or --prompts")
+    runs = {dtype: _greedy(state, set_, dtype, new) for dtype in DTYPES}
+    for dtype in DTYPES[1:]:
+        same, before = 0, 0
+        for i in range(prompts):
+            a, b = runs["auto"][i], runs[dtype][i]
+            same += a == b
+            before += next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        out[f"greedy_identical_{dtype}"] = same / prompts
+        out[f"greedy_tokens_before_divergence_{dtype}"] = before / (prompts * new)
+    out["greedy_prompts"], out["greedy_new_tokens"] = prompts, new
+    return out
+
+
+def blocks(state: layers.State) -> dict:
+    out: dict[str, object] = {}
+    for name, st in (("here", state), ("16bit", SimpleNamespace(config=state.config, dtype=mx.bfloat16))):
+        per = {dtype: kv_bytes_per_token(st, dtype) for dtype in DTYPES}
+        out[name] = {"activation_dtype": str(st.dtype), "bytes_per_token": per,
+                     "blocks_in_1GiB": {d: plan_blocks(st, 10**6, 2048, 1 << 30, kv_cache_dtype=d)
+                                        for d in DTYPES},
+                     "blocks_per_byte_vs_float": {d: per["auto"] / per[d] for d in DTYPES[1:]}}
+    return out
+
+
+def _step(state: layers.State, cache: PagedKVCache, tokens: mx.array, pos: int, table: mx.array) -> None:
+    b = tokens.shape[0]
+    rows = Rows(tokens, mx.full((b,), pos, mx.int32), mx.ones((b,), mx.int32), pos + 1, mx.zeros((b,), mx.int32),
+                table, dense=b == 1)
+    mx.eval(layers.forward(state, cache, rows), cache.arrays())
+
+
+def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int) -> dict:
+    table = mx.array(row_blocks(batch, context + steps + 1))
+    tokens = mx.full((batch, 1), 100, mx.int32)
+    runs: dict[str, list[float]] = {d: [] for d in DTYPES}
+    cpu: dict[str, list[float]] = {d: [] for d in DTYPES}
+    loads = []
+    for _ in range(rounds):
+        loads.append(os.getloadavg()[0])
+        for dtype in DTYPES:
+            cache = init_paged_kv_cache(state, table.size, 16, dtype)
+            times, cpu_times = [], []
+            for p in range(context, context + steps):
+                t0, c0 = time.perf_counter(), time.process_time()
+                _step(state, cache, tokens, p, table)
+                times.append(time.perf_counter() - t0)
+                cpu_times.append(time.process_time() - c0)
+            runs[dtype].append(statistics.median(times[2:]) * 1e3)
+            cpu[dtype].append(statistics.median(cpu_times[2:]) * 1e3)
+            del cache
+    ms = {d: statistics.median(v) for d, v in runs.items()}
+    return {"batch": batch, "context": context, "ms": ms, "tok_s": {d: batch * 1e3 / v for d, v in ms.items()},
+            "cpu_ms": {d: statistics.median(v) for d, v in cpu.items()}, "rounds": runs, "cpu_rounds": cpu,
+            "loadavg_1min": loads}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=("quality", "blocks", "speed", "all"), default="all")
+    ap.add_argument("--model", default=None, help="a model source (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--corpus", type=Path, default=default_corpus(), help="the text scored (quality)")
+    ap.add_argument("--tokens", type=int, default=2048, help="corpus tokens scored (quality)")
+    ap.add_argument("--rows", type=int, default=2, help="chunks scored as one batch (quality)")
+    ap.add_argument("--prompts", type=int, default=16, help="greedy prompts of 64 corpus tokens (quality)")
+    ap.add_argument("--new", type=int, default=32, help="greedy tokens per prompt (quality)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="rows per step (speed)")
+    ap.add_argument("--context", type=int, default=4096, help="tokens already in each row's cache (speed)")
+    ap.add_argument("--steps", type=int, default=12, help="steps timed per round (speed)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (speed)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_quant.json")
+    args = ap.parse_args()
+    resolved = sources.resolve(args.model)
+    state = loader.load(resolved.path)
+    report: dict[str, object] = {"model": resolved.name, "threads": os.environ.get("OMP_NUM_THREADS"),
+                                 "native_attention": state.attention is not None, "loadavg_start": os.getloadavg()}
+    if args.part in ("blocks", "all"):
+        report["blocks"] = blocks(state)
+        print(json.dumps(report["blocks"]), flush=True)
+    if args.part in ("quality", "all"):
+        ids = np.array(Tokenizer.from_dir(resolved.path).encode(args.corpus.read_text()))
+        report["quality"] = {"corpus": str(args.corpus),
+                             **quality(state, ids, args.rows, args.tokens, args.prompts, args.new)}
+        print(json.dumps(report["quality"]), flush=True)
+    if args.part in ("speed", "all"):
+        report["speed"] = [speed(state, b, args.context, args.steps, args.rounds) for b in args.batch]
+        for r in report["speed"]:
+            print(json.dumps({k: r[k] for k in ("batch", "context", "ms", "tok_s", "cpu_ms", "loadavg_1min")}),
+                  flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

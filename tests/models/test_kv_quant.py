@@ -1,0 +1,263 @@
+"""The quantized KV cache (``kv_cache_dtype`` "int8" / "int4", issue 42) against its rules.
+
+Within one KV dtype (float "auto" for contrast), on the tiny float32 checkpoint with exact token
+equality: batched == solo, prefix hit == miss, preempted == uninterrupted, cancelled sequences'
+tokens a prefix of their solo run, cached quantized blocks shared (reference counts > 1) and every
+block freed at the end; the compiled decode and the generic (dequantizing) attention give what
+the native CPU attention gives. The budget buys more blocks at the smaller block size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+
+from mlx_serving.models.decoder.kv_cache import KVQuant, init_paged_kv_cache, kv_bytes_per_token, kv_quant, plan_blocks
+from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+from mlx_serving.models.generation.config import CacheConfig
+from mlx_serving.models.loader import load
+from mlx_serving.models.text_generation._options import GenerationOptions
+
+DTYPES = ("auto", "int8", "int4")
+BS = 16
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 151000, n)]
+
+
+def _engine(state, dtype: str, **options) -> Engine:
+    return Engine(state, EngineConfig.of(kv_cache_dtype=dtype, **options))
+
+
+def _blocks(state, dtype: str, n: int) -> int:
+    return kv_bytes_per_token(state, dtype) * BS * n
+
+
+def _run(engine: Engine, max_steps: int = 3000) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.num_active:
+            return out
+        for ev in engine.step():
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    raise AssertionError("engine did not finish")
+
+
+_SOLO: dict = {}
+
+
+def _solo(state, dtype: str, prompt: list[int], p: SamplingParams) -> list[int]:
+    key = (id(state), dtype, tuple(prompt), p)
+    if key not in _SOLO:
+        engine = _engine(state, dtype, max_batch=1, max_len=128, prefix_caching=False)
+        engine.add(0, prompt, p)
+        _SOLO[key] = _run(engine)[0]
+    return _SOLO[key]
+
+
+def _all_free(engine: Engine) -> None:
+    s = engine.kv_stats()
+    pool = engine.scheduler.kv.pool
+    assert s.blocks_used == 0 and s.blocks_free == s.blocks_total
+    assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks + 1))
+
+
+@pytest.fixture(scope="module")
+def generic32(tiny32_ckpt):
+    """The float32 checkpoint without the native kernels: attention dequantizes gathered blocks."""
+    return load(tiny32_ckpt, native=False)
+
+
+def test_layout_bytes_and_budget(tiny32):
+    c = tiny32.config
+    assert kv_quant("auto", c.head_dim) is None
+    assert kv_quant("int8", 64) == KVQuant(8, 64) and kv_quant("int4", 128) == KVQuant(4, 128)
+    assert kv_quant("int8", 96) == KVQuant(8, 32)
+    for bad, match in (("fp8", "kv_cache_dtype must be one of"), ("int8", "divisible by 32")):
+        with pytest.raises(ValueError, match=match):
+            kv_quant(bad, 40)
+    f32 = kv_bytes_per_token(tiny32)
+    assert f32 == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    for dtype, bits in (("int8", 8), ("int4", 4)):
+        per_head = c.head_dim * bits // 8 + 2 * 4 * (c.head_dim // kv_quant(dtype, c.head_dim).group_size)
+        assert kv_bytes_per_token(tiny32, dtype) == 2 * c.num_hidden_layers * c.num_key_value_heads * per_head
+        budget = f32 * BS * 40
+        assert plan_blocks(tiny32, 64, 256, budget, kv_cache_dtype=dtype) == budget // (
+            kv_bytes_per_token(tiny32, dtype) * BS)
+        cache = init_paged_kv_cache(tiny32, 10, BS, dtype)
+        assert cache.nbytes == kv_bytes_per_token(tiny32, dtype) * BS * 11  # + the null block
+        assert cache.keys[0].dtype == mx.uint32 and len(cache.arrays()) == 6 * c.num_hidden_layers
+    assert plan_blocks(tiny32, 64, 256, f32 * BS * 40) == 40
+
+
+def test_option_is_checked_and_reaches_the_engine(tiny32):
+    for bad in ("int2", 8, None):
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            CacheConfig(kv_cache_dtype=bad)
+        with pytest.raises(ValueError, match="kv_cache_dtype"):
+            GenerationOptions(kv_cache_dtype=bad)
+    opts = GenerationOptions(kv_cache_dtype="int4", max_len=64)
+    assert opts.engine.cache.kv_cache_dtype == "int4"
+    engine = _engine(tiny32, "int8", max_batch=2, max_len=64, decode_path="native")
+    assert engine.cache.quant == kv_quant("int8", tiny32.config.head_dim)
+    assert engine.decode_backend.name == "matmul"  # the native decode step reads a float cache only
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_cli_flag_sets_the_option(command, capsys):
+    from mlx_serving import cli
+    from mlx_serving.server._cli import engine_options
+
+    head = [command, "x"] if command == "generate" else [command]
+    assert engine_options(cli._parser().parse_args([*head, "--kv-cache-dtype", "int4"]))["kv_cache_dtype"] == "int4"
+    assert engine_options(cli._parser().parse_args(head))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args([*head, "--kv-cache-dtype", "fp8"])
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("model", ["native", "generic"])
+def test_batched_equals_solo_and_compiled_equals_eager(tiny32, generic32, dtype, model):
+    state = tiny32 if model == "native" else generic32
+    prompts = [_prompt(30 + i, 9 + 11 * i) for i in range(4)]
+    params = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=10, temperature=0.8, seed=3)] * 2
+    want = {i: _solo(state, dtype, pr, p) for i, (pr, p) in enumerate(zip(prompts, params))}
+    for compiled in (False, True):
+        engine = _engine(state, dtype, max_batch=4, max_len=128, prefill_chunk=16, compile_decode=compiled)
+        for i, (pr, p) in enumerate(zip(prompts, params)):
+            engine.add(i, pr, p)
+        assert _run(engine) == want
+        _all_free(engine)
+
+
+def test_quantized_modes_differ_from_the_float_cache(tiny32):
+    """The quantized caches are really quantized: int4's greedy tokens leave the float cache's."""
+    prompt, p = _prompt(40, 30), SamplingParams(max_new_tokens=16)
+    outs = {dtype: _solo(tiny32, dtype, prompt, p) for dtype in DTYPES}
+    assert outs["int4"] != outs["auto"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_attention_matches_the_generic_dequantized_path(tiny32, generic32, dtype):
+    """One prefill + decode forward: the native attention reading quantized blocks and MLX's
+    dequantize + attention agree closely (the float32 logits)."""
+    from mlx_serving.models.decoder.attention import Rows
+    from mlx_serving.models.decoder.kv_cache import row_blocks
+    from mlx_serving.models.decoder.layers import forward
+
+    if tiny32.attention is None:
+        pytest.skip("the native kernels are not available here")
+    tokens = mx.array([_prompt(41, 37)], dtype=mx.int32)
+    logits = []
+    for state in (tiny32, generic32):
+        cache = init_paged_kv_cache(state, 4, BS, dtype)
+        table = mx.array(row_blocks(1, 64))
+        z = mx.zeros((1,), dtype=mx.int32)
+        rows = Rows(tokens, z, mx.array([37], dtype=mx.int32), 37, mx.array([36], dtype=mx.int32), table)
+        logits.append(forward(state, cache, rows))
+    assert mx.allclose(logits[0], logits[1], atol=1e-3, rtol=1e-3).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [48, 47])
+def test_prefix_hit_equals_miss_and_shares_quantized_blocks(tiny32, dtype, shared):
+    system = _prompt(7, shared)
+    a, b = system + _prompt(8, 9), system + _prompt(9, 5)
+    p = SamplingParams(max_new_tokens=6)
+    engine = _engine(tiny32, dtype, max_batch=4, max_len=128, prefill_chunk=16)
+    engine.add(0, a, p)
+    early = [ev.token_id for _ in range(4) for ev in engine.step()]  # a's prefix blocks computed and cached
+    engine.add(1, b, p)
+    mid = engine.step()
+    pool = engine.scheduler.kv.pool
+    assert max(pool.refcount(blk) for blk in range(1, pool.num_blocks + 1)) == 2  # one block, two sequences
+    out = _run(engine)
+    for ev in reversed(mid):
+        out.setdefault(ev.seq_id, []).insert(0, ev.token_id)
+    out[0] = early + out.get(0, [])
+    assert out == {0: _solo(tiny32, dtype, a, p), 1: _solo(tiny32, dtype, b, p)}
+    s = engine.kv_stats()
+    assert s.prefix_hits == 1 and s.prefix_hit_tokens == (shared // BS) * BS
+    _all_free(engine)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_preempted_equals_uninterrupted(tiny32, dtype):
+    params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=28, temperature=1.1, seed=2),
+              SamplingParams(max_new_tokens=25, temperature=0.7, top_p=0.8, seed=3), SamplingParams(max_new_tokens=30)]
+    prompts = [_prompt(20 + i, 10 + 3 * i) for i in range(4)]
+    engine = _engine(tiny32, dtype, max_batch=4, max_len=64, prefill_chunk=7, kv_cache_bytes=_blocks(tiny32, dtype, 5))
+    assert engine.kv_stats().blocks_total == 5
+    for i, (pr, p) in enumerate(zip(prompts, params)):
+        engine.add(i, pr, p)
+    assert _run(engine) == {i: _solo(tiny32, dtype, pr, p) for i, (pr, p) in enumerate(zip(prompts, params))}
+    assert engine.kv_stats().preemptions > 0
+    _all_free(engine)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_workloads_with_cancels_keep_outputs_and_free_every_block(tiny32, data):
+    dtype = data.draw(st.sampled_from(["int8", "int4"]), label="dtype")
+    engine = _engine(tiny32, dtype, max_batch=data.draw(st.integers(1, 4), label="max_batch"), max_len=64,
+                     prefill_chunk=data.draw(st.sampled_from([5, 16, 512]), label="chunk"),
+                     kv_cache_bytes=_blocks(tiny32, dtype, data.draw(st.integers(5, 9), label="blocks")),
+                     prefix_caching=data.draw(st.booleans(), label="cache"))
+    prefix = _prompt(50, 40)
+    specs = []
+    for i in range(data.draw(st.integers(1, 4), label="n")):
+        base = data.draw(st.sampled_from([[], prefix]), label="prefix")
+        prompt = (base + _prompt(100 + i, data.draw(st.integers(1, 12))))[:50]
+        p = SamplingParams(max_new_tokens=data.draw(st.integers(1, 10)),
+                           temperature=data.draw(st.sampled_from([0.0, 1.0])), seed=i)
+        specs.append((prompt, p, data.draw(st.integers(0, 4)), data.draw(st.one_of(st.none(), st.integers(0, 8)))))
+    out: dict[int, list[int]] = {}
+    cancelled: set[int] = set()
+    for t in range(3000):
+        for i, (prompt, p, arrive, cancel) in enumerate(specs):
+            if arrive == t:
+                engine.add(i, prompt, p)
+            if cancel is not None and arrive + cancel == t:
+                engine.cancel(i)
+                cancelled.add(i)
+        if t > 4 and not engine.num_active:
+            break
+        for ev in engine.step():
+            assert ev.seq_id not in cancelled
+            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    for i, (prompt, p, _, _) in enumerate(specs):
+        solo = _solo(tiny32, dtype, prompt, p)
+        got = out.get(i, [])
+        assert got == (solo[: len(got)] if i in cancelled else solo)
+    _all_free(engine)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_greedy_with_speculation_equals_without(tiny32, dtype):
+    """Speculative verify spans write quantized K/V too (rejected drafts overwritten later):
+    greedy tokens with n-gram speculation equal those without, drafts accepted, blocks freed."""
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(6):
+        base = [int(x) for x in rng.integers(0, 1000, 10)]
+        prompts.append((base * 3 + base[: i % 7])[: 20 + 3 * i])  # repeats: the drafts find matches
+    p = SamplingParams(max_new_tokens=24)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    outs, engines = [], []
+    for config in (None, spec):
+        engine = _engine(tiny32, dtype, max_batch=3, max_len=96, prefill_chunk=7,
+                         kv_cache_bytes=_blocks(tiny32, dtype, 10), speculative_config=config)
+        for i, prompt in enumerate(prompts):
+            engine.add(i, prompt, p)
+        outs.append(_run(engine))
+        _all_free(engine)
+        engines.append(engine)
+    assert outs[0] == outs[1]
+    assert engines[1].spec_decode_stats()["spec_decode_num_drafts"] > 0, engines[1].spec_decode_stats()
