@@ -9,7 +9,7 @@ medians per side and ratios ours / theirs over the medians:
   count checked against the serving's) with ``max_new_tokens = min_tokens = 128`` (EOS cannot end
   it), prefill = prompt tokens / time to first token, decode = (tokens - 1) / (last - first token
   time), from the stream's arrival times; and the tg128 analogue: a 1-token prompt, 128 tokens.
-  A different 512-token prompt and a different 1-token prompt warm the serving up first (no
+  ``--kernel-prompt N`` runs ppN instead of pp512. A different prompt of the same length and a different 1-token prompt warm the serving up first (no
   prefix caching here), as llama-bench warms up each test.
 - servers: ``llama-server -m GGUF -t 2 --parallel N -c N*320`` vs ``mlx-serving serve --model GGUF
   --max-batch N --max-len 320`` (``OMP_NUM_THREADS=2``), each started fresh per run, warmed up by
@@ -508,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="alternating rounds (default 3, --quick: 1)")
     ap.add_argument("--serve-args", default="", help="ours: more serve flags, one string (e.g. "
                     "'--max-step-tokens 256')")
+    ap.add_argument("--kernel-prompt", type=int, default=None, help="the kernel part's prompt tokens (pp N; "
+                    "default 512, --quick: 64)")
     ap.add_argument("--ours-kernel", nargs=3, metavar=("DIR", "PROMPT", "GEN"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ours_kernel:
@@ -518,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--kernel-only and --servers-only exclude each other")
     s = replace(QUICK if args.quick else FULL, decode_path=args.decode_path, kernel=not args.servers_only,
                 serve_args=tuple(shlex.split(args.serve_args)))
-    s = replace(s, levels=() if args.kernel_only else tuple(args.streams or s.levels), runs=args.runs or s.runs)
+    s = replace(s, levels=() if args.kernel_only else tuple(args.streams or s.levels), runs=args.runs or s.runs,
+                kernel_prompt=args.kernel_prompt or s.kernel_prompt)
     out = args.out or (Path("/tmp/cpu_vs_llamacpp_quick.json") if args.quick
                        else Path(__file__).parent / "results" / "cpu_vs_llamacpp.json")
     from mlx_serving.models import sources
