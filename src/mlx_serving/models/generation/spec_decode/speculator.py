@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import numpy as np
 
 from ..config import SpeculativeConfig
@@ -10,16 +12,23 @@ from .adaptive import SpecState
 from .ngram import NgramProposer
 from .stats import SpecStats
 
-__all__ = ["Speculator"]
+__all__ = ["MIN_RATE", "Speculator"]
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
+#: Fewest accepted tokens per draft (a row's rate) for a row to propose: a lone verify costs about
+#: two plain steps (a k+1-token ragged row, and the row's last token lands first).
+MIN_RATE = 1.0
+
 
 class Speculator:
-    """Drafts for the rows of an engine built with ``config`` (its ``method`` is "ngram")."""
+    """Drafts for the rows of an engine built with ``config`` (its ``method`` is "ngram").
+    ``eager`` (False; set it to change): every row that speculates proposes at each of its decode
+    steps (vLLM's way: a loss where drafts fail; tests set it to verify all the time), else rows
+    propose on evidence (:meth:`choose`)."""
 
     def __init__(self, config: SpeculativeConfig):
-        self.config = config
+        self.config, self.eager = config, False
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats(config.num_speculative_tokens)
 
@@ -33,16 +42,41 @@ class Speculator:
             return None
         return SpecState(self.config.num_speculative_tokens)
 
+    def choose(self, decoding: Sequence[SpecState | None]) -> bool:
+        """Pick the rows that propose at the coming step (``go``) among the step's ``decoding``
+        rows (None: a row that never speculates); True when any was picked (their last tokens must
+        land before the step is planned). The rows whose rate is at least :data:`MIN_RATE` propose
+        when their rates sum to at least one more than the rows left to decode plainly: a step
+        with verify rows runs a second forward besides the plain rows' decode, which costs about
+        a plain step, so the accepted tokens must outnumber the plain rows' one each. ``eager``:
+        every row that speculates."""
+        floor = 0.0 if self.eager else MIN_RATE
+        picked = [s for s in decoding if s is not None and s.rate >= floor]
+        go = bool(picked) and (self.eager or sum(s.rate for s in picked) >= len(decoding) - len(picked) + 1)
+        for s in decoding:
+            if s is not None:
+                s.go = go and s.rate >= floor
+        return go
+
     def draft(self, state: SpecState, tokens: np.ndarray, limit: int) -> np.ndarray:
-        """A ready row's draft for this step (``(d,) int32``, d <= min(its k, ``limit``); empty: it
+        """A picked row's draft for this step (``(d,) int32``, d <= min(its k, ``limit``); empty: it
         decodes plainly), from its stream ``tokens`` (prompt + output, all on the host). A step
-        without one is a miss (:meth:`SpecState.miss`), unless ``limit`` < 1."""
+        without one counts as no draft (:meth:`SpecState.no_draft`), unless ``limit`` < 1."""
         if limit < 1:
             return _EMPTY
         out = self.proposer.propose(tokens, min(state.k, limit))
         if not out.size:
-            state.miss()
+            state.no_draft()
         return out
+
+    def witness(self, state: SpecState, token: int, tokens: Callable[[], np.ndarray]) -> None:
+        """A token the row decoded plainly landed (``tokens()``: its stream, prompt + output, this
+        token last): check it against the row's shadow draft, and when that is settled make the
+        next one (:meth:`SpecState.witness`), free evidence for the row's rate."""
+        if state.witness(token):
+            state.shadow = self.proposer.propose(tokens(), state.k_max)
+            if not state.shadow.size:
+                state.no_draft()
 
     def record(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A row's verify outcome: its adaptive state and the counters."""
