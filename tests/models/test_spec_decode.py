@@ -25,8 +25,9 @@ from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, 
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.generation.logits import RowInput, make_chain, sample_batch
-from mlx_serving.models.generation.spec_decode import NgramProposer, SpecState, accepted
+from mlx_serving.models.generation.spec_decode import NgramProposer, SpecState, Speculator, accepted
 from mlx_serving.models.generation.spec_decode.adaptive import ALPHA
+from mlx_serving.models.generation.spec_decode.speculator import MIN_RATE
 from mlx_serving.models.text_generation import GenerationOptions
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -212,7 +213,7 @@ def test_engine_sampled_distribution_matches_plain_decoding(small_vocab):
     distribution of plain decoding (two-sample chi-square over the two tokens logit_bias makes
     likely and the rest)."""
     base = [5] * 12
-    bias = {5: 23.0, 6: 24.5, 7: 22.5}  # at these contexts p(5) ~ 0.8, p(7) ~ 0.2, p(6) small: drafts of 5s, often rejected
+    bias = {5: 23.0, 6: 24.5, 7: 22.5}  # here p(5) ~ 0.8, p(7) ~ 0.19: drafts of 5s, often rejected
     counts = []
     for on, seeds in ((False, range(0, 32)), (True, range(1000, 1032))):
         config = dict(max_batch=32, max_len=80)
@@ -247,32 +248,68 @@ def test_ngram_proposer_takes_the_longest_match_with_room():
         NgramProposer(3, 2)
 
 
-def test_adaptive_state_backs_off_and_recovers():
+def test_adaptive_state_learns_from_shadow_drafts_and_verifies():
+    """A row's rate (accepted tokens per draft) starts at 0 and follows shadow outcomes (landed
+    plain tokens against the draft a verify would have checked) and real ones; k follows each."""
     s = SpecState(4)
-    s.observe(4, 1)
-    assert s.k == 2 and s.ready
-    s.observe(2, 2)
-    assert s.k == 3
-    for _ in range(8):
-        s.miss()
-    assert s.cooldown == MAX_COOLDOWN and not s.ready
-    assert [s.tick() for _ in range(MAX_COOLDOWN + 1)] == [False] * MAX_COOLDOWN + [True]
+    assert s.rate == 0 and not s.tick()
+    s.shadow = np.array([7, 8, 9, 1], dtype=np.int32)
+    assert [s.witness(t) for t in (7, 8)] == [False, False]  # matching: the draft is still pending
+    assert s.witness(5)  # differs at the third position: 2 accepted, a new shadow draft is due
+    assert s.rate == ALPHA * 2 and s.k == 3 and s.shadow.size == 0 and s.witness(3)
+    s.shadow = np.array([1, 2], dtype=np.int32)
+    assert [s.witness(t) for t in (1, 2, 6)] == [False, False, True]  # the whole draft, then the bonus token
+    assert s.k == 3 and s.rate == ALPHA * 2 + ALPHA * (2 - ALPHA * 2)
     s.observe(3, 0)
-    assert s.k == 1 and s.cooldown == MAX_COOLDOWN
+    assert s.k == 1 and s.rate < ALPHA * 4
+    before = s.rate
+    s.no_draft()
+    assert s.rate == before * (1 - ALPHA) and s.k == 1
     s.observe(1, 1)
-    assert s.misses == 0 and s.k == 2
+    assert s.k == 2
+    s.go = True
+    assert s.tick() and not s.tick()  # a pick is for one step
 
 
-def test_drafts_that_never_match_cost_few_verifies(tiny32):
-    """Prompts without repeats and sampled output (few matches): rows back off, so at most a small
-    fraction of decode steps verify a draft."""
+def _states(*rates: float) -> list[SpecState]:
+    out = [SpecState(4) for _ in rates]
+    for s, r in zip(out, rates):
+        s.rate = r
+    return out
+
+
+def test_rows_propose_when_their_accepted_tokens_pay_for_the_verify():
+    """Rows at >= MIN_RATE propose when their rates outnumber the plain rows plus one (a verify
+    forward costs about one plain step); rows that never speculate (None) decode plainly."""
+    spec = Speculator(SpeculativeConfig(**SPEC))
+    one = _states(0.9)
+    assert not spec.choose(one) and not one[0].go  # below MIN_RATE: no evidence yet
+    one = _states(MIN_RATE)
+    assert spec.choose(one) and one[0].go
+    rows = _states(3.0, 2.0, 0.5, 0.2)
+    assert spec.choose([*rows, None]) and [s.go for s in rows] == [True, True, False, False]  # 5 >= 3 + 1
+    rows = _states(3.0, 0.5, 0.5, 0.5, 0.2, 0.0, 0.0, 0.0)
+    assert not spec.choose(rows) and not any(s.go for s in rows)  # one row cannot pay for 7 plain ones
+    spec.eager = True
+    assert spec.choose(rows) and all(s.go for s in rows)
+
+
+def test_a_row_proposes_only_after_its_own_tokens_show_drafts_hold(tiny32):
+    """Speculation on evidence, through the engine: random prompts and sampled output (drafts would
+    fail) verify nothing; a greedy row that logit_bias drives into repeating one token (drafts
+    would hold) starts verifying after a few plain tokens, and its output is the one plain
+    decoding gives."""
     rng = np.random.default_rng(9)
     prompts = [[int(x) for x in rng.permutation(5000)[:30]] for _ in range(4)]
     params = [SamplingParams(max_new_tokens=60, temperature=1.0, seed=i) for i in range(4)]
     engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, speculative_config=SPEC))
-    out = _run(engine, prompts, params)
+    _run(engine, prompts, params)
+    assert engine.spec_decode_stats()["spec_decode_num_drafts"] == 0
+    looping = [SamplingParams(max_new_tokens=40, logit_bias={77: 30.0})]
+    plain = _run(Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128)), prompts[:1], looping)
+    assert _run(engine, prompts[:1], looping) == plain
     stats = engine.spec_decode_stats()
-    assert stats["spec_decode_num_drafts"] <= 0.15 * sum(len(v) for v in out.values())
+    assert stats["spec_decode_num_drafts"] >= 5 and stats["spec_decode_num_accepted_tokens"] >= 20
 
 
 @pytest.mark.parametrize("field, bad", [("method", "draft_model"), ("method", "eagle"),
@@ -322,6 +359,8 @@ def test_serving_stats_and_metrics_carry_the_spec_decode_counters(tiny32):
     backend = GenerationBackend(tiny32, GenerationOptions(max_new_tokens=30, max_len=96, max_batch=2,
                                                           speculative_config=SPEC))
     engine = backend.init("inline", None, 1)
+    assert engine.speculator is not None
+    engine.speculator.eager = True
     rows = [(i, Prompt(p, SamplingParams(30))) for i, p in enumerate(_prompts(12)[6:8])]
     assert backend.admit(engine, rows, 0) == []
     while backend.active(engine):
