@@ -5,7 +5,8 @@ Model: SmolLM2-135M-Instruct (``default_checkpoint()``), greedy, chat template, 
 
 - ``grounded``: input-grounded requests: rewrite or edit a given passage or code block, answer
   with quotes from a given text (the output copies spans of the prompt);
-- ``chat``: open-ended chat questions (drafts rarely match).
+- ``chat``: open-ended chat questions (drafts rarely match: rows then never propose, since a row
+  speculates only on evidence, docs/generation.md).
 
 Each workload runs at 1 stream (its first 4 prompts one at a time; decode tok/s per request = (tokens - 1)
 / (last token - first token), median over requests) and at 8 streams (its 8 prompts added together, ``--prompts`` fewer;
@@ -14,7 +15,8 @@ and on with ``--speculative-config``), both ``max_batch`` 8; rounds alternate of
 (``--rounds``, 3) and the figures are medians over rounds, ratios on / off. The outputs of the two
 engines are compared token for token (greedy speculation is exact; on the float16 CPU path a verify
 span's logits can differ from a decode row's in the last bits, so a near-tie can flip: counted).
-The machine's load (``os.getloadavg``) is recorded before and after: it is shared, so read the ratios.
+The machine's load (``os.getloadavg``) is recorded before, after each regime of each round and
+after: it is shared, so read the ratios.
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/spec_decode.py [--rounds 3] [--max-new 128]`` (writes
 bench/results/spec_decode.json or ``--out``); ``--method draft_model [--draft PATH]`` measures
@@ -148,6 +150,7 @@ def main() -> None:
     engines = {"off": _engine(state, None), "on": _engine(state, args.speculative_config)}
     load_before = os.getloadavg()
     figures: dict[str, list[float]] = {}
+    loads: list[float] = []  # 1-minute load average after each regime of each round
     outputs: dict[str, dict[str, list[list[int]]]] = {"off": {}, "on": {}}
     for rnd in range(args.rounds):
         for regime in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
@@ -158,7 +161,9 @@ def main() -> None:
                 figures.setdefault(f"{name}_1_{regime}", []).append(one)
                 figures.setdefault(f"{name}_{n}_{regime}", []).append(many)
                 outputs[regime][name] = outs1 + outs8
-            print(rnd, regime, {k: round(v[-1], 1) for k, v in figures.items() if k.endswith(regime)}, flush=True)
+            loads.append(os.getloadavg()[0])
+            print(rnd, regime, {k: round(v[-1], 1) for k, v in figures.items() if k.endswith(regime)},
+                  f"load {loads[-1]:.1f}", flush=True)
     med = {k: statistics.median(v) for k, v in figures.items()}
     ratios = {f"{w}_{s}": med[f"{w}_{s}_on"] / med[f"{w}_{s}_off"] for w in work for s in (1, n)}
     same = {w: sum(a == b for a, b in zip(outputs["off"][w], outputs["on"][w])) / len(outputs["off"][w])
@@ -169,6 +174,7 @@ def main() -> None:
               "tok_per_s_median": med, "ratios_on_over_off": ratios, "identical_outputs": same,
               "acceptance_rate": spec["spec_decode_num_accepted_tokens"] / max(1, spec["spec_decode_num_draft_tokens"]),
               "spec_decode_stats": spec, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+              "loadavg_1min_per_regime": loads,
               "cpu_count": os.cpu_count()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -19,7 +19,10 @@ already emitted are not emitted again, and its output does not change).
 With ``config.speculative`` (n-gram prompt lookup or a draft model, :mod:`.spec_decode`), a decoding sequence may
 verify a draft of k tokens in one k+1-token row of the step's forward and emit up to k + 1 tokens
 at once; its outcome lands at the start of the next step (before the plan: its next draft
-depends on it), as does the token of any sequence about to propose. Output is the same as without
+depends on it), as does the token of any sequence about to propose. A sequence proposes only on
+evidence (:mod:`.spec_decode.adaptive`): its plainly decoded tokens, as they land, are checked
+against the draft it would have made, so one whose drafts would fail keeps the pipelined plain
+step. Output is the same as without
 speculation: token for token greedy, and for a seeded sampled sequence too (one uniform per emitted
 token, in order); a sampled sequence with a draft model keeps the distribution exactly (rejection
 sampling against the draft's probabilities) and is reproducible by seed.
@@ -224,8 +227,10 @@ class Engine:
         self._check_open()
         events: list[SeqEvent] = []
         if self._flight is not None and (self._flight.verifies or any(
-                (r.constraint is not None and not r.finished) or r.may_propose for r, _ in self._flight.produced)):
-            events += self._land()  # a constrained row's mask / a draft needs its last token
+                r.constraint is not None and not r.finished for r, _ in self._flight.produced)):
+            events += self._land()  # a verify's outcome / a constrained row's mask comes first
+        if self._speculate() and self._flight is not None:
+            events += self._land()  # a draft needs its row's last token
         plan = self.scheduler.schedule()
         if not plan.empty:
             self.iteration_tokens.observe(plan.num_scheduled_tokens)
@@ -252,7 +257,16 @@ class Engine:
                 self.scheduler.advance(t.request)
             if (e := self._event(t, now)) is not None:
                 events.append(e)
+                if self.speculator is not None and t.request.spec is not None and not t.verified:
+                    self.speculator.witness(t.request.spec, t.token, t.request.tokens)
         return events
+
+    def _speculate(self) -> bool:
+        """Pick the decoding rows that propose at this step (:meth:`~.spec_decode.Speculator.choose`,
+        on their rates); True when any was picked."""
+        if self.speculator is None:
+            return False
+        return self.speculator.choose([r.spec for r in self.scheduler.running if r is not None and r.decoding])
 
     def _event(self, t: Landed, now: float) -> SeqEvent | None:
         """A landed token as an event (None for a sequence finished or cancelled since)."""

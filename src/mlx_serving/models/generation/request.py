@@ -82,11 +82,6 @@ class Request:
         """Prefilled, with a sampled token to feed and fewer than ``max_new_tokens`` sampled."""
         return not self.prefilling and 1 <= self.num_sampled < self.params.max_new_tokens
 
-    @property
-    def may_propose(self) -> bool:
-        """It speculates and proposes at its next decode step (so its last token must land first)."""
-        return self.spec is not None and self.spec.ready and not self.finished
-
     def tokens(self) -> np.ndarray:
         """Prompt + landed output, (P + len(output),) int32."""
         if not self.output:

@@ -176,8 +176,8 @@ class Scheduler:
         return SchedulerOutput(tuple(prefills), tuple(decodes), live, tuple(preempted), tuple(verifies))
 
     def _drafts(self, running: list[Request]) -> dict[Request, np.ndarray]:
-        """The draft of each decoding request of ``running`` that speculates, is not cooling down
-        (one cooldown step passes) and has one (its last token landed; at most
+        """The draft of each decoding request of ``running`` that speculates, proposes at this
+        step (:meth:`~.spec_decode.SpecState.tick`) and has one (its last token landed; at most
         ``max_new_tokens`` emitted by the verify)."""
         if self.speculator is None:
             return {}

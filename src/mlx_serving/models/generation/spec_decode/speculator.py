@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -14,18 +14,28 @@ from .draft import DraftModel, DraftRow
 from .ngram import NgramProposer
 from .stats import SpecStats
 
-__all__ = ["Speculator", "load_draft"]
+__all__ = ["MIN_RATE", "Speculator", "load_draft"]
+
+
+#: Fewest accepted tokens per draft (a row's rate) for a row to propose: a lone verify costs about
+#: two plain steps (a k+1-token ragged row, and the row's last token lands first).
+MIN_RATE = 1.0
 
 
 class Speculator:
     """Drafts for the rows of an engine built with ``config``: n-gram prompt lookup ("ngram"), or
-    ``draft`` ("draft_model": :meth:`build` loads it)."""
+    ``draft`` ("draft_model": :meth:`build` loads it). ``eager`` (False; set it to change): every
+    row that speculates proposes at each of its decode steps (vLLM's way: a loss where drafts fail;
+    tests set it to verify all the time), else rows propose on evidence (:meth:`choose`): for
+    n-gram drafts the free evidence of :meth:`witness`; a draft model's rows start trusted (its
+    drafts cost a draft forward, so there is no free evidence) and keep proposing while their
+    verifies keep their rate."""
 
     def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
         if (config.method == "draft_model") != (draft is not None):
             raise ValueError(f"a Speculator for method {config.method!r} needs "
                              f"{'a' if config.method == 'draft_model' else 'no'} DraftModel")
-        self.config = config
+        self.config, self.eager = config, False
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft_model = draft
         self.stats = SpecStats(config.num_speculative_tokens)
@@ -45,13 +55,30 @@ class Speculator:
         if (params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
                 or params.grammar is not None or params.logprobs is not None):
             return None
-        return SpecState(self.config.num_speculative_tokens)
+        k = self.config.num_speculative_tokens
+        return SpecState(k, rate=float(k) if self.draft_model is not None else 0.0)
+
+    def choose(self, decoding: Sequence[SpecState | None]) -> bool:
+        """Pick the rows that propose at the coming step (``go``) among the step's ``decoding``
+        rows (None: a row that never speculates); True when any was picked (their last tokens must
+        land before the step is planned). The rows whose rate is at least :data:`MIN_RATE` propose
+        when their rates sum to at least one more than the rows left to decode plainly: a step
+        with verify rows runs a second forward besides the plain rows' decode, which costs about
+        a plain step, so the accepted tokens must outnumber the plain rows' one each. ``eager``:
+        every row that speculates."""
+        floor = 0.0 if self.eager else MIN_RATE
+        picked = [s for s in decoding if s is not None and s.rate >= floor]
+        go = bool(picked) and (self.eager or sum(s.rate for s in picked) >= len(decoding) - len(picked) + 1)
+        for s in decoding:
+            if s is not None:
+                s.go = go and s.rate >= floor
+        return go
 
     def drafts(self, rows: Sequence[tuple[DraftRow, int]]) -> list[np.ndarray]:
-        """The ready rows' drafts for this step (``(d,) int32`` each, d <= min(the row's k,
+        """The picked rows' drafts for this step (``(d,) int32`` each, d <= min(the row's k,
         its ``limit``); empty: it decodes plainly), for ``rows`` ``(row, limit)`` whose last
         tokens are on the host: n-gram lookups over each row's stream, or one batched draft-model
-        proposal. A row without one is a miss (:meth:`SpecState.miss`), unless its limit < 1."""
+        proposal. A row without one counts as no draft (:meth:`SpecState.no_draft`), unless its limit < 1."""
         ks = [min(_spec(row).k, limit) for row, limit in rows]
         if self.draft_model is not None:
             out = self.draft_model.propose([(row, k) for (row, _), k in zip(rows, ks)])
@@ -59,7 +86,7 @@ class Speculator:
             out = [self.proposer.propose(row.tokens(), k) for (row, _), k in zip(rows, ks)]
         for (row, limit), draft in zip(rows, out):
             if limit >= 1 and not draft.size:
-                _spec(row).miss()
+                _spec(row).no_draft()
         return out
 
     def release(self, row: DraftRow) -> None:
@@ -71,6 +98,15 @@ class Speculator:
         """Drop the draft model's KV cache (the engine is closing)."""
         if self.draft_model is not None:
             self.draft_model.close()
+
+    def witness(self, state: SpecState, token: int, tokens: Callable[[], np.ndarray]) -> None:
+        """A token the row decoded plainly landed (``tokens()``: its stream, prompt + output, this
+        token last): check it against the row's shadow draft, and when that is settled make the
+        next one (:meth:`SpecState.witness`), free evidence for the row's rate (n-gram drafts only)."""
+        if self.draft_model is None and state.witness(token):
+            state.shadow = self.proposer.propose(tokens(), state.k_max)
+            if not state.shadow.size:
+                state.no_draft()
 
     def record(self, state: SpecState, drafted: int, accepted: int) -> None:
         """A row's verify outcome: its adaptive state and the counters."""
