@@ -266,10 +266,10 @@ def test_the_readme_command_answers_with_the_default_model(smollm2_dir: Path) ->
     """The positional prompt, no --chat, no --max-new-tokens: the default model answers (it printed
     an empty reply without the chat template); a smaller --max-len needs no other flag."""
     for flags in ([], ["--max-len", "64"]):
-        done = subprocess.run([sys.executable, "-m", "mlx_serving", "generate", "What is the capital of France?",
+        done = subprocess.run([sys.executable, "-m", "mlx_serving", "generate", "What is the capital of Japan?",
                                *flags], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.strip() == "The capital of France is Paris.", flags
+        assert done.stdout.strip() == "The capital of Japan is Tokyo.", flags
 
 
 def test_timing_line_has_prompt_and_decode_rates_and_peak_memory(

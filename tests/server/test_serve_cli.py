@@ -155,14 +155,14 @@ def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):
         _wait_healthy(url, process, timeout=480)  # it converts the GGUF first
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         assert [m.id for m in client.models.list()] == ["smollm2-135m-instruct"]
-        question = [{"role": "user", "content": "What is the capital of France?"}]
+        question = [{"role": "user", "content": "What is the capital of Japan?"}]
         reply = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=24)
-        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].message.content == "The capital of Japan is Tokyo."
         assert reply.choices[0].finish_reason == "stop"
         stream = client.chat.completions.create(model="smollm2-135m-instruct", messages=question, max_tokens=24,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
-            "The capital of France is Paris."
+            "The capital of Japan is Tokyo."
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 130
