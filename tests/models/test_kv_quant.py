@@ -254,6 +254,8 @@ def test_greedy_with_speculation_equals_without(tiny32, dtype):
     for config in (None, spec):
         engine = _engine(tiny32, dtype, max_batch=3, max_len=96, prefill_chunk=7,
                          kv_cache_bytes=_blocks(tiny32, dtype, 10), speculative_config=config)
+        if engine.speculator is not None:
+            engine.speculator.eager = True  # every row verifies at every step, not only on evidence
         for i, prompt in enumerate(prompts):
             engine.add(i, prompt, p)
         outs.append(_run(engine))

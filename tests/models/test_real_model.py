@@ -84,8 +84,8 @@ def test_the_readme_main_job_prints_real_english(private_cache, tmp_path: Path) 
     """``mlx-serving generate`` with no --model: the default model, named on stderr, answers."""
     cache = private_cache(tmp_path / "cache")  # the fetched GGUF, converted anew here; the built kernels
     done = subprocess.run([sys.executable, "-m", "mlx_serving", "generate", "--chat", "--max-new-tokens", "24",
-                           "What is the capital of France?"], capture_output=True, text=True, timeout=300,
+                           "What is the capital of Japan?"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "MLX_SERVING_CACHE": str(cache)})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "The capital of France is Paris."
+    assert done.stdout.strip() == "The capital of Japan is Tokyo."
     assert "model: smollm2-135m-instruct (SmolLM2-135M-Instruct" in done.stderr
