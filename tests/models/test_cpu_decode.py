@@ -123,14 +123,15 @@ def test_native_step_follows_the_exact_path_on_every_family(family_state):
 
 
 def test_a_row_batched_equals_the_row_alone_bit_for_bit(family_state):
-    """Three rows at different positions in one step: each row's logits and K/V equal its solo run's."""
+    """Six rows at different positions in one step (past the step's GEMM threshold: its products
+    run as the int8 GEMM, a solo row's as qgemv): each row's logits and K/V equal its solo run's."""
     backend = decode_backend(family_state, "native")
     rng = np.random.default_rng(9)
-    ids = rng.integers(0, family_state.config.vocab_size, (3, 6)).tolist()
-    positions = [0, 17, 5]
-    table = row_blocks(3, 64)
+    ids = rng.integers(0, family_state.config.vocab_size, (6, 6)).tolist()
+    positions = [0, 17, 5, 30, 2, 11]
+    table = row_blocks(6, 64)
     batched, cache = _decode(family_state, backend, ids, table, positions)
-    for b in range(3):
+    for b in range(6):
         solo, solo_cache = _decode(family_state, backend, [ids[b]], table[b:b + 1], [positions[b]])
         np.testing.assert_array_equal(batched[:, b], solo[:, 0])
         rows = (table[b, 0] * 16 + np.arange(positions[b], positions[b] + 6)).tolist()
@@ -176,7 +177,7 @@ def test_engine_batched_equals_solo_and_prefix_hit_equals_miss(tiny, compiled):
     does, and a prompt whose prefix is cached generates what it does uncached, token for token."""
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, tiny.config.vocab_size, n).tolist() for n in (5, 13, 1, 9)]
-    batched = _generate(tiny, prompts, 3, compiled)
+    batched = _generate(tiny, prompts, 4, compiled)  # 4 rows decode together: the step's GEMM
     assert batched == [_generate(tiny, [p], 1, compiled)[0] for p in prompts]
     shared = prompts[1] + prompts[3]
     hit = _generate(tiny, [prompts[1], shared], 1, compiled)[1]  # the second request hits the first's blocks

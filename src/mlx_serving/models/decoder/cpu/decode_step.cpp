@@ -31,6 +31,7 @@
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
 #include "pool.h"
+#include "qgemm.h"
 #include "qdot.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -151,7 +152,7 @@ class Decoder {
             int64_t block_size, float* logits);
 
  private:
-  void product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t rows, float* y);
+  void product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y);
   void attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values);
   int64_t cache_row(const int32_t* table, int64_t w, int64_t r, int64_t pos, int64_t cache_rows,
                     int64_t block_size) const {
@@ -172,17 +173,31 @@ class Decoder {
   std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
   std::vector<float> h_, x_, qkv_, att_, tmp_, gu_, act_, out_;
   std::vector<QuantRow> qx_;
+  QuantRows qrows_;  // the activations of a step of kGemmRows+ rows, in the GEMM's layout
 };
 
-void Decoder::product(const QMatrix& m, const std::vector<QuantRow>& x, int64_t rows, float* y) {
+// Rows from which a product runs as the int8 GEMM (qgemm.cpp: each weight panel unpacked once for
+// all rows) instead of one qgemv per column chunk. Both give each (row, column) bit for bit, so a
+// row's result does not depend on how many rows share its step.
+constexpr int64_t kGemmRows = 4;
+
+// y (rows, n) = x (rows, k) float32 @ dequantize(m).T (+ bias), the activations rounded to int8 per
+// block of 32 (QuantRow's rounding in both layouts).
+void Decoder::product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y) {
   const QMatrixView v = view(m);
+  if (rows >= kGemmRows) {
+    qrows_.quantize(x, rows, k, pool_);
+    qgemm(v, qrows_, y, isa_, pool_);
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) qx_[r].quantize(x + r * k, k);
   const int64_t n = v.n, tasks_wanted = 8 * pool_.threads();
   const int64_t chunk = std::max<int64_t>(8, (n / tasks_wanted + 7) / 8 * 8);
   const int64_t tasks = (n + chunk - 1) / chunk;
   const Isa isa = isa_;
   pool_.run(tasks, [&](int64_t t) {
     const int64_t n0 = t * chunk;
-    qgemv(v, x.data(), rows, n0, std::min(n, n0 + chunk), y, n, isa);
+    qgemv(v, qx_.data(), rows, n0, std::min(n, n0 + chunk), y, n, isa);
   });
 }
 
@@ -268,16 +283,12 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
       x[i1] = x0 * s + x1 * c;
     }
   };
-  auto quantize = [&](const float* src, int64_t k) {
-    for (int64_t r = 0; r < a; ++r) qx_[r].quantize(src + r * k, k);
-  };
   const int64_t nl = num_layers();
   for (int64_t r = 0; r < a; ++r)
     rms_norm(h_.data() + r * hid, layers_[0].input_norm.data<float>(), hid, d_.eps, x_.data() + r * hid);
   for (int64_t l = 0; l < nl; ++l) {
     const LayerWeights& lw = layers_[l];
-    quantize(x_.data(), hid);
-    product(lw.qkv, qx_, a, qkv_.data());
+    product(lw.qkv, x_.data(), a, hid, qkv_.data());
     for (int64_t r = 0; r < a; ++r) {
       float* q = qkv_.data() + r * width;
       float* k = q + hh * dd;
@@ -296,23 +307,20 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
       std::memcpy(values[l] + row * hkv * dd, vv, sizeof(float) * hkv * dd);
     }
     attend_rows(l, keys, values);
-    quantize(att_.data(), hh * dd);
-    product(lw.o, qx_, a, tmp_.data());
+    product(lw.o, att_.data(), a, hh * dd, tmp_.data());
     for (int64_t r = 0; r < a; ++r) {
       float* hr = h_.data() + r * hid;
       const float* tr = tmp_.data() + r * hid;
       for (int64_t i = 0; i < hid; ++i) hr[i] += tr[i];
       rms_norm(hr, lw.post_norm.data<float>(), hid, d_.eps, x_.data() + r * hid);
     }
-    quantize(x_.data(), hid);
-    product(lw.gate_up, qx_, a, gu_.data());
+    product(lw.gate_up, x_.data(), a, hid, gu_.data());
     for (int64_t r = 0; r < a; ++r) {
       const float* g = gu_.data() + r * 2 * inter;
       float* o = act_.data() + r * inter;
       for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
     }
-    quantize(act_.data(), inter);
-    product(lw.down, qx_, a, tmp_.data());
+    product(lw.down, act_.data(), a, inter, tmp_.data());
     const float* next = l + 1 < nl ? layers_[l + 1].input_norm.data<float>() : norm_.data<float>();
     for (int64_t r = 0; r < a; ++r) {
       float* hr = h_.data() + r * hid;
@@ -321,8 +329,7 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
       rms_norm(hr, next, hid, d_.eps, x_.data() + r * hid);
     }
   }
-  quantize(x_.data(), hid);
-  product(head_, qx_, a, out_.data());
+  product(head_, x_.data(), a, hid, out_.data());
   for (int64_t r = 0; r < a; ++r) std::memcpy(logits + rows_[r] * v, out_.data() + r * v, sizeof(float) * v);
 }
 
