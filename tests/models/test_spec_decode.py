@@ -99,6 +99,18 @@ def test_greedy_is_token_identical_in_batches_with_preemption(tiny32, caching, c
     assert spec.kv_stats().preemptions > 0
 
 
+def test_native_verify_is_the_decode_step_token_for_token(tiny):
+    """On the native CPU path (4-bit weights) a verify row runs as one-token rows of the decode
+    step: greedy output equals decoding without speculation, token for token, in batches."""
+    prompts = _prompts(8, seed=3)
+    params = [SamplingParams(max_new_tokens=24 + i) for i in range(8)]
+    a, b, spec = _pair(tiny, prompts, params, max_batch=4, max_len=128, prefill_chunk=16)
+    assert spec.decode_backend.verifies_as_rows  # the native step, not the multi-token forward
+    assert a == b
+    stats = spec.spec_decode_stats()
+    assert stats["spec_decode_num_drafts"] > 10 and stats["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_prefix_hits_and_shared_prompts_stay_identical(tiny32):
     """n completions of one prompt (prefix hits, blocks shared) next to other rows."""
     prompts = [_prompts(1, seed=3)[0]] * 4 + _prompts(3, seed=4)

@@ -46,6 +46,13 @@ class DecodeBackend(Protocol[StateT]):
     def reads_own_length(self) -> bool:
         """Each row reads its own length: a compiled decode spans ``max_len``, one graph per row count."""
 
+    @property
+    def verifies_as_rows(self) -> bool:
+        """A speculative verify row of k + 1 tokens runs as k + 1 one-token rows through
+        :meth:`decode` (sharing its block table, at consecutive positions: each attends to the
+        K/V the earlier ones wrote in the same layer), so a verified position's logits are bit for
+        bit a plain decode step's; else it runs in the multi-token forward."""
+
     def decode(self, state: StateT, cache: PagedKVCache, rows: Rows, h: mx.array) -> mx.array | None:
         """Logits ``(B, vocab)`` of one-token rows from their embeddings ``h`` ``(B, hidden)``, the
         K/V written in place; None: run the shared decoder's generic path."""

@@ -49,6 +49,7 @@ class GenericDecode:
 
     sdpa: bool = False
     reads_own_length: bool = False
+    verifies_as_rows: bool = False
 
     @property
     def name(self) -> str:
@@ -74,6 +75,7 @@ class FusedDecode:
     name: str = "fused"
     sdpa: bool = False
     reads_own_length: bool = True
+    verifies_as_rows: bool = False
 
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """The decode forward from the embedded tokens ``h`` ``(B, hidden)`` over the blocks of

@@ -15,8 +15,10 @@ to a multiple of :data:`KV_BUCKET`; a prefill to power-of-two rows and tokens (a
 have ``n_valid`` 0, write only the null block and are never attended, so outputs do not change.
 
 Speculative verify rows (:class:`~.scheduler.VerifyRow`, k + 1 tokens each) run in the prefill
-forward as multi-token rows starting at their cache length, like later prefill chunks (never
-through the one-token decode backends), with logits at every position (``Rows.gather``); each
+forward as multi-token rows starting at their cache length, like later prefill chunks, with logits
+at every position (``Rows.gather``), or, where the decode backend ``verifies_as_rows`` (the native
+CPU step), as k + 1 one-token rows of the decode backend (a verified position's logits bit for bit
+a plain decode step's); each
 position is sampled with the row's chain (:meth:`ModelRunner._verify`) and :meth:`land` accepts
 the drafts' longest reproduced prefix (:func:`~.spec_decode.accepted`), puts the last emitted
 token in the row token array and rewinds a sampled row's generator to one draw per emitted token.
@@ -134,8 +136,12 @@ class ModelRunner:
         for r in plan.started:
             self._start(r)
         flight = Flight(self._tokens)
-        if plan.prefills or plan.verifies:
-            self._prefill((*plan.prefills, *plan.verifies), flight)
+        as_rows = plan.verifies if self.decode_backend.verifies_as_rows else ()
+        spans: tuple[Span, ...] = (*plan.prefills, *(() if as_rows else plan.verifies))
+        if spans:
+            self._prefill(spans, flight)
+        if as_rows:
+            self._verify_as_rows(as_rows, flight)
         if plan.decodes:
             self._decode(plan.decodes, flight)
         if not flight.produced and not flight.verifies:
@@ -305,6 +311,25 @@ class ModelRunner:
         if len(decodes) < hi:
             logits = logits[mx.array(rows_used)]
         self._sample(logits, [d.request for d in decodes], rows_used, flight)
+
+    def _verify_as_rows(self, verifies: tuple[VerifyRow, ...], flight: Flight) -> None:
+        """The verify rows through the decode backend (``verifies_as_rows``): each of a row's k + 1
+        tokens one decode row at its position, all sharing the row's block table, then every
+        position sampled as :meth:`_verify` does."""
+        tokens = np.concatenate([v.tokens for v in verifies]).astype(np.int32)
+        start = np.concatenate([v.start + np.arange(len(v.tokens), dtype=np.int32) for v in verifies])
+        kv_len = int(start.max()) + 1
+        width = self._width(kv_len)
+        table = np.zeros((len(tokens), width), dtype=np.int32)
+        i = 0
+        for v in verifies:
+            blocks = v.request.kv.blocks[:width]
+            table[i:i + len(v.tokens), : len(blocks)] = blocks
+            i += len(v.tokens)
+        n = len(tokens)
+        rows = Rows(mx.array(tokens[:, None]), mx.array(start), mx.ones((n,), dtype=mx.int32), kv_len,
+                    mx.zeros((n,), dtype=mx.int32), mx.array(table), dense=n == 1)
+        self._verify(layers.forward(self.state, self.cache, rows, self.decode_backend), list(verifies), flight)
 
     def _decode_table(self, decodes: tuple[DecodeRow, ...], hi: int, kv_len: int) -> np.ndarray:
         """``(hi, width)`` block table of rows ``0..hi-1`` for a span of ``kv_len``, from the

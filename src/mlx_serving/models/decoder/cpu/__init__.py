@@ -44,6 +44,7 @@ class NativeDecode:
     name: str = "native"
     sdpa: bool = False
     reads_own_length: bool = True
+    verifies_as_rows: bool = True  # a verify is the decode step's own products and attention: exact
 
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """Logits ``(B, vocab)`` float32 of one-token ``rows`` from their embeddings ``h``
