@@ -30,6 +30,7 @@ from mlx_serving.models.generation.spec_decode.draft import DraftModelError
 from mlx_serving.models.generation.spec_decode.verify import chain_probs, rejection_tokens
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
+from mlx_serving.models import text_generation
 from mlx_serving.models.text_generation import GenerationOptions
 
 _SMALL_VOCAB = {"vocab_size": 512}  # the sampled tests sort the vocabulary at every position
@@ -254,3 +255,16 @@ def test_close_mid_speculation_frees_the_draft_pool(small, small_ckpts):
     assert draft.num_rows == 3 and draft.kv.stats().blocks_used > 0
     engine.close()
     assert draft.num_rows == 0 and draft.kv.stats().blocks_used == 0 and not draft.cache.keys
+
+
+def test_the_cli_refuses_a_draft_it_cannot_find_by_name(tiny32_ckpt, tmp_path, capsys):
+    """A draft model that does not resolve is refused when the serving is built, in the caller:
+    the CLI says which field in one line and exits 2 (not a backend error on the first request)."""
+    from mlx_serving.cli import main
+
+    spec = json.dumps({"method": "draft_model", "model": str(tmp_path / "missing"), "num_speculative_tokens": 3})
+    with pytest.raises(DraftModelError, match=r"^speculative_config.model .* cannot be loaded"):
+        text_generation.from_mlx4bit(tiny32_ckpt, speculative_config=spec)
+    assert main(["generate", "--model", str(tiny32_ckpt), "--max-new-tokens", "2", "--raw",
+                 "--speculative-config", spec, "hi"]) == 2
+    assert "error: speculative_config.model" in capsys.readouterr().err

@@ -72,6 +72,7 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     """
     opts = GenerationOptions(**options)
     _check_budget(state, opts)
+    _check_draft(opts)
     tokenizer.byte_table()  # built once per tokenizer and cached (0.1-0.35 s for Qwen3)
     per_token = max_bytes_per_token(tokenizer)  # prompts longer than this x max_len never fit
     constraints = _LazyConstraints(tokenizer, state.config.vocab_size)
@@ -129,6 +130,22 @@ def _check_budget(state: State, opts: GenerationOptions) -> None:
     if cache.kv_cache_bytes is not None:
         plan_blocks(state, 1, cache.max_len, cache.kv_cache_bytes, block_size=cache.block_size,
                     kv_cache_dtype=cache.kv_cache_dtype)
+
+
+def _check_draft(opts: GenerationOptions) -> None:
+    """A "draft_model" speculative config's model must resolve here, in the caller (the engine
+    loads it on the executor thread, where a failure would reach the first request as a
+    BackendError). Raises DraftModelError (a ValueError naming ``speculative_config.model``)."""
+    spec = opts.engine.speculative
+    if spec is None or spec.method != "draft_model" or spec.model is None:
+        return
+    from ..generation.spec_decode.draft import DraftModelError
+    from ..sources import resolve
+
+    try:
+        resolve(spec.model)
+    except (OSError, ValueError) as e:
+        raise DraftModelError(f"speculative_config.model {spec.model!r} cannot be loaded: {e}") from e
 
 
 class _LazyConstraints:
