@@ -22,6 +22,8 @@ from mlx_serving.models.generation.config import CacheConfig
 from mlx_serving.models.loader import load
 from mlx_serving.models.text_generation._options import GenerationOptions
 
+from engine_runs import run_workload, step_to_end
+
 DTYPES = ("auto", "int8", "int4")
 BS = 16
 
@@ -39,13 +41,7 @@ def _blocks(state, dtype: str, n: int) -> int:
 
 
 def _run(engine: Engine, max_steps: int = 3000) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for _ in range(max_steps):
-        if not engine.num_active:
-            return out
-        for ev in engine.step():
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
-    raise AssertionError("engine did not finish")
+    return step_to_end(engine, max_steps=max_steps)
 
 
 _SOLO: dict = {}
@@ -218,20 +214,7 @@ def test_random_workloads_with_cancels_keep_outputs_and_free_every_block(tiny32,
         p = SamplingParams(max_new_tokens=data.draw(st.integers(1, 10)),
                            temperature=data.draw(st.sampled_from([0.0, 1.0])), seed=i)
         specs.append((prompt, p, data.draw(st.integers(0, 4)), data.draw(st.one_of(st.none(), st.integers(0, 8)))))
-    out: dict[int, list[int]] = {}
-    cancelled: set[int] = set()
-    for t in range(3000):
-        for i, (prompt, p, arrive, cancel) in enumerate(specs):
-            if arrive == t:
-                engine.add(i, prompt, p)
-            if cancel is not None and arrive + cancel == t:
-                engine.cancel(i)
-                cancelled.add(i)
-        if t > 4 and not engine.num_active:
-            break
-        for ev in engine.step():
-            assert ev.seq_id not in cancelled
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
+    out, cancelled = run_workload(engine, specs, settle=4)
     for i, (prompt, p, _, _) in enumerate(specs):
         solo = _solo(tiny32, dtype, prompt, p)
         got = out.get(i, [])

@@ -18,6 +18,8 @@ from mlx_serving.models.generation import BlockPool, Engine, EngineConfig, block
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation import SamplingParams, generate
 
+from engine_runs import run_workload, step_to_end
+
 BS = 16
 
 
@@ -30,13 +32,7 @@ def _budget(state, blocks: int) -> int:
 
 
 def _run(engine: Engine, max_steps: int = 2000) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for _ in range(max_steps):
-        if not engine.num_active:
-            return out
-        for ev in engine.step():
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
-    raise AssertionError("engine did not finish")
+    return step_to_end(engine, max_steps=max_steps)
 
 
 _SOLO: dict = {}
@@ -184,22 +180,7 @@ def test_random_workloads_keep_outputs_and_free_every_block(tiny32, data):
         arrive = data.draw(st.integers(0, 6))
         cancel = data.draw(st.one_of(st.none(), st.integers(0, 12)))
         specs.append((prompt, p, arrive, cancel))
-    out: dict[int, list[int]] = {}
-    cancelled: set[int] = set()
-    for t in range(3000):
-        for i, (prompt, p, arrive, cancel) in enumerate(specs):
-            if arrive == t:
-                engine.add(i, prompt, p)
-            if cancel is not None and arrive + cancel == t:
-                engine.cancel(i)
-                cancelled.add(i)
-        if t > 6 and not engine.num_active:
-            break
-        for ev in engine.step():
-            assert ev.seq_id not in cancelled
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
-        s = engine.kv_stats()
-        assert 0 <= s.blocks_used <= s.blocks_total and s.blocks_used + s.blocks_free == s.blocks_total
+    out, cancelled = run_workload(engine, specs, settle=6, each_step=_blocks_add_up)
     assert not engine.num_active
     for i, (prompt, p, _, _) in enumerate(specs):
         solo = _solo(tiny32, prompt, p)
@@ -208,6 +189,11 @@ def test_random_workloads_keep_outputs_and_free_every_block(tiny32, data):
         else:
             assert out[i] == solo
     _all_free(engine)
+
+
+def _blocks_add_up(engine: Engine) -> None:
+    s = engine.kv_stats()
+    assert 0 <= s.blocks_used <= s.blocks_total and s.blocks_used + s.blocks_free == s.blocks_total
 
 
 def test_text_generation_backend_exposes_kv_stats(tiny32):

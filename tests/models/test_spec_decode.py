@@ -30,6 +30,8 @@ from mlx_serving.models.generation.spec_decode.adaptive import ALPHA
 from mlx_serving.models.generation.spec_decode.speculator import MIN_RATE
 from mlx_serving.models.text_generation import GenerationOptions
 
+from engine_runs import run_to_end as _run
+
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -42,22 +44,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
         base = [int(x) for x in rng.integers(0, 1000, 10)]
         out.append((base * 3 + base[: i % 7])[: 20 + 3 * i])
     return out
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-         cancel: dict[int, int] | None = None) -> dict[int, list[int]]:
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add(i, p, sp)
-    out: dict[int, list[int]] = {}
-    for step in range(3000):
-        if not engine.num_active:
-            return out
-        for i, at in (cancel or {}).items():
-            if at == step:
-                engine.cancel(i)
-        for ev in engine.step():
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
-    raise AssertionError("engine did not finish")
 
 
 def _all_free(engine: Engine) -> None:

@@ -33,6 +33,8 @@ from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models import text_generation
 from mlx_serving.models.text_generation import GenerationOptions
 
+from engine_runs import run_to_end as _run
+
 _SMALL_VOCAB = {"vocab_size": 512}  # the sampled tests sort the vocabulary at every position
 
 
@@ -58,22 +60,6 @@ def small(small_ckpts: tuple[Path, Path]) -> State:
 def _prompts(n: int, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(0, vocab, 12 + 5 * i)] for i in range(n)]
-
-
-def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
-         cancel: dict[int, int] | None = None) -> dict[int, list[int]]:
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add(i, p, sp)
-    out: dict[int, list[int]] = {}
-    for step in range(3000):
-        if not engine.num_active:
-            return out
-        for i, at in (cancel or {}).items():
-            if at == step:
-                engine.cancel(i)
-        for ev in engine.step():
-            out.setdefault(ev.seq_id, []).append(ev.token_id)
-    raise AssertionError("engine did not finish")
 
 
 def _all_free(engine: Engine) -> None:
