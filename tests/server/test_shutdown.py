@@ -46,7 +46,7 @@ def test_sigterm_lets_an_open_stream_finish_within_the_grace(tiny_ckpt: Path):
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert "error" not in json.dumps(chunks)
+    assert not any("error" in c for c in chunks)  # no error event (the sampled text itself may say "error")
 
 
 def test_sigterm_ends_a_stream_past_the_grace_with_an_error_event(tiny_ckpt: Path):
