@@ -174,11 +174,11 @@ def test_gzip_bomb_in_one_member(tdir):
 
 @pytest.mark.parametrize("payload,pattern", [
     (b"not gzip at all", "not a valid gzip file"),
-    (gzip.compress(SMALL.encode())[:200], "not a valid gzip file"),  # truncated
-    (gzip.compress(b"\xff\xfe\xfd"), "not UTF-8"),
-    (gzip.compress(b"[1, 2]"), "not a valid tokenizer.json"),
+    (gzip.compress(SMALL.encode(), mtime=0)[:200], "not a valid gzip file"),  # truncated
+    (gzip.compress(b"\xff\xfe\xfd", mtime=0), "not UTF-8"),
+    (gzip.compress(b"[1, 2]", mtime=0), "not a valid tokenizer.json"),
     (b"", "not a valid tokenizer.json"),  # an empty gzip file reads as empty
-])
+], ids=["not gzip", "truncated", "not UTF-8", "not JSON", "empty"])  # stable ids (pytest-xdist)
 def test_malformed_gzip(tdir, payload, pattern):
     _gz_dir(tdir, payload)
     _refused(tdir, TokenizationError, "tokenizer.json.gz", pattern)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -261,7 +262,7 @@ BAD_CONFIG = [
 ]
 
 
-@pytest.mark.parametrize("fields,exc,names", BAD_CONFIG, ids=[repr(f)[:40] for f, _, _ in BAD_CONFIG])
+@pytest.mark.parametrize("fields,exc,names", BAD_CONFIG, ids=[re.sub(r" at 0x[0-9a-f]+", "", repr(f))[:40] for f, _, _ in BAD_CONFIG])
 def test_bad_config_is_named(ckpts, tmp_path, fields, exc, names):
     d = copy_with_config(ckpts["q4"], tmp_path / "ckpt", **fields)
     for call in (load, read_config):
