@@ -54,7 +54,7 @@ NB_MODULE(_kernels, m) {
   m.def("force_portable", &ms::force_portable,
         "Run the portable loops even where AVX2 + FMA are present (for tests; no effect off x86-64).");
 
-  nb::class_<ms::QMatrix>(m, "QMatrix", "An affine-quantized matrix (MLX's layout) for the CPU decoder.")
+  nb::class_<ms::QMatrix>(m, "QMatrix", "An affine-quantized matrix (MLX's layout), packed once for the CPU decoder's int8 products.")
       .def(nb::init<array, array, array, std::optional<array>, int, int>(), nb::arg("w"), nb::arg("scales"),
            nb::arg("biases"), nb::arg("bias").none(), nb::arg("bits"), nb::arg("group_size"));
   nb::class_<ms::LayerWeights>(m, "LayerWeights", "One decoder layer's weights for the CPU decoder.")
@@ -87,6 +87,9 @@ NB_MODULE(_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("threads"),
         "x (..., K) float32 @ dequantize(w).T -> (..., N) with x quantized to int8 per block of 32 (the int8 GEMM "
         "of the native prefill, on a pool of ``threads``).");
+  m.def("int8_packed_matmul", &ms::int8_packed_matmul, nb::arg("m"), nb::arg("x"), nb::arg("threads"),
+        "x (..., K) float32 @ dequantize(m).T (+ bias) -> (..., N) with x quantized to int8 per block of 32 (the "
+        "int8 GEMM over m's weights packed at load, on a pool of ``threads``).");
   m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
   m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
         "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");

@@ -30,6 +30,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "pack.h"
 #include "pool.h"
 #include "qgemm.h"
 #include "qdot.h"
@@ -53,18 +54,6 @@ mx::array ready(const mx::array& a) {
 
 void need(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("cpu decoder: " + what);
-}
-
-QMatrixView view(const QMatrix& m) {
-  return {reinterpret_cast<const uint8_t*>(m.w.data<uint32_t>()),
-          m.scales.data<void>(),
-          m.biases.data<void>(),
-          m.bias ? m.bias->data<float>() : nullptr,
-          m.scales.dtype() == mx::float16,
-          m.bits,
-          m.group,
-          static_cast<int64_t>(m.w.shape(0)),
-          static_cast<int64_t>(m.w.shape(1)) * 32 / m.bits};
 }
 
 void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
@@ -120,20 +109,26 @@ void axpy(float a, const float* x, float* y, int64_t n, bool vec) {
 
 QMatrix::QMatrix(mx::array w_, mx::array scales_, mx::array biases_, std::optional<mx::array> bias_, int bits_,
                  int group_size)
-    : w(ready(w_)), scales(ready(scales_)), biases(ready(biases_)), bits(bits_), group(group_size) {
+    : bits(bits_), group(group_size) {
   need(bits == 4 || bits == 8, "bits must be 4 or 8");
   need(group == 32 || group == 64 || group == 128, "group_size must be 32, 64 or 128");
+  const mx::array w = ready(w_), scales = ready(scales_), biases = ready(biases_);
   need(w.dtype() == mx::uint32 && w.ndim() == 2, "w must be (N, K * bits / 32) uint32");
-  const int64_t k = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  const int64_t n = w.shape(0), k = static_cast<int64_t>(w.shape(1)) * 32 / bits;
   need(scales.dtype() == biases.dtype() && (scales.dtype() == mx::float32 || scales.dtype() == mx::float16),
        "scales and biases must be both float32 or both float16");
   need(scales.ndim() == 2 && scales.shape() == biases.shape() && scales.shape(0) == w.shape(0) &&
            scales.shape(1) * group == k && k % 32 == 0,
        "scales and biases must be (N, K / group_size)");
+  std::optional<mx::array> bias;
   if (bias_) {
     bias = ready(mx::astype(*bias_, mx::float32));
     need(bias->ndim() == 1 && bias->shape(0) == w.shape(0), "bias must be (N,)");
   }
+  packed = std::make_shared<const PackedMatrix>(pack({reinterpret_cast<const uint8_t*>(w.data<uint32_t>()),
+                                                      scales.data<void>(), biases.data<void>(),
+                                                      bias ? bias->data<float>() : nullptr,
+                                                      scales.dtype() == mx::float16, bits, group, n, k}));
 }
 
 class Decoder {
@@ -143,7 +138,7 @@ class Decoder {
       : d_(d), layers_(std::move(layers)), norm_(std::move(norm)), head_(std::move(head)),
         inv_freq_(std::move(inv_freq)), pool_(threads) {}
 
-  int64_t vocab() const { return head_.w.shape(0); }
+  int64_t vocab() const { return head_.packed->n; }
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   const DecoderDims& dims() const { return d_; }
 
@@ -172,33 +167,16 @@ class Decoder {
   // per-step buffers (compacted real rows)
   std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
   std::vector<float> h_, x_, qkv_, att_, tmp_, gu_, act_, out_;
-  std::vector<QuantRow> qx_;
-  QuantRows qrows_;  // the activations of a step of kGemmRows+ rows, in the GEMM's layout
+  QuantRows qrows_;  // a product's activations, in the packed weights' layout
 };
 
-// Rows from which a product runs as the int8 GEMM (qgemm.cpp: each weight panel unpacked once for
-// all rows) instead of one qgemv per column chunk. Both give each (row, column) bit for bit, so a
-// row's result does not depend on how many rows share its step.
-constexpr int64_t kGemmRows = 4;
-
 // y (rows, n) = x (rows, k) float32 @ dequantize(m).T (+ bias), the activations rounded to int8 per
-// block of 32 (QuantRow's rounding in both layouts).
+// block of 32 (QuantRow's rounding), the packed weights read as they lie whatever the rows (1-3
+// rows run micro tiles of as many rows): each (row, column) bit for bit the same, so a row's result
+// does not depend on how many rows share its step.
 void Decoder::product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y) {
-  const QMatrixView v = view(m);
-  if (rows >= kGemmRows) {
-    qrows_.quantize(x, rows, k, pool_);
-    qgemm(v, qrows_, y, isa_, pool_);
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) qx_[r].quantize(x + r * k, k);
-  const int64_t n = v.n, tasks_wanted = 8 * pool_.threads();
-  const int64_t chunk = std::max<int64_t>(8, (n / tasks_wanted + 7) / 8 * 8);
-  const int64_t tasks = (n + chunk - 1) / chunk;
-  const Isa isa = isa_;
-  pool_.run(tasks, [&](int64_t t) {
-    const int64_t n0 = t * chunk;
-    qgemv(v, qx_.data(), rows, n0, std::min(n, n0 + chunk), y, n, isa);
-  });
+  qrows_.quantize(x, rows, k, pool_);
+  qgemm(*m.packed, qrows_, y, isa_, pool_);
 }
 
 void Decoder::attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values) {
@@ -264,7 +242,6 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
   gu_.resize(a * 2 * inter);
   act_.resize(a * inter);
   out_.resize(a * v);
-  qx_.resize(a);
   for (int64_t r = 0; r < a; ++r) std::memcpy(h_.data() + r * hid, h_in + rows_[r] * hid, sizeof(float) * hid);
   // RoPE angles of each row's position (shared by every layer and head)
   std::vector<float> cs(a * half), sn(a * half);
@@ -401,8 +378,7 @@ DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeigh
   };
   const int64_t qkv_out = (dims.heads + 2 * dims.kv_heads) * dims.head_dim;
   auto check = [](const QMatrix& m, int64_t n, int64_t k, const char* what) {
-    need(m.w.shape(0) == n && static_cast<int64_t>(m.w.shape(1)) * 32 / m.bits == k,
-         std::string(what) + " has the wrong shape");
+    need(m.packed->n == n && m.packed->k == k, std::string(what) + " has the wrong shape");
   };
   for (const auto& l : layers) {
     check(l.qkv, qkv_out, dims.hidden, "qkv");
@@ -419,7 +395,7 @@ DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeigh
     }
     own.push_back(std::move(c));
   }
-  check(head, head.w.shape(0), dims.hidden, "the head");
+  check(head, head.packed->n, dims.hidden, "the head");
   mx::array f = vec(inv_freq, dims.head_dim / 2, "inv_freq");
   std::vector<float> freqs(f.data<float>(), f.data<float>() + f.size());
   return {std::make_shared<Decoder>(dims, std::move(own), vec(norm, dims.hidden, "norm"), head, std::move(freqs),
@@ -463,14 +439,16 @@ std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array&
 
 mx::array int8_matmul(const QMatrix& m, const mx::array& x) {
   mx::array xc = ready(mx::astype(x, mx::float32));
-  const QMatrixView v = view(m);
-  need(xc.ndim() == 2 && xc.shape(1) == v.k, "x must be (M, K) float32");
+  const PackedMatrix& p = *m.packed;
+  need(xc.ndim() == 2 && xc.shape(1) == p.k, "x must be (M, K) float32");
   const int64_t rows = xc.shape(0);
-  std::vector<QuantRow> q(rows);
-  for (int64_t r = 0; r < rows; ++r) q[r].quantize(xc.data<float>() + r * v.k, v.k);
-  std::vector<float> y(rows * v.n);
-  qgemv(v, q.data(), rows, 0, v.n, y.data(), v.n, best_isa());
-  return mx::array(y.begin(), {static_cast<int>(rows), static_cast<int>(v.n)}, mx::float32);
+  Pool one(1);
+  QuantRows q;
+  q.quantize(xc.data<float>(), rows, p.k, one);
+  std::vector<float> y(rows * p.n);
+  const Isa isa = best_isa();
+  for (int64_t r = 0; r < rows; ++r) qgemm_range(p, q, r, r + 1, 0, p.n, y.data(), isa);
+  return mx::array(y.begin(), {static_cast<int>(rows), static_cast<int>(p.n)}, mx::float32);
 }
 
 std::string decoder_isa() { return isa_name(best_isa()); }

@@ -10,10 +10,14 @@
 
 namespace mlx_serving {
 
-// An affine-quantized matrix of the model (MLX's layout): see QMatrixView in qdot.h.
+struct PackedMatrix;
+
+// An affine-quantized matrix of the model, given in MLX's layout (see QMatrixView in qdot.h) and
+// packed once, on construction, for the int8 products (pack.h): the packed copy is what the
+// decoder and the native prefill read (shared between copies of this handle); the given arrays
+// are not kept. Raises std::invalid_argument on a layout it does not take.
 struct QMatrix {
-  mlx::core::array w, scales, biases;
-  std::optional<mlx::core::array> bias;
+  std::shared_ptr<const PackedMatrix> packed;
   int bits, group;
   QMatrix(mlx::core::array w, mlx::core::array scales, mlx::core::array biases, std::optional<mlx::core::array> bias,
           int bits, int group_size);
@@ -40,7 +44,7 @@ struct DecoderHandle {
   std::shared_ptr<Decoder> ptr;
 };
 
-// Build the decoder over ``layers`` (the arrays are shared, not copied); ``inv_freq`` (head_dim / 2,)
+// Build the decoder over ``layers`` (the norms shared, not copied; the matrices' packed copies shared); ``inv_freq`` (head_dim / 2,)
 // float32 RoPE inverse frequencies; ``threads`` the pool's size. Raises std::invalid_argument on
 // shapes or dtypes it does not take.
 DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeights>& layers,
@@ -57,7 +61,8 @@ std::vector<mlx::core::array> decode_step(const DecoderHandle& decoder, const ml
                                           const std::vector<mlx::core::array>& keys,
                                           const std::vector<mlx::core::array>& values, int block_size);
 
-// Reference pieces for the tests: y = x @ dequantize(m).T (+ bias) with int8 activations, (M, K) float32.
+// Reference pieces for the tests: y = x @ dequantize(m).T (+ bias) with int8 activations, (M, K)
+// float32, on the calling thread, one row at a time (the one-row micro kernel).
 mlx::core::array int8_matmul(const QMatrix& m, const mlx::core::array& x);
 std::string decoder_isa();
 

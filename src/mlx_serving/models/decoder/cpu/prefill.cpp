@@ -2,7 +2,8 @@
 // many rows with int8 activations (qgemm.cpp), for the shared decoder's prefill forward on the
 // "native" path (models/decoder/cpu/prefill.py): norms, RoPE and attention stay MLX operations.
 //
-// The GEMM runs on one pool kept alive across calls (pool.h), made for the first call's thread
+// The weights are the matrix's packed copy (pack.h), made once with the decoder (QMatrix): no call
+// unpacks them. The GEMM runs on one pool kept alive across calls (pool.h), made for the first call's thread
 // count (again when a call asks for another); calls take turns on it (a mutex), as MLX runs the
 // primitives of one CPU stream one after another anyway. The quantized rows' buffer is kept too.
 
@@ -16,6 +17,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "pack.h"
 #include "qgemm.h"
 
 namespace mx = mlx::core;
@@ -32,7 +34,7 @@ std::mutex pool_lock;
 std::unique_ptr<Pool> pool;  // guarded by pool_lock, as rows
 QuantRows quant_rows;
 
-void run(const QMatrixView& m, const float* x, int64_t rows, float* y, int threads) {
+void run(const PackedMatrix& m, const float* x, int64_t rows, float* y, int threads) {
   std::lock_guard<std::mutex> guard(pool_lock);
   if (!pool || pool->threads() != threads) pool = std::make_unique<Pool>(threads);
   quant_rows.quantize(x, rows, m.k, *pool);
@@ -41,27 +43,17 @@ void run(const QMatrixView& m, const float* x, int64_t rows, float* y, int threa
 
 class Int8Matmul : public mx::Primitive {
  public:
-  Int8Matmul(mx::Stream stream, int bits, int group, int threads)
-      : mx::Primitive(stream), bits_(bits), group_(group), threads_(threads) {}
+  Int8Matmul(mx::Stream stream, std::shared_ptr<const PackedMatrix> m, int threads)
+      : mx::Primitive(stream), m_(std::move(m)), threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
-    const auto& w = inputs[1];
-    const QMatrixView m{reinterpret_cast<const uint8_t*>(w.data<uint32_t>()),
-                        inputs[2].data<void>(),
-                        inputs[3].data<void>(),
-                        nullptr,
-                        inputs[2].dtype() == mx::float16,
-                        bits_,
-                        group_,
-                        static_cast<int64_t>(w.shape(0)),
-                        static_cast<int64_t>(w.shape(1)) * 32 / bits_};
-    encoder.dispatch([m, x = inputs[0].data<float>(), rows = static_cast<int64_t>(inputs[0].shape(0)),
-                      y = out.data<float>(), threads = threads_]() { run(m, x, rows, y, threads); });
+    encoder.dispatch([m = m_, x = inputs[0].data<float>(), rows = static_cast<int64_t>(inputs[0].shape(0)),
+                      y = out.data<float>(), threads = threads_]() { run(*m, x, rows, y, threads); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -72,11 +64,12 @@ class Int8Matmul : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Int8Matmul&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && threads_ == o.threads_;
+    return m_ == o.m_ && threads_ == o.threads_;
   }
 
  private:
-  int bits_, group_, threads_;
+  std::shared_ptr<const PackedMatrix> m_;
+  int threads_;
 };
 
 }  // namespace
@@ -97,15 +90,20 @@ mx::array int8_quantized_matmul(const mx::array& x, const mx::array& w, const mx
        "scales and biases must be (N, K / group_size)");
   need(x.dtype() == mx::float32 && x.ndim() >= 1 && x.shape(-1) == k,
        "x must be (..., K) float32 with K = " + std::to_string(k));
+  return int8_packed_matmul(QMatrix(w, scales, biases, std::nullopt, bits, group_size), x, threads);
+}
+
+mx::array int8_packed_matmul(const QMatrix& m, const mx::array& x, int threads) {
+  need(threads >= 1, "threads must be at least 1");
+  const int k = static_cast<int>(m.packed->k), n = static_cast<int>(m.packed->n);
+  need(x.dtype() == mx::float32 && x.ndim() >= 1 && x.shape(-1) == k,
+       "x must be (..., K) float32 with K = " + std::to_string(k));
   const auto dev = mx::Device(mx::Device::cpu);
   const int rows = static_cast<int>(x.size() / k);
   mx::Shape shape = x.shape();
   shape.back() = n;
-  std::vector<mx::array> inputs = {mx::contiguous(mx::reshape(x, {rows, k}, dev), false, dev),
-                                   mx::contiguous(w, false, dev), mx::contiguous(scales, false, dev),
-                                   mx::contiguous(biases, false, dev)};
-  mx::array y({rows, n}, mx::float32, std::make_shared<Int8Matmul>(mx::default_stream(dev), bits, group_size, threads),
-              std::move(inputs));
+  mx::array y({rows, n}, mx::float32, std::make_shared<Int8Matmul>(mx::default_stream(dev), m.packed, threads),
+              {mx::contiguous(mx::reshape(x, {rows, k}, dev), false, dev)});
   return mx::reshape(y, shape, dev);
 }
 

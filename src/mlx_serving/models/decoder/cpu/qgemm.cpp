@@ -1,29 +1,25 @@
-// The int8 GEMM of the native prefill (issue 39): y = x @ dequantize(w).T for many rows x at once,
-// activations quantized per block of 32 to int8 as the decode step's products (qdot.cpp).
+// The int8 products of the CPU decoder (issue 39): y = x @ dequantize(w).T for 1 to many rows x,
+// activations quantized per block of 32 to int8 (QuantRow's rounding), weights packed once when
+// the decoder is made (pack.h): the decode step's products (1-32 rows a step) and the native
+// prefill's (prefill.cpp) are this one kernel over one layout.
 //
-// Where a GEMV loop (qgemv) unpacks every weight block again for every row and sums each block's
-// 8 int32 lanes horizontally, here a task unpacks a panel of 32 weight columns once into bytes
-// (4-bit nibbles spread out) and reuses it across all the rows (or a chunk of them, where the
-// panels are too few for the threads). Activations and unpacked weights are interleaved by groups
-// of 8 blocks (BlockLayout), so one 32-byte load feeds one int32 lane per block: 8
-// multiply-accumulates (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd) leave the 8
-// blocks' exact integer sums in the 8 lanes, with no horizontal sums; a last group of 1-4 blocks
-// (SmolLM2's K = 576 is 18 blocks) takes two lanes per block, 4 steps and one pairwise sum, not 8
-// steps with half the lanes idle. A micro tile keeps 4 rows x 4 columns (2 x 4 on AVX2, which has
-// 16 registers) of these sums in registers.
+// Activations and weights are interleaved by groups of 8 blocks (BlockLayout), so one 32-byte
+// load feeds one int32 lane per block: 8 multiply-accumulates (AVX-512 VNNI's vpdpbusd, or AVX2's
+// vpmaddubsw + vpmaddwd) leave the 8 blocks' exact integer sums in the 8 lanes, with no horizontal
+// sums; a last group of 1-4 blocks (SmolLM2's K = 576 is 18 blocks) takes two lanes per block, 4
+// steps and one pairwise sum. 4-bit weights are read as they are stored: one 32-byte load, an and
+// and a shift give two vectors' values. A micro tile keeps MR rows x 4 columns of these sums in
+// registers (MR up to 4 with VNNI's 32 vector registers, 2 on AVX2's 16; fewer for the last rows:
+// a one-row decode step computes no padding rows).
 //
-// Numerics: the integer sums are exact, and each block's float scaling and accumulation follow
-// qgemv's order on the same ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets'
-// term beside it, the same horizontal sum at the end; the portable loop block by block), so every
-// (row, column) is bit for bit qgemv's: independent of the other rows, the tile it falls in and
-// the thread that runs it.
+// Numerics: the integer sums are exact; each block's float scaling and accumulation take one order
+// per ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets' term beside it, one
+// horizontal sum at the end; the portable loop block by block), so each (row, column) is bit for
+// bit the same whatever the other rows, the tile it falls in and the thread that runs it.
 
 #include "qgemm.h"
 
 #include <algorithm>
-#include <cstring>
-
-#include "mlx/types/half_types.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -36,105 +32,46 @@ namespace mlx_serving {
 
 namespace {
 
-constexpr int64_t kRowPad = 4;   // QuantRows pads its rows to this (the largest micro tile's rows)
-constexpr int64_t kNR = 4;       // the most columns per micro tile (a panel is padded to it)
-constexpr int64_t kPanel = 32;   // weight columns a task unpacks
-constexpr int64_t kMinChunk = 64;  // fewest rows a task runs its panel over
+constexpr int64_t kRowPad = 4;      // QuantRows pads its rows to this (the largest micro tile's rows)
+constexpr int64_t kRowChunk = 64;   // most rows a task runs its columns over
+constexpr int64_t kMaxTiles = 16;   // most column tiles a task takes (64 columns)
 
-float param(const void* p, bool half, int64_t i) {
-  return half ? static_cast<float>(static_cast<const mlx::core::float16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-
-// Copy the 32 values of block i into its place in a row laid out as ``at`` says.
-template <typename T>
-void interleave(const T* block, int64_t i, const BlockLayout& at, T* row) {
-  for (int ch = 0; ch < 8; ++ch) std::memcpy(row + at.offset(i, ch), block + 4 * ch, 4 * sizeof(T));
-}
-
-#ifdef QG_X86
-QG_AVX2 void spread_nibbles_avx2(const uint8_t* in, uint8_t* out) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in)), m4 = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_unpacklo_epi8(lo, hi));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_unpackhi_epi8(lo, hi));
-}
-#endif
-
-// The 32 4-bit values of one block (16 bytes, value 2t in byte t's low nibble) as 32 bytes.
-void spread_nibbles(const uint8_t* in, uint8_t* out, bool vector) {
-#ifdef QG_X86
-  if (vector) return spread_nibbles_avx2(in, out);
-#else
-  (void)vector;
-#endif
-  for (int t = 0; t < 16; ++t) {
-    out[2 * t] = in[t] & 0xF;
-    out[2 * t + 1] = in[t] >> 4;
-  }
-}
-
-// Weight columns [n0, n0 + cols) unpacked to one byte per value in the QuantRows order, the
-// columns padded to kNR with zeros; scales / offsets as float, 8 per group (padding 0).
-struct Panel {
-  int64_t n0 = 0, cols = 0;
-  std::vector<uint8_t> q;  // padded columns x at.row_bytes
-  std::vector<float> s, b;
-
-  void unpack(const QMatrixView& m, int64_t first, int64_t last, const BlockLayout& at, bool vector) {
-    n0 = first;
-    cols = last - first;
-    const int64_t padded = (cols + kNR - 1) / kNR * kNR, groups = at.groups;
-    q.assign(padded * at.row_bytes, 0);
-    s.assign(padded * groups * 8, 0.f);
-    b.assign(padded * groups * 8, 0.f);
-    const int64_t blocks = m.k / 32, per = m.group / 32, row_groups = m.k / m.group, row_bytes = m.k * m.bits / 8;
-    uint8_t v[32];
-    for (int64_t c = 0; c < cols; ++c) {
-      const uint8_t* w = m.w + (first + c) * row_bytes;
-      for (int64_t i = 0; i < blocks; ++i) {
-        if (m.bits == 4) {
-          spread_nibbles(w + 16 * i, v, vector);
-        } else {
-          std::memcpy(v, w + 32 * i, 32);
-        }
-        interleave(v, i, at, q.data() + c * at.row_bytes);
-        const int64_t slot = (c * groups + i / 8) * 8 + i % 8, src = (first + c) * row_groups + i / per;
-        s[slot] = param(m.scales, m.half, src);
-        b[slot] = param(m.biases, m.half, src);
-      }
-    }
-  }
-};
-
-// Rows [r0, r1) x the panel's columns, block by block in qgemv's portable order.
-void panel_portable(const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, const float* bias, float* y,
-                    int64_t ldy) {
+// Rows [r0, r1) x columns [c0, c1), block by block.
+void range_portable(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                    float* y) {
   const BlockLayout& at = x.at;
   const int64_t g = at.groups;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = 0; c < p.cols; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int8_t* xq = x.q.data() + r * at.row_bytes;
       float acc = 0.f, bacc = 0.f;
       for (int64_t i = 0; i < at.blocks; ++i) {
-        const int8_t* xq = x.q.data() + r * at.row_bytes;
-        const uint8_t* wq = p.q.data() + c * at.row_bytes;
         int32_t d = 0;
-        for (int ch = 0; ch < 8; ++ch)
-          for (int t = 0; t < 4; ++t) d += wq[at.offset(i, ch) + t] * xq[at.offset(i, ch) + t];
-        const int64_t wi = (c * g + i / 8) * 8 + i % 8, xi = (r * g + i / 8) * 8 + i % 8;
-        acc += p.s[wi] * x.dx[xi] * static_cast<float>(d);
-        bacc += p.b[wi] * x.sum[xi];
+        for (int j = 0; j < 32; ++j) d += m.value(c, i, j) * xq[at.offset(i, j / 4) + j % 4];
+        const int64_t wi = m.param(c / kTileCols, i / 8, c % kTileCols) + i % 8, xi = (r * g + i / 8) * 8 + i % 8;
+        acc += m.scale(wi) * x.dx[xi] * static_cast<float>(d);
+        bacc += m.offset(wi) * x.sum[xi];
       }
-      y[r * ldy + p.n0 + c] = acc + bacc + (bias ? bias[p.n0 + c] : 0.f);
+      y[r * m.n + c] = acc + bacc + (m.bias.empty() ? 0.f : m.bias[c]);
     }
 }
 
 #ifdef QG_X86
-QG_AVX2 inline float hsum8(__m256 v) {  // qdot.cpp's order
+QG_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
+
+template <bool Half>
+QG_AVX2 inline __m256 params8(const void* base, int64_t slot) {
+  if constexpr (Half)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + slot)));
+  else return _mm256_loadu_ps(static_cast<const float*>(base) + slot);
+}
+
+QG_AVX2 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 // a + the int32 sums of 4 products each (8 lanes) of unsigned weights by signed activations.
 template <int Bits>
@@ -152,82 +89,105 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
 
 QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
 
-// One micro tile: rows r0..r0+MR x columns c0..c0+NR of the panel (results stored for the first
-// ``rows`` x ``cols`` of them; the rest is padding).
-#define QG_MICRO(ACC)                                                                                        \
-  const int64_t g = x.at.groups, rb = x.at.row_bytes;                                                        \
-  __m256 fa[MR][NR], fb[MR][NR];                                                                             \
-  for (int m = 0; m < MR; ++m)                                                                               \
-    for (int n = 0; n < NR; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                                 \
-  for (int64_t k = 0; k < g; ++k) {                                                                          \
-    const bool pairs = x.at.pairs && k == x.at.full; /* 1-4 blocks, two lanes each: 4 steps */              \
-    __m256i ia[MR][NR];                                                                                      \
-    for (int m = 0; m < MR; ++m)                                                                             \
-      for (int n = 0; n < NR; ++n) ia[m][n] = _mm256_setzero_si256();                                       \
-    const int8_t* xr = x.q.data() + r0 * rb + k * 256;                                                       \
-    const uint8_t* wr = p.q.data() + c0 * rb + k * 256;                                                      \
-    for (int ch = 0; ch < (pairs ? 4 : 8); ++ch) {                                                           \
-      __m256i wv[NR];                                                                                        \
-      for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + n * rb + 32 * ch)); \
-      for (int m = 0; m < MR; ++m) {                                                                         \
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + m * rb + 32 * ch));     \
-        for (int n = 0; n < NR; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                                  \
-      }                                                                                                      \
-    }                                                                                                        \
-    if (pairs) /* lanes 2j, 2j + 1 summed into lane j (lanes 4-7: 0) */                                      \
-      for (int m = 0; m < MR; ++m)                                                                           \
-        for (int n = 0; n < NR; ++n)                                                                         \
-          ia[m][n] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(ia[m][n], _mm256_setzero_si256()),       \
-                                                 _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));                \
-    for (int m = 0; m < MR; ++m) {                                                                           \
-      const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                               \
-      const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                              \
-      for (int n = 0; n < NR; ++n) {                                                                        \
-        const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(p.s.data() + ((c0 + n) * g + k) * 8), dx);           \
-        fa[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), sc, fa[m][n]);                              \
-        fb[m][n] = _mm256_fmadd_ps(_mm256_loadu_ps(p.b.data() + ((c0 + n) * g + k) * 8), sm, fb[m][n]);      \
-      }                                                                                                      \
-    }                                                                                                        \
-  }                                                                                                          \
-  for (int64_t m = 0; m < rows; ++m)                                                                         \
-    for (int64_t n = 0; n < cols; ++n)                                                                       \
-      y[(r0 + m) * ldy + p.n0 + c0 + n] = hsum8(_mm256_add_ps(fa[m][n], fb[m][n])) + (bias ? bias[p.n0 + c0 + n] : 0.f);
+// One micro tile: rows r0..r0+MR x the 4 columns of ``tile`` (results stored for its first
+// ``cols``; the rest is padding). Per group: the exact integer block sums, then their scaling.
+#define QG_MICRO(ACC)                                                                                         \
+  const BlockLayout& at = x.at;                                                                               \
+  const int64_t g = at.groups, rb = at.row_bytes;                                                             \
+  const uint8_t* wt = p.q.data() + tile * p.tile_bytes();                                                     \
+  const void* sp = Half ? static_cast<const void*>(p.s16.data()) : static_cast<const void*>(p.s32.data());    \
+  const void* bp = Half ? static_cast<const void*>(p.b16.data()) : static_cast<const void*>(p.b32.data());    \
+  __m256 fa[MR][kTileCols], fb[MR][kTileCols];                                                                \
+  for (int m = 0; m < MR; ++m)                                                                                \
+    for (int n = 0; n < kTileCols; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                           \
+  for (int64_t k = 0; k < g; ++k) {                                                                           \
+    const bool pairs = at.pairs && k == at.full; /* 1-4 blocks, two lanes each: 4 vectors */                 \
+    const int vecs = pairs ? 4 : 8;                                                                           \
+    const int64_t cb = p.column_bytes(k);                                                                     \
+    __m256i ia[MR][kTileCols];                                                                                \
+    for (int m = 0; m < MR; ++m)                                                                              \
+      for (int n = 0; n < kTileCols; ++n) ia[m][n] = _mm256_setzero_si256();                                 \
+    const int8_t* xr = x.q.data() + r0 * rb + k * 256;                                                        \
+    const uint8_t* wg = wt + p.group_offset(k);                                                               \
+    if constexpr (Bits == 4) {                                                                                \
+      const __m256i m4 = _mm256_set1_epi8(0x0F);                                                              \
+      for (int v = 0; v < vecs / 2; ++v) {                                                                    \
+        __m256i lo[kTileCols], hi[kTileCols];                                                                 \
+        for (int n = 0; n < kTileCols; ++n) {                                                                 \
+          const __m256i raw = load32(wg + n * cb + 32 * v);                                                   \
+          lo[n] = _mm256_and_si256(raw, m4);                                                                  \
+          hi[n] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                                            \
+        }                                                                                                     \
+        for (int m = 0; m < MR; ++m) {                                                                        \
+          const __m256i xl = load32(xr + m * rb + 32 * v), xh = load32(xr + m * rb + 32 * (v + vecs / 2));    \
+          for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ACC(ia[m][n], lo[n], xl), hi[n], xh);            \
+        }                                                                                                     \
+      }                                                                                                       \
+    } else {                                                                                                  \
+      for (int v = 0; v < vecs; ++v) {                                                                        \
+        __m256i wv[kTileCols];                                                                                \
+        for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                             \
+        for (int m = 0; m < MR; ++m) {                                                                        \
+          const __m256i xv = load32(xr + m * rb + 32 * v);                                                    \
+          for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                            \
+        }                                                                                                     \
+      }                                                                                                       \
+    }                                                                                                         \
+    if (pairs) /* lanes 2j, 2j + 1 summed into lane j (lanes 4-7: 0) */                                       \
+      for (int m = 0; m < MR; ++m)                                                                            \
+        for (int n = 0; n < kTileCols; ++n)                                                                   \
+          ia[m][n] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(ia[m][n], _mm256_setzero_si256()),        \
+                                                 _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));                 \
+    for (int m = 0; m < MR; ++m) {                                                                            \
+      const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                                \
+      const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                               \
+      for (int n = 0; n < kTileCols; ++n) {                                                                   \
+        const int64_t slot = p.param(tile, k, n);                                                             \
+        const __m256 sc = _mm256_mul_ps(params8<Half>(sp, slot), dx);                                         \
+        fa[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), sc, fa[m][n]);                               \
+        fb[m][n] = _mm256_fmadd_ps(params8<Half>(bp, slot), sm, fb[m][n]);                                    \
+      }                                                                                                       \
+    }                                                                                                         \
+  }                                                                                                           \
+  const int64_t c0 = tile * kTileCols;                                                                        \
+  for (int64_t m = 0; m < MR; ++m)                                                                            \
+    for (int64_t n = 0; n < cols; ++n)                                                                        \
+      y[(r0 + m) * p.n + c0 + n] = hsum8(_mm256_add_ps(fa[m][n], fb[m][n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]);
 
-#define QG_MICRO_ARGS                                                                                        \
-  const QuantRows &x, int64_t r0, int64_t rows, const Panel &p, int64_t c0, int64_t cols, const float *bias, float *y, \
-      int64_t ldy
+#define QG_MICRO_ARGS const QuantRows &x, int64_t r0, const PackedMatrix &p, int64_t tile, int64_t cols, float *y
 
-template <int MR, int NR, int Bits>
+template <int MR, int Bits, bool Half>
 QG_AVX2 void micro_avx2(QG_MICRO_ARGS) {
   QG_MICRO(acc_avx2<Bits>)
 }
 
-template <int MR, int NR>
+template <int MR, int Bits, bool Half>
 QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
   QG_MICRO(acc_vnni)
 }
 
 using MicroFn = void (*)(QG_MICRO_ARGS);
 
-template <int MR, int NR>
-void panel_tiles(MicroFn micro, const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, const float* bias,
-                 float* y, int64_t ldy) {
-  for (int64_t r = r0; r < r1; r += MR)
-    for (int64_t c = 0; c < p.cols; c += NR)
-      micro(x, r, std::min<int64_t>(MR, r1 - r), p, c, std::min<int64_t>(NR, p.cols - c), bias, y, ldy);
-}
-#endif
+// The micro kernels of one ISA, weight format: fn[mr] for mr = 1..most rows.
+struct Micros {
+  MicroFn fn[5];
+  int most;
+};
 
-void run_panel(const QMatrixView& m, const QuantRows& x, int64_t r0, int64_t r1, const Panel& p, float* y, Isa isa) {
-#ifdef QG_X86
-  if (isa == Isa::avx512vnni) return panel_tiles<4, 4>(micro_vnni<4, 4>, x, r0, r1, p, m.bias, y, m.n);
-  if (isa == Isa::avx2)
-    return panel_tiles<2, 4>(m.bits == 4 ? micro_avx2<2, 4, 4> : micro_avx2<2, 4, 8>, x, r0, r1, p, m.bias, y, m.n);
-#else
-  (void)isa;
-#endif
-  panel_portable(x, r0, r1, p, m.bias, y, m.n);
+template <int Bits, bool Half>
+Micros micros_of(Isa isa) {
+  if (isa == Isa::avx512vnni)
+    return {{nullptr, micro_vnni<1, Bits, Half>, micro_vnni<2, Bits, Half>, micro_vnni<3, Bits, Half>,
+             micro_vnni<4, Bits, Half>},
+            4};
+  return {{nullptr, micro_avx2<1, Bits, Half>, micro_avx2<2, Bits, Half>, nullptr, nullptr}, 2};
 }
+
+Micros micros(Isa isa, int bits, bool half) {
+  if (bits == 4) return half ? micros_of<4, true>(isa) : micros_of<4, false>(isa);
+  return half ? micros_of<8, true>(isa) : micros_of<8, false>(isa);
+}
+#endif
 
 }  // namespace
 
@@ -245,7 +205,8 @@ void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool
     for (int64_t r = t * kPer; r < std::min(rows, (t + 1) * kPer); ++r) {
       row.quantize(x + r * k, k);
       for (int64_t i = 0; i < blocks; ++i) {
-        interleave(row.q.data() + 32 * i, i, at, q.data() + r * at.row_bytes);
+        for (int ch = 0; ch < 8; ++ch)
+          std::copy_n(row.q.data() + 32 * i + 4 * ch, 4, q.data() + r * at.row_bytes + at.offset(i, ch));
         dx[(r * groups + i / 8) * 8 + i % 8] = row.dx[i];
         sum[(r * groups + i / 8) * 8 + i % 8] = row.sum[i];
       }
@@ -253,19 +214,33 @@ void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool
   });
 }
 
-void qgemm(const QMatrixView& m, const QuantRows& x, float* y, Isa isa, Pool& pool) {
-  // Rows split into chunks only where the panels are too few to keep the threads busy (each
-  // chunk unpacks its panel again); chunks of a multiple of 4 rows (QuantRows' padding).
+void qgemm_range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* y,
+                 Isa isa) {
+#ifdef QG_X86
+  if (isa != Isa::portable) {
+    const Micros mi = micros(isa, m.bits, m.half);
+    for (int64_t r = r0; r < r1;) {
+      const int mr = static_cast<int>(std::min<int64_t>(mi.most, r1 - r));
+      for (int64_t tile = c0 / kTileCols; tile * kTileCols < c1; ++tile)
+        mi.fn[mr](x, r, m, tile, std::min<int64_t>(kTileCols, c1 - tile * kTileCols), y);
+      r += mr;
+    }
+    return;
+  }
+#endif
+  range_portable(m, x, r0, r1, c0, c1, y);
+}
+
+void qgemm(const PackedMatrix& m, const QuantRows& x, float* y, Isa isa, Pool& pool) {
+  // Tasks of a chunk of columns (8 or more tasks per thread where the columns allow, at most 64
+  // columns) by a chunk of rows (at most kRowChunk).
   if (x.rows == 0 || m.n == 0) return;
-  const int64_t panels = (m.n + kPanel - 1) / kPanel, wanted = 4 * pool.threads();
-  const int64_t chunks = std::clamp<int64_t>((wanted + panels - 1) / panels, 1, (x.rows + kMinChunk - 1) / kMinChunk);
-  const int64_t chunk = ((x.rows + chunks - 1) / chunks + kRowPad - 1) / kRowPad * kRowPad;
-  pool.run(panels * chunks, [&](int64_t t) {
-    thread_local Panel p;
-    const int64_t n0 = (t / chunks) * kPanel, r0 = (t % chunks) * chunk;
-    if (r0 >= x.rows) return;
-    p.unpack(m, n0, std::min(m.n, n0 + kPanel), x.at, isa != Isa::portable);
-    run_panel(m, x, r0, std::min(x.rows, r0 + chunk), p, y, isa);
+  const int64_t wanted = 8 * pool.threads();
+  const int64_t per = std::clamp<int64_t>((m.tiles + wanted - 1) / wanted, 1, kMaxTiles);
+  const int64_t col_chunks = (m.tiles + per - 1) / per, row_chunks = (x.rows + kRowChunk - 1) / kRowChunk;
+  pool.run(col_chunks * row_chunks, [&](int64_t t) {
+    const int64_t c0 = (t / row_chunks) * per * kTileCols, r0 = (t % row_chunks) * kRowChunk;
+    qgemm_range(m, x, r0, std::min(x.rows, r0 + kRowChunk), c0, std::min(m.n, c0 + per * kTileCols), y, isa);
   });
 }
 
