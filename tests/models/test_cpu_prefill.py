@@ -1,5 +1,6 @@
-"""The native prefill (models/decoder/cpu/prefill.py, qgemm.cpp, prefill.cpp): the int8 GEMM against
-an integer numpy reference and the decode step's own products on every instruction-set path, its
+"""The native prefill (models/decoder/cpu/prefill.py, qgemm.cpp, pack.cpp, prefill.cpp): the int8 GEMM
+over the packed weights against an integer numpy reference and the decode step's own products (every
+row count from 1 to 40) on every instruction-set path, its
 rows independent of their batchmates and their place among the rows (bit for bit, across row
 counts, orders and thread counts), and the prefill forward on the native path against the exact
 one (each family), batched == solo and one chunk == two chunks."""
@@ -86,6 +87,23 @@ def test_a_row_is_the_same_whatever_its_batchmates_and_place(isa, threads):
         pick = rng.permutation(300)[:m]
         part = np.array(module.int8_quantized_matmul(mx.array(x[pick]), w, s, b, 32, 4, threads))
         np.testing.assert_array_equal(part, full[pick])
+
+
+@pytest.mark.parametrize("bits,half", [(4, True), (8, False)], ids=["q4-f16", "q8-f32"])
+def test_packed_gemm_is_the_one_row_product_for_every_row_count_and_order(isa, bits, half):
+    """The matrix packed once (QMatrix, with a bias; 45 columns: a last tile of 1; K = 576: a last
+    group of 2 blocks) run for M = 1..40 rows on 2 threads (micro tiles of 4, 3, 2 and 1 rows):
+    each row bit for bit its one-row product (int8_matmul, row by row), the rows in reverse and
+    shuffled order too."""
+    rng = np.random.default_rng(bits)
+    w, s, b = _matrix(rng, 45, 576, bits, 32, half)
+    matrix = module.QMatrix(w, s, b, mx.array(rng.normal(size=45).astype(np.float32)), bits, 32)
+    x = rng.normal(size=(40, 576)).astype(np.float32)
+    solo = np.array(module.int8_matmul(matrix, mx.array(x)))
+    for m in range(1, 41):
+        np.testing.assert_array_equal(np.array(module.int8_packed_matmul(matrix, mx.array(x[:m]), 2)), solo[:m])
+    for order in (np.arange(40)[::-1], rng.permutation(40)):
+        np.testing.assert_array_equal(np.array(module.int8_packed_matmul(matrix, mx.array(x[order]), 2)), solo[order])
 
 
 def test_gemm_takes_leading_dimensions_and_refuses_bad_arguments():

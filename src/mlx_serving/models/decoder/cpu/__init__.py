@@ -4,10 +4,12 @@
 is one primitive (``decode_step.cpp``) instead of ~20 MLX operations per layer, its work on a thread
 pool kept alive across steps (``pool.h``: dynamic task claiming, brief spinning then sleeping), and
 its products quantize their activations to int8 per block of 32 and take integer dot products with
-the 4- or 8-bit weights (``qdot.cpp``: AVX-512 VNNI, AVX2 or a portable loop, picked at run time).
-The weights are MLX's own arrays, shared with the generic path, not copied. Prefill on this path
-is the generic forward over :attr:`NativeDecode.prefill_state`, whose products are the same int8
-products as a GEMM (:mod:`.prefill`).
+the 4- or 8-bit weights (``qgemm.cpp``: AVX-512 VNNI, AVX2 or a portable loop, picked at run time).
+The weights are packed once, when the decoder is made, in the order the products' micro kernel
+reads them (``pack.h``: 4-bit kept as nibbles, so a copy of MLX's size; the decoder keeps no
+reference to MLX's arrays, which the generic path and the embedding lookup still hold). Prefill on
+this path is the generic forward over :attr:`NativeDecode.prefill_state`, whose products are the
+same int8 products over the same packed matrices (:mod:`.prefill`).
 
 Numerics: the int8 activations make the logits differ from the exact float path (``"matmul"``) by
 ~1e-2 relative; bench/cpu_decode.py measures top-1 agreement and perplexity on real text.
@@ -27,7 +29,7 @@ from ..._weights import Fused, Linear
 from ...native import cpu_decode_module
 from ..attention import Cache, Rows
 from ..layers import Layer, State
-from .prefill import prefill_state
+from .prefill import PackedLayer, prefill_state
 
 __all__ = ["NativeDecode", "native_decode", "pool_threads"]
 
@@ -76,16 +78,19 @@ def native_decode(state: State) -> NativeDecode | None:
     if module is None:
         return None
     head = _matrix(module, state.lm_head)
-    layers = [_layer(module, layer) for layer in state.layers]
-    if head is None or any(layer is None for layer in layers):
+    packed = [_layer(module, layer) for layer in state.layers]
+    if head is None or any(p is None for p in packed):
         return None
+    layers = [p for p in packed if p is not None]
     c = state.config
     linear = c.rope_scaling is not None and c.rope_scaling.rope_type == "linear"
     decoder = module.make_decoder(
         c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps,
         c.rope_traditional, 1 / c.rope_scaling.factor if linear and c.rope_scaling is not None else 1.0,
-        layers, state.norm, head, _inverse_frequencies(state), pool_threads())
-    return NativeDecode(decoder, module, prefill_state(state, module, pool_threads()))
+        [module.LayerWeights(ly.input_layernorm, ly.post_attention_layernorm, p.qkv, p.o, p.gate_up, p.down,
+                             ly.q_norm, ly.k_norm) for ly, p in zip(state.layers, layers, strict=True)],
+        state.norm, head, _inverse_frequencies(state), pool_threads())
+    return NativeDecode(decoder, module, prefill_state(state, module, pool_threads(), layers, head))
 
 
 def _inverse_frequencies(state: State) -> mx.array:
@@ -98,7 +103,9 @@ def _inverse_frequencies(state: State) -> mx.array:
 
 
 def _matrix(module: Any, m: Linear) -> Any | None:
-    """``m`` as the module's QMatrix, or None when it is not affine 4/8-bit with group 32/64/128."""
+    """``m`` as the module's QMatrix (its weights packed once for the int8 products, a copy of
+    MLX's size; ``m``'s arrays are not kept by it), or None when it is not affine 4/8-bit with
+    group 32/64/128."""
     spec = m.spec
     if (spec is None or m.scales is None or m.biases is None or spec.mode != "affine" or spec.bits not in (4, 8)
             or spec.group_size not in (32, 64, 128) or m.scales.dtype not in (mx.float32, mx.float16)):
@@ -115,10 +122,9 @@ def _fused(module: Any, f: Fused) -> Any | None:
     return None if f.merged is None else _matrix(module, f.merged)
 
 
-def _layer(module: Any, layer: Layer) -> Any | None:
+def _layer(module: Any, layer: Layer) -> PackedLayer | None:
     parts = (_fused(module, layer.qkv), _matrix(module, layer.o_proj), _fused(module, layer.gate_up),
              _matrix(module, layer.down_proj))
     if any(p is None for p in parts):
         return None
-    return module.LayerWeights(layer.input_layernorm, layer.post_attention_layernorm, *parts, layer.q_norm,
-                               layer.k_norm)
+    return PackedLayer(*parts)

@@ -3,20 +3,20 @@
 On the "native" decode path a prefill (and every forward of more than one token per row) runs the
 shared decoder's generic forward (:func:`models.decoder.layers.forward`: norms, RoPE and attention
 stay MLX operations) over :func:`prefill_state`, the model whose quantized projections and head are
-computed by the native int8 GEMM (``prefill.cpp`` / ``qgemm.cpp``): each row's activations
-quantized to int8 per block of 32 and multiplied with integer products against the 4- or 8-bit
-weights, each weight panel unpacked once and reused across the rows (AVX-512 VNNI, AVX2 or a
-portable loop, picked at run time), on a pool of threads kept alive across calls.
+computed by the native int8 GEMM (``prefill.cpp`` / ``qgemm.cpp``) over the decode step's own
+matrices, packed once when the decoder was made (``pack.h``): each row's activations quantized to
+int8 per block of 32 and multiplied with integer products against the 4- or 8-bit weights as they
+lie (AVX-512 VNNI, AVX2 or a portable loop, picked at run time), on a pool of threads kept alive
+across calls.
 
-Numerics: each product is bit for bit the decode step's (``qdot.cpp``) for the same row, so a
-row's result never depends on its batchmates or its place among the rows (batched == solo,
-prefix hit == miss); it differs from the exact float path ("matmul") as the decode step does.
+Numerics: each product is bit for bit the decode step's for the same row, so a row's result never
+depends on its batchmates or its place among the rows (batched == solo, prefix hit == miss); it
+differs from the exact float path ("matmul") as the decode step does.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -24,31 +24,49 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["prefill_state"]
+__all__ = ["PackedLayer", "prefill_state"]
 
 
-def prefill_state(state: State, module: Any, threads: int) -> State:
-    """``state`` with each projection and the head computed by ``module``'s int8 GEMM on a pool of
-    ``threads`` (the weights are the same arrays, not copies; a tied embedding stays tied).
-    Every matrix must be affine 4/8-bit with group size 32/64/128 and scales and biases of one
-    dtype, float32 or float16 (as :func:`.native_decode` checks); a matrix that is not keeps its
-    own product."""
-    kernel = partial(module.int8_quantized_matmul, threads=threads)
+@dataclass(frozen=True)
+class PackedLayer:
+    """One layer's packed matrices (the native module's ``QMatrix``): fused q/k/v, o, fused
+    gate/up, down."""
 
-    def swap(m: Linear) -> Linear:
-        return replace(m, kernel=kernel) if _takes(m) else m
-
-    def layer(ly: Layer) -> Layer:
-        return replace(ly, qkv=ly.qkv.map(swap), o_proj=swap(ly.o_proj), gate_up=ly.gate_up.map(swap),
-                       down_proj=swap(ly.down_proj))
-
-    head = swap(state.lm_head)
-    embed = head if state.embed_tokens is state.lm_head else state.embed_tokens
-    return replace(state, layers=[layer(ly) for ly in state.layers], lm_head=head, embed_tokens=embed)
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
 
 
-def _takes(m: Linear) -> bool:
-    spec, scales, biases = m.spec, m.scales, m.biases
-    return (spec is not None and scales is not None and biases is not None and spec.mode == "affine"
-            and spec.bits in (4, 8) and spec.group_size in (32, 64, 128) and scales.dtype == biases.dtype
-            and scales.dtype in (mx.float32, mx.float16))
+@dataclass(frozen=True)
+class _Packed:
+    """A Linear's product through its packed matrix (the Linear's own arrays are not read)."""
+
+    module: Any
+    matrix: Any
+    threads: int
+
+    def __call__(self, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int) -> mx.array:
+        return self.module.int8_packed_matmul(self.matrix, x, self.threads)
+
+
+def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLayer], head: Any) -> State:
+    """``state`` with each projection and the head computed by ``module``'s int8 GEMM over
+    ``layers``' / ``head``'s packed matrices (the decode step's, one per fused q/k/v, o, fused
+    gate/up, down and head: every one of ``state``'s is quantized as :func:`.native_decode`
+    checks) on a pool of ``threads``. The packed matrix adds the Linear's bias (the same float32
+    addition), so the swapped Linear has none; it keeps its other arrays (the embedding lookup of
+    a tied head reads them; a tied embedding stays tied)."""
+
+    def swap(m: Linear, matrix: Any) -> Linear:
+        return replace(m, kernel=_Packed(module, matrix, threads), bias=None)  # the packed matrix adds it
+
+    def layer(ly: Layer, p: PackedLayer) -> Layer:
+        return replace(ly, qkv=ly.qkv.map(lambda m: swap(m, p.qkv)), o_proj=swap(ly.o_proj, p.o),
+                       gate_up=ly.gate_up.map(lambda m: swap(m, p.gate_up)), down_proj=swap(ly.down_proj, p.down))
+
+    lm_head = swap(state.lm_head, head)
+    embed = lm_head if state.embed_tokens is state.lm_head else state.embed_tokens
+    return replace(state, layers=[layer(ly, p) for ly, p in zip(state.layers, layers, strict=True)],
+                   lm_head=lm_head, embed_tokens=embed)
