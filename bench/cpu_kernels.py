@@ -15,6 +15,13 @@ portable) on one thread (``int8_ms``, the rounding and the output copy included)
 difference from the float product relative to the output's largest value (``int8_rel_diff``).
 ``--rows 1`` times the decode shapes only.
 
+``--gemm-only``: the int8 GEMM alone, a row per M (1, 2, 4, 8, 16, 32, 64, 512: ``--gemm-rows``) and
+shape, GMAC/s (rows x out x in multiply-accumulates per second) on the pool's threads. Where the
+module has ``int8_packed_matmul`` (issue 39: the weights packed once, when the QMatrix is made) it
+times that (``kernel: packed``); an older build's module has only ``int8_quantized_matmul``, whose
+weight panels were unpacked on every call (``kernel: unpacked per call``): run the same file with
+``PYTHONPATH`` at the older tree's ``src`` for the before figures, alternating the two, same sitting.
+
 And the int8 GEMM of the native prefill (models/decoder/cpu/qgemm.cpp through the
 ``int8_quantized_matmul`` primitive, issue 39: the same products as the decode step's, each weight
 panel unpacked once for all the rows) on the pool's threads (``OMP_NUM_THREADS``, else the cores),
@@ -41,13 +48,13 @@ SHAPES = [(rows, out, inn, bits) for rows in (1, 8, 32, 512)
           for out, inn, bits in ((960, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))]
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _median_ms(fn, repeats: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        times.append((clock() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -82,18 +89,62 @@ def measure(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str,
             "gemm_gflops": flops / g / 1e6, "gemm_equal": equal}
 
 
+GEMM_SHAPES = ((960, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8))
+
+
+def measure_gemm(rows: int, out: int, inn: int, bits: int, repeats: int) -> dict[str, float | int | str]:
+    """The int8 GEMM's median wall time and GMAC/s, and GMAC per CPU-second of the process (what a
+    shared machine's other jobs disturb least; with ``OMP_NUM_THREADS=1``, one core's speed), for
+    ``rows`` x (``out`` x ``inn``) at ``bits``; for 1-4 rows also the one-row product on one thread
+    (``int8_matmul``: the decode step's qgemv before issue 39's packing, the packed one-row micro
+    kernel after), GMAC per CPU-second."""
+    module = native.cpu_decode_module()
+    x = mx.random.normal((rows, inn))
+    w, s, b = mx.quantize(mx.random.normal((out, inn)) * 0.1, group_size=32, bits=bits)
+    mx.eval(x, w, s, b)
+    threads = pool_threads()
+    matrix = module.QMatrix(w, s, b, None, bits, 32)
+    if hasattr(module, "int8_packed_matmul"):
+        kernel, fn = "packed", lambda: mx.eval(module.int8_packed_matmul(matrix, x, threads))  # noqa: E731
+    else:
+        kernel, fn = "unpacked per call", lambda: mx.eval(module.int8_quantized_matmul(x, w, s, b, 32, bits, threads))  # noqa: E731
+    macs = rows * out * inn
+    ms, cpu_ms = _median_ms(fn, repeats), _median_ms(fn, repeats, time.process_time)
+    row: dict[str, float | int | str] = {"rows": rows, "out": out, "in": inn, "bits": bits, "kernel": kernel,
+                                         "gemm_ms": ms, "gmacs": macs / ms / 1e6, "gmacs_cpu": macs / cpu_ms / 1e6}
+    if rows <= 4:
+        one = _median_ms(lambda: mx.eval(module.int8_matmul(matrix, x)), repeats, time.process_time)
+        row["one_row_gmacs_cpu"] = macs / one / 1e6
+    return row
+def gemm_table(rows: list[int], repeats: int) -> list[dict[str, float | int | str]]:
+    """:func:`measure_gemm` for every M in ``rows`` and shape, printed a row per M."""
+    results = []
+    for m in rows:
+        line = [measure_gemm(m, *shape, repeats=repeats if m < 512 else max(3, repeats // 4)) for shape in GEMM_SHAPES]
+        results += line
+        print(f"M {m:>4} ({line[0]['kernel']}) GMAC/s, wall / per CPU-s" + (" / one-row per CPU-s" if m <= 4 else "")
+              + ":  " + "  ".join(f"{r['out']}x{r['in']} q{r['bits']} {r['gmacs']:5.1f} / {r['gmacs_cpu']:5.1f}"
+                                  + (f" / {r['one_row_gmacs_cpu']:5.1f}" if m <= 4 else "") for r in line), flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="The native CPU quantized matmul beside MLX's mx.quantized_matmul "
                                              "on SmolLM2-135M's layer shapes (ms, GFLOP/s, largest difference).")
     ap.add_argument("--repeats", type=int, default=7, help="calls per kernel and shape (the median is kept)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512], help="the row counts timed")
+    ap.add_argument("--gemm-only", action="store_true", help="time the int8 GEMM alone, a row per M (--gemm-rows)")
+    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 512],
+                    help="the row counts of --gemm-only")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json",
                     help="the JSON report")
     args = ap.parse_args()
     if native.quantized_matmul_cpu() is None:
         raise SystemExit(f"the native kernel is not available: {native.unavailable_reason()}")
-    results = []
-    for shape in [sh for sh in SHAPES if sh[0] in args.rows]:
+    results: list[dict[str, float | int | str]] = []
+    if args.gemm_only:
+        results = gemm_table(args.gemm_rows, args.repeats)
+    for shape in [sh for sh in SHAPES if sh[0] in args.rows and not args.gemm_only]:
         results.append(measure(*shape, repeats=args.repeats if shape[0] < 512 else 3))
         r = results[-1]
         print(f"{r['rows']:>4} x {r['out']:>5} x {r['in']:>4} q{r['bits']}: MLX {r['mlx_ms']:8.3f} ms "
