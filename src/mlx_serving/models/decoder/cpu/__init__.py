@@ -25,10 +25,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..._weights import Fused, Linear
+from ..._weights import Linear
 from ...native import cpu_decode_module
 from ..attention import Cache, Rows
-from ..layers import Layer, State
+from ..layers import State
 from .prefill import PackedLayer, prefill_state
 
 __all__ = ["NativeDecode", "native_decode", "pool_threads"]
@@ -77,11 +77,11 @@ def native_decode(state: State) -> NativeDecode | None:
     module = cpu_decode_module()
     if module is None:
         return None
+    linears = [[ly.qkv.merged, ly.o_proj, ly.gate_up.merged, ly.down_proj] for ly in state.layers]
+    if not _takes(state.lm_head) or not all(m is not None and _takes(m) for ms in linears for m in ms):
+        return None  # checked before any packing
     head = _matrix(module, state.lm_head)
-    packed = [_layer(module, layer) for layer in state.layers]
-    if head is None or any(p is None for p in packed):
-        return None
-    layers = [p for p in packed if p is not None]
+    layers = [PackedLayer(*(_matrix(module, m) for m in ms if m is not None)) for ms in linears]
     c = state.config
     linear = c.rope_scaling is not None and c.rope_scaling.rope_type == "linear"
     decoder = module.make_decoder(
@@ -102,29 +102,21 @@ def _inverse_frequencies(state: State) -> mx.array:
     return mx.power(mx.array(state.config.rope_theta, mx.float32), -mx.arange(0, d, 2, dtype=mx.float32) / d)
 
 
-def _matrix(module: Any, m: Linear) -> Any | None:
-    """``m`` as the module's QMatrix (its weights packed once for the int8 products, a copy of
-    MLX's size; ``m``'s arrays are not kept by it), or None when it is not affine 4/8-bit with
-    group 32/64/128."""
+def _takes(m: Linear) -> bool:
+    """Whether ``m`` is affine 4/8-bit with group 32/64/128 and float32 or float16 scales."""
     spec = m.spec
-    if (spec is None or m.scales is None or m.biases is None or spec.mode != "affine" or spec.bits not in (4, 8)
-            or spec.group_size not in (32, 64, 128) or m.scales.dtype not in (mx.float32, mx.float16)):
-        return None
+    return (spec is not None and m.scales is not None and m.biases is not None and spec.mode == "affine"
+            and spec.bits in (4, 8) and spec.group_size in (32, 64, 128) and m.scales.dtype in (mx.float32, mx.float16))
+
+
+def _matrix(module: Any, m: Linear) -> Any:
+    """``m`` (:func:`_takes`) as the module's QMatrix: its weights packed once for the int8
+    products, a copy of MLX's size; ``m``'s arrays are not kept by it."""
+    spec = m.spec
+    assert spec is not None and m.scales is not None and m.biases is not None  # _takes
     scales, biases = m.scales, m.biases.astype(m.scales.dtype)
     if scales.dtype == mx.float32:  # float16 copies where exact (a tied GGUF head): half the bytes read per step
         half = [a.astype(mx.float16) for a in (scales, biases)]
         if all(mx.array_equal(h.astype(mx.float32), a).item() for h, a in zip(half, (scales, biases))):
             scales, biases = half
     return module.QMatrix(m.weight, scales, biases, m.bias, spec.bits, spec.group_size)
-
-
-def _fused(module: Any, f: Fused) -> Any | None:
-    return None if f.merged is None else _matrix(module, f.merged)
-
-
-def _layer(module: Any, layer: Layer) -> PackedLayer | None:
-    parts = (_fused(module, layer.qkv), _matrix(module, layer.o_proj), _fused(module, layer.gate_up),
-             _matrix(module, layer.down_proj))
-    if any(p is None for p in parts):
-        return None
-    return PackedLayer(*parts)
