@@ -79,3 +79,17 @@ def tiny32_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny Qwen3, dense float32 weights (exact parity), seed 0."""
     return write_checkpoint(tmp_path_factory.mktemp("qwen3") / "tiny32", "tiny", seed=0,
                             quantized=False, dtype="float32")
+
+
+#: Test files and docs pages whose tests start a local Ray cluster: under pytest-xdist
+#: (`-n 2 --dist loadgroup`, the README's test command) they run on one worker, one Ray at a time.
+RAY_TESTS = ("tests/ray/", "test_docs.py::test_python_blocks_run[docs/distributed.md]")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test joins an ``xdist_group``: its file (so a file's module- and session-scoped
+    fixtures load once per worker, as ``--dist loadfile`` would), or "ray" for the tests that start
+    a Ray cluster. Without xdist the marks do nothing."""
+    for item in items:
+        ray = any(part in item.nodeid for part in RAY_TESTS)
+        item.add_marker(pytest.mark.xdist_group("ray" if ray else item.nodeid.split("::")[0]))
