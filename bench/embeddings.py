@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 # bench/ holds scripts named like the packages (bench/tokenization.py): keep it off sys.path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -94,7 +95,7 @@ class _Ours:
                 "vectors": [self.vectors[i]["embedding"] for i in range(len(self.items))]}
 
 
-def _round(handle: object, items: list[str], clients: int, out: dict[int, dict]) -> float:
+def _round(handle: Any, items: list[str], clients: int, out: dict[int, dict]) -> float:
     """Wall seconds for every text as its own request from ``clients`` threads."""
     work: queue.Queue[int] = queue.Queue()
     for i in range(len(items)):
@@ -106,7 +107,7 @@ def _round(handle: object, items: list[str], clients: int, out: dict[int, dict])
                 i = work.get_nowait()
             except queue.Empty:
                 return
-            out[i] = handle.run(items[i])  # type: ignore[attr-defined]
+            out[i] = handle.run(items[i])
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -144,7 +145,8 @@ class _Peer:
 
     def __init__(self, st_python: str, ckpt: Path, items: list[str], args: argparse.Namespace, tmp: Path) -> None:
         self.proc: subprocess.Popen[str] | None = None
-        self.items, self.out, self.times = items, tmp / "st", []  # type: ignore[var-annotated]
+        self.items, self.out = items, tmp / "st"
+        self.times: list[float] = []
         self.why = "" if Path(st_python).exists() else \
             f"skipped: {st_python} not found (a venv with torch and sentence-transformers)"
         if self.why:
