@@ -114,7 +114,8 @@ def test_quantized_checkpoint_matches_mlx_lm_in_float32(tmp_path: Path):
     model, _ = mlx_lm.load(str(ckpt))
     model.set_dtype(mx.float32)
     tok = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    with text_embedding.from_mlx4bit(ckpt, max_len=MAX_LEN) as serving:
+    # the exact float path (the default "native" products: test_text_embedding_native.py)
+    with text_embedding.from_mlx4bit(ckpt, max_len=MAX_LEN, products="matmul") as serving:
         for text in TEXTS[:2]:
             ids = tok.encode(text).ids
             h = np.array(model.model(mx.array([ids])), dtype=np.float32)[0]

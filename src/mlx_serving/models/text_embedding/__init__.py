@@ -27,6 +27,7 @@ from ._gguf import gguf_pooling
 from ._inputs import EmbeddingInput, RequestInfo, preprocess
 from ._options import DEFAULT_INSTRUCTION_TEMPLATE, EmbeddingOptions, Settings, default_buckets, settings
 from ._pooling import finish
+from ._products import native_state
 from ._st_config import EmbeddingConfig, is_embedding_model, read_embedding_config
 from .seeded import write_embedding_checkpoint
 
@@ -46,7 +47,8 @@ def serving(tokenizer: Tokenizer, state: State, config: EmbeddingConfig | None =
     ``config``: the checkpoint's sentence-transformers settings (None: read from ``state.path``
     when it has one, else none). ``options``: the fields of :class:`EmbeddingOptions` (pooling,
     normalize, max_len, buckets, batch_size=32, batch_timeout=0.01, instruction_template,
-    pad_batch=True). ``Serving.start`` defaults to ``batch_size``, ``batch_timeout`` and one batch
+    pad_batch=True, products=None: the packed forward on the native int8 GEMM where it applies;
+    "matmul": the exact float forward). ``Serving.start`` defaults to ``batch_size``, ``batch_timeout`` and one batch
     key per bucket. Outputs are float32 vectors of the model's hidden size (or ``dimensions``).
     Raises ValueError for a bad option, TypeError for an unknown one; bad inputs raise
     InvalidInput in the caller only.
@@ -63,7 +65,7 @@ def serving(tokenizer: Tokenizer, state: State, config: EmbeddingConfig | None =
         return preprocess(input, tokenizer, s, per_token)
 
     return (
-        Serving.new(EmbeddingBackend(state, s))
+        Serving.new(EmbeddingBackend(state, s, native_state(state, opts.products)))
         .client_preprocessing(pre, offload=needs_thread)
         .client_postprocessing(_postprocess)
         .batch_size(s.batch_size)

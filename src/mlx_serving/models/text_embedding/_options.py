@@ -7,11 +7,14 @@ from dataclasses import dataclass, field
 
 from ._st_config import POOLINGS, EmbeddingConfig, Pooling
 
-__all__ = ["DEFAULT_INSTRUCTION_TEMPLATE", "EmbeddingOptions", "Settings", "default_buckets", "settings"]
+__all__ = ["DEFAULT_INSTRUCTION_TEMPLATE", "PRODUCTS", "EmbeddingOptions", "Settings", "default_buckets", "settings"]
 
 #: Qwen3-Embedding's query format (its model card's ``get_detailed_instruct``).
 DEFAULT_INSTRUCTION_TEMPLATE = "Instruct: {instruction}\nQuery:"
 _SMALLEST_BUCKET = 16
+#: The forwards a serving may run (``products``): "native", the packed forward with the native int8
+#: GEMM (:mod:`._packed`); "matmul", the exact float forward over padded rows.
+PRODUCTS = ("native", "matmul")
 
 
 def default_buckets(max_len: int) -> tuple[int, ...]:
@@ -38,7 +41,11 @@ class EmbeddingOptions:
     ``batch_timeout``: seconds a started serving waits to fill a batch (Nx.Serving's).
     ``instruction_template``: how a request's ``instruction`` prefixes its text (``{instruction}``
     is replaced). ``pad_batch``: pad each batch's rows to the next power of two (at most
-    ``batch_size``), so a bucket compiles a few shapes, not one per row count.
+    ``batch_size``), so a bucket compiles a few shapes, not one per row count (the "matmul"
+    forward only). ``products``: "native" (a batch's texts packed into one sequence of their real
+    tokens, the quantized products on the native int8 GEMM: the CPU device with float32
+    activations only), "matmul" (the exact float forward over padded rows, compiled) or None
+    ("native" where it applies, else "matmul"): :mod:`._products`.
     Raises ValueError naming the field for a value out of range.
     """
 
@@ -50,6 +57,7 @@ class EmbeddingOptions:
     batch_timeout: float = 0.01
     instruction_template: str = DEFAULT_INSTRUCTION_TEMPLATE
     pad_batch: bool = True
+    products: str | None = None
 
     def __post_init__(self) -> None:
         if self.pooling is not None and self.pooling not in POOLINGS.values():
@@ -63,6 +71,8 @@ class EmbeddingOptions:
         if isinstance(self.batch_timeout, bool) or not isinstance(self.batch_timeout, (int, float)) \
                 or not 0 <= self.batch_timeout < float("inf"):
             raise ValueError(f"batch_timeout must be a finite number of seconds >= 0, got {self.batch_timeout!r}")
+        if self.products is not None and self.products not in PRODUCTS:
+            raise ValueError(f"products must be one of {list(PRODUCTS)} or None, got {self.products!r:.80}")
         if "{instruction}" not in self.instruction_template:
             raise ValueError("instruction_template must contain '{instruction}'")
         if self.buckets is not None:
