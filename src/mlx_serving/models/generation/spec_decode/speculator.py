@@ -18,10 +18,9 @@ from .stats import SpecStats
 
 __all__ = ["DRAFT_COSTS", "Speculator", "load_draft"]
 
-#: The draft-model method's fixed step costs: one plain one-token step, so every other step is
-#: estimated by :data:`~.cost.ROW_PRIOR` per extra row (a draft model proposes while its rows'
-#: acceptance pays for that).
-DRAFT_COSTS = {(False, 1): 1.0}
+#: The draft-model method's fixed step costs (:class:`~.cost.StepCosts` table): a step whose rows
+#: are nearly free (1 for one row, 2 for 1024), so its rows propose while their drafts hold at all.
+DRAFT_COSTS = {(False, 1): 1.0, (False, 1024): 2.0}
 
 
 class Speculator:
