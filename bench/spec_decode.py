@@ -17,7 +17,9 @@ and on with ``--speculative-config``), both ``max_batch`` 8; rounds alternate of
 engines are compared token for token (greedy speculation is exact; on the float16 CPU path a verify
 span's logits can differ from a decode row's in the last bits, so a near-tie can flip: counted).
 The machine's load (``os.getloadavg``) is recorded before, after each regime of each round and
-after: it is shared, so read the ratios. Per workload (the "on" engine's counters over its runs):
+after: it is shared, so read the ratios, and the load-proof one: tokens per second of process CPU
+time over both stream counts (``<workload>_cpu``; the CPU time of all the process's threads, the
+decode pool's brief spinning included). Per workload (the "on" engine's counters over its runs):
 the acceptance rate (accepted / draft tokens), drafts, and the histogram of the draft length k
 the speculator chose per decoding row and step (``k_chosen[k]``, k = 0: plain); and the step costs
 the engine measured (``step_costs_ms``: "plain"/"verify" by one-token rows).
@@ -173,9 +175,11 @@ def main() -> None:
         for regime in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
             engine = engines[regime]
             for name, prompts in work.items():
-                before = _counters(engines["on"])
+                before, cpu = _counters(engines["on"]), time.process_time()
                 one, outs1 = _single(engine, prompts[:4], params)
                 many, outs8 = _batch(engine, prompts, params)
+                figures.setdefault(f"{name}_cpu_{regime}", []).append(
+                    sum(map(len, outs1 + outs8)) / (time.process_time() - cpu))
                 delta = [a - b for a, b in zip(_counters(engines["on"]), before)]
                 spec_by_work[name] = [a + b for a, b in zip(spec_by_work.get(name, [0] * len(delta)), delta)]
                 figures.setdefault(f"{name}_1_{regime}", []).append(one)
@@ -185,7 +189,7 @@ def main() -> None:
             print(rnd, regime, {k: round(v[-1], 1) for k, v in figures.items() if k.endswith(regime)},
                   f"load {loads[-1]:.1f}", flush=True)
     med = {k: statistics.median(v) for k, v in figures.items()}
-    ratios = {f"{w}_{s}": med[f"{w}_{s}_on"] / med[f"{w}_{s}_off"] for w in work for s in (1, n)}
+    ratios = {f"{w}_{s}": med[f"{w}_{s}_on"] / med[f"{w}_{s}_off"] for w in work for s in (1, n, "cpu")}
     same = {w: sum(a == b for a, b in zip(outputs["off"][w], outputs["on"][w])) / len(outputs["off"][w])
             for w in work}
     spec = engines["on"].spec_decode_stats()
