@@ -22,7 +22,10 @@ time over both stream counts (``<workload>_cpu``; the CPU time of all the proces
 decode pool's brief spinning included). Per workload (the "on" engine's counters over its runs):
 the acceptance rate (accepted / draft tokens), drafts, and the histogram of the draft length k
 the speculator chose per decoding row and step (``k_chosen[k]``, k = 0: plain); and the step costs
-the engine measured (``step_costs_ms``: "plain"/"verify" by one-token rows).
+the engine measured (``step_costs_ms``: "plain"/"verify" by one-token rows); and per regime the
+steps that ran a forward (``<workload>_steps_<regime>``). ``--row-cost C`` gives the "on" engine
+step costs instead (10 + C * n for n one-token rows, 1 more when verifying, frozen): what it would
+choose were rows that cheap (read the steps and chosen k; the wall clock still runs today's rows).
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/spec_decode.py [--rounds 3] [--max-new 128]`` (writes
 bench/results/spec_decode.json or ``--out``); ``--method draft_model [--draft PATH]`` measures
@@ -110,6 +113,22 @@ def _batch(engine, prompts, params) -> tuple[float, list[list[int]]]:
     return sum(map(len, tokens)) / (max(t[-1] for t in times) - t0), tokens
 
 
+def _give_costs(engine, row_cost: float) -> None:
+    """Freeze ``engine``'s step costs at 10 + ``row_cost`` * n for n one-token rows (up to 8 rows of
+    k + 1), 1 more for a verifying step."""
+    from mlx_serving.models.generation.spec_decode import StepCosts
+
+    spec = engine.speculator
+    top = 8 * (spec.config.num_speculative_tokens + 1)
+    spec.costs = StepCosts({(v, rows): 10 + row_cost * rows + v for v in (False, True) for rows in range(1, top + 1)},
+                           frozen=True)
+
+
+def _steps(engine) -> int:
+    """Steps that ran a forward so far."""
+    return int(engine.iteration_tokens.stats()["iteration_tokens_count"])
+
+
 def _counters(engine) -> list[int]:
     """The "on" engine's draft tokens, accepted tokens, drafts and chosen-k counts, flat."""
     st = engine.speculator.stats
@@ -146,6 +165,9 @@ def main() -> None:
     ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram",
                     help="draft_model: --draft proposes (overrides --speculative-config, _draft_config)")
     ap.add_argument("--draft", help="the draft model of --method draft_model (default: the target itself)")
+    ap.add_argument("--row-cost", type=float, help="give the speculator step costs instead of measuring them: "
+                    "10 + ROW_COST * n for n one-token rows, 1 more for a verifying step (what-if: read the "
+                    "steps and chosen k, not the wall clock)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_decode.json"))
     args = ap.parse_args()
     args.speculative_config = _draft_config(args)
@@ -166,6 +188,8 @@ def main() -> None:
     work = {"grounded": [encode(t) for t in GROUNDED[: args.prompts]], "chat": [encode(t) for t in CHAT[: args.prompts]]}
     n = args.prompts
     engines = {"off": _engine(state, None), "on": _engine(state, args.speculative_config)}
+    if args.row_cost is not None:
+        _give_costs(engines["on"], args.row_cost)
     load_before = os.getloadavg()
     figures: dict[str, list[float]] = {}
     loads: list[float] = []  # 1-minute load average after each regime of each round
@@ -175,11 +199,12 @@ def main() -> None:
         for regime in ("off", "on") if rnd % 2 == 0 else ("on", "off"):
             engine = engines[regime]
             for name, prompts in work.items():
-                before, cpu = _counters(engines["on"]), time.process_time()
+                before, cpu, steps = _counters(engines["on"]), time.process_time(), _steps(engine)
                 one, outs1 = _single(engine, prompts[:4], params)
                 many, outs8 = _batch(engine, prompts, params)
                 figures.setdefault(f"{name}_cpu_{regime}", []).append(
                     sum(map(len, outs1 + outs8)) / (time.process_time() - cpu))
+                figures.setdefault(f"{name}_steps_{regime}", []).append(_steps(engine) - steps)
                 delta = [a - b for a, b in zip(_counters(engines["on"]), before)]
                 spec_by_work[name] = [a + b for a, b in zip(spec_by_work.get(name, [0] * len(delta)), delta)]
                 figures.setdefault(f"{name}_1_{regime}", []).append(one)
