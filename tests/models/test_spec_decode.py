@@ -355,13 +355,14 @@ def test_a_row_proposes_only_after_its_own_tokens_show_drafts_hold(tiny32):
 
 
 def test_the_engine_measures_its_steps_by_rows(tiny32):
-    """Without given costs the engine's timer fills the table: plain decode steps by their row
+    """The engine's timer fills the speculator's cost table: plain decode steps by their row
     count, verify steps (eager here; rows looping on one token: drafts found) by their one-token
     rows, prefill steps not at all."""
     engine = _eager(tiny32, max_batch=2, max_len=128)
     assert engine.speculator is not None
+    engine.speculator.costs = costs = StepCosts()  # a replaced table is the one measured
     _run(engine, _prompts(2), [SamplingParams(max_new_tokens=16, logit_bias={77: 30.0})] * 2)
-    table = engine.speculator.costs.table
+    table = costs.table
     assert table and all(t > 0 for t in table.values())
     assert any(v for v, _ in table) and max(n for _, n in table) <= 2 * (SPEC["num_speculative_tokens"] + 1)
 

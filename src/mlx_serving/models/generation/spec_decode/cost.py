@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 __all__ = ["BETA", "ROW_PRIOR", "StepCosts", "StepTimer"]
 
@@ -74,12 +75,13 @@ class StepCosts:
 
 
 class StepTimer:
-    """Measures the engine's decode steps into ``costs``: a step's time is from the landing of the
+    """Measures the engine's decode steps into ``costs()`` (the speculator's current
+    :class:`StepCosts`): a step's time is from the landing of the
     step before it (or the start of the :meth:`~..engine.Engine.step` call that enqueued it, if
     later: the engine was idle) to its own landing, host work included: what a step costs the
     caller, pipelined or not. Steps with prefill chunks are not measured."""
 
-    def __init__(self, costs: StepCosts):
+    def __init__(self, costs: Callable[[], StepCosts]):
         self.costs = costs
         self._landed = 0.0
         self._started = 0.0
@@ -98,5 +100,5 @@ class StepTimer:
         now = time.perf_counter()
         if key is not None:
             rows, verifying, started = key
-            self.costs.observe(rows, verifying, now - max(self._landed, started))
+            self.costs().observe(rows, verifying, now - max(self._landed, started))
         self._landed = now

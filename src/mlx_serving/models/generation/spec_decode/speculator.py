@@ -44,7 +44,7 @@ class Speculator:
         self.draft_model = draft
         self.stats = SpecStats(config.num_speculative_tokens)
         self.costs = StepCosts(dict(DRAFT_COSTS), frozen=True) if draft is not None else StepCosts()
-        self.timer = StepTimer(self.costs)
+        self.timer = StepTimer(lambda: self.costs)  # ``costs`` may be replaced (tests give theirs)
 
     @classmethod
     def build(cls, config: SpeculativeConfig, draft: State | None, num_blocks: int, block_size: int) -> Speculator:
