@@ -25,9 +25,11 @@ from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams, 
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 from mlx_serving.models.generation.logits import RowInput, make_chain, sample_batch
-from mlx_serving.models.generation.spec_decode import NgramProposer, SpecState, Speculator, accepted
+from mlx_serving.models.generation.spec_decode import (NgramProposer, Odds, SpecState, Speculator, StepCosts, accepted,
+                                                       draft_lengths)
 from mlx_serving.models.generation.spec_decode.adaptive import ALPHA
-from mlx_serving.models.generation.spec_decode.speculator import MIN_RATE
+from mlx_serving.models.generation.spec_decode.choice import expected_tokens
+from mlx_serving.models.generation.spec_decode.cost import ROW_PRIOR
 from mlx_serving.models.text_generation import GenerationOptions
 
 from engine_runs import run_to_end as _run
@@ -247,60 +249,102 @@ def test_ngram_proposer_takes_the_longest_match_with_room():
 
 
 def test_adaptive_state_learns_from_shadow_drafts_and_verifies():
-    """A row's rate (accepted tokens per draft) starts at 0 and follows shadow outcomes (landed
-    plain tokens against the draft a verify would have checked) and real ones; k follows each."""
+    """A row's alpha (hits / (hits + misses + 1)) starts at 0 and follows shadow outcomes (landed
+    plain tokens against the draft a verify would have checked) and real ones; reach follows
+    whether the proposer had a draft."""
     s = SpecState(4)
-    assert s.rate == 0 and not s.tick()
+    assert s.alpha == 0 and s.reach == 1 and not s.tick()
     s.shadow = np.array([7, 8, 9, 1], dtype=np.int32)
     assert [s.witness(t) for t in (7, 8)] == [False, False]  # matching: the draft is still pending
-    assert s.witness(5)  # differs at the third position: 2 accepted, a new shadow draft is due
-    assert s.rate == ALPHA * 2 and s.k == 3 and s.shadow.size == 0 and s.witness(3)
+    assert s.witness(5)  # differs at the third position: 2 accepted, one miss, a new shadow draft is due
+    assert (s.hits, s.misses, s.alpha) == (2, 1, 0.5) and s.shadow.size == 0 and s.witness(3)
     s.shadow = np.array([1, 2], dtype=np.int32)
     assert [s.witness(t) for t in (1, 2, 6)] == [False, False, True]  # the whole draft, then the bonus token
-    assert s.k == 3 and s.rate == ALPHA * 2 + ALPHA * (2 - ALPHA * 2)
-    s.observe(3, 0)
-    assert s.k == 1 and s.rate < ALPHA * 4
-    before = s.rate
+    keep = 1 - ALPHA
+    assert (s.hits, s.misses) == (2 * keep + 2, keep)
     s.no_draft()
-    assert s.rate == before * (1 - ALPHA) and s.k == 1
-    s.observe(1, 1)
-    assert s.k == 2
+    assert s.reach == 1 - ALPHA and s.odds() == Odds(1 - ALPHA, s.alpha, 4)
+    s.observe(3, 0)
+    assert s.hits == (2 * keep + 2) * keep and s.misses == keep * keep + 1
     s.go = True
     assert s.tick() and not s.tick()  # a pick is for one step
 
 
-def _states(*rates: float) -> list[SpecState]:
-    out = [SpecState(4) for _ in rates]
-    for s, r in zip(out, rates):
-        s.rate = r
-    return out
+def _linear(plain: float, per_row: float, sync: float, rows: int = 64) -> StepCosts:
+    """Step costs plain + per_row * n, a verifying step sync more, frozen."""
+    table = {(v, n): plain + per_row * n + sync * v for v in (False, True) for n in range(1, rows + 1)}
+    return StepCosts(table, frozen=True)
 
 
-def test_rows_propose_when_their_accepted_tokens_pay_for_the_verify():
-    """Rows at >= MIN_RATE propose when their rates outnumber the plain rows plus one (a verify
-    forward costs about one plain step); rows that never speculate (None) decode plainly."""
+def test_draft_lengths_maximise_expected_tokens_per_second():
+    """The choice is a pure function of the step costs and the rows' odds: k where a verify's
+    expected tokens per second beat the plain step's, k = 0 where they do not (drafts that fail,
+    or rows as costly as today's native CPU rows), longer drafts for rows more likely accepted."""
+    copying, chatting = Odds(1.0, 0.9, 4), Odds(0.5, 0.2, 4)
+    cheap = _linear(10.0, 1.0, 1.0)  # a row adds a tenth of a step: the packed GEMM's hope
+    assert draft_lengths([copying], cheap) == [4]
+    assert draft_lengths([chatting], cheap) == [0]  # 1 + 0.1 tokens for 2 more units of 11: no
+    assert draft_lengths([copying, chatting, None], cheap) == [4, 0, 0]
+    proportional = _linear(0.0, 10.0, 2.0)  # k + 1 rows cost k + 1 one-row steps (issue 41's figures)
+    assert draft_lengths([copying], proportional) == [0] and draft_lengths([Odds(1.0, 0.99, 4)], proportional) == [0]
+    middle = _linear(10.0, 4.0, 2.0)  # the best k of a high-alpha row is short: tokens fall off by alpha^j
+    k = draft_lengths([Odds(1.0, 0.7, 4)], middle)[0]
+    rate = [expected_tokens(Odds(1.0, 0.7, 4), j) / (10 + 4 * (j + 1) + 2 * (j > 0)) for j in range(5)]
+    assert 0 < k < 4 and rate[k] == max(rate)
+    assert draft_lengths([copying], StepCosts()) == [0]  # nothing measured yet
+    assert draft_lengths([Odds(1.0, 0.0, 4), Odds(0.0, 0.9, 4)], cheap) == [0, 0]
+
+
+def test_draft_lengths_split_the_tokens_by_marginal_gain():
+    """Several rows: each further draft token goes to the row whose next token is likelier
+    accepted; a batch of plain rows makes a verify's extra rows relatively cheap."""
+    costs = _linear(10.0, 1.0, 1.0)
+    ks = draft_lengths([Odds(1.0, 0.9, 4), Odds(1.0, 0.5, 4), Odds(1.0, 0.3, 4), None], costs)
+    assert ks[0] == 4 and ks[0] >= ks[1] >= ks[2] and ks[3] == 0
+
+
+def test_step_costs_measure_and_estimate_by_rows():
+    """Moving averages per (verifying, rows); unmeasured rows between measured ones are linear,
+    above them the measured slope (at least ROW_PRIOR of a row's share), below proportional; a
+    verify with none measured is estimated from the plain steps; one stall moves an average
+    little; frozen costs ignore measurements."""
+    c = StepCosts()
+    assert c.estimate(1, False) is None
+    c.observe(1, False, 10.0)
+    assert c.estimate(1, False) == 10.0 and c.estimate(3, True) == 10.0 + 2 * ROW_PRIOR * 10.0
+    c.observe(1, False, 1000.0)  # a stall: counted as 4x the average
+    assert c.estimate(1, False) == pytest.approx(10.0 + 0.2 * 30.0)
+    c.observe(2, True, 20.0)
+    c.observe(6, True, 40.0)
+    assert c.estimate(4, True) == 30.0 and c.estimate(10, True) == 60.0 and c.estimate(1, True) == 10.0
+    c.frozen = True
+    c.observe(4, True, 1.0)
+    assert c.estimate(4, True) == 30.0
+
+
+def test_rows_propose_what_pays_and_count_their_choices():
+    """The speculator sets each row's k and go from its odds and its costs, counts the chosen k
+    (rows that never speculate are not counted); eager: k_max for every speculating row."""
     spec = Speculator(SpeculativeConfig(**SPEC))
-    one = _states(0.9)
-    assert not spec.choose(one) and not one[0].go  # below MIN_RATE: no evidence yet
-    one = _states(MIN_RATE)
-    assert spec.choose(one) and one[0].go
-    rows = _states(3.0, 2.0, 0.5, 0.2)
-    assert spec.choose([*rows, None]) and [s.go for s in rows] == [True, True, False, False]  # 5 >= 3 + 1
-    rows = _states(3.0, 0.5, 0.5, 0.5, 0.2, 0.0, 0.0, 0.0)
-    assert not spec.choose(rows) and not any(s.go for s in rows)  # one row cannot pay for 7 plain ones
+    spec.costs = _linear(10.0, 1.0, 1.0)
+    rows = [SpecState(4, hits=9.0), SpecState(4)]
+    assert spec.choose([*rows, None]) and [(s.k, s.go) for s in rows] == [(4, True), (0, False)]
+    assert spec.stats.k_chosen == [1, 0, 0, 0, 1]
     spec.eager = True
-    assert spec.choose(rows) and all(s.go for s in rows)
+    assert spec.choose(rows) and all(s.go and s.k == 4 for s in rows)
 
 
 def test_a_row_proposes_only_after_its_own_tokens_show_drafts_hold(tiny32):
-    """Speculation on evidence, through the engine: random prompts and sampled output (drafts would
-    fail) verify nothing; a greedy row that logit_bias drives into repeating one token (drafts
-    would hold) starts verifying after a few plain tokens, and its output is the one plain
-    decoding gives."""
+    """Speculation on evidence, through the engine (step costs given: a row adds a tenth of a
+    step): random prompts and sampled output (drafts would fail) verify nothing; a greedy row
+    that logit_bias drives into repeating one token (drafts would hold) starts verifying after a
+    few plain tokens, and its output is the one plain decoding gives."""
     rng = np.random.default_rng(9)
     prompts = [[int(x) for x in rng.permutation(5000)[:30]] for _ in range(4)]
     params = [SamplingParams(max_new_tokens=60, temperature=1.0, seed=i) for i in range(4)]
     engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=128, speculative_config=SPEC))
+    assert engine.speculator is not None
+    engine.speculator.costs = _linear(10.0, 1.0, 1.0)
     _run(engine, prompts, params)
     assert engine.spec_decode_stats()["spec_decode_num_drafts"] == 0
     looping = [SamplingParams(max_new_tokens=40, logit_bias={77: 30.0})]
@@ -308,6 +352,19 @@ def test_a_row_proposes_only_after_its_own_tokens_show_drafts_hold(tiny32):
     assert _run(engine, prompts[:1], looping) == plain
     stats = engine.spec_decode_stats()
     assert stats["spec_decode_num_drafts"] >= 5 and stats["spec_decode_num_accepted_tokens"] >= 20
+
+
+def test_the_engine_measures_its_steps_by_rows(tiny32):
+    """The engine's timer fills the speculator's cost table: plain decode steps by their row
+    count, verify steps (eager here; rows looping on one token: drafts found) by their one-token
+    rows, prefill steps not at all."""
+    engine = _eager(tiny32, max_batch=2, max_len=128)
+    assert engine.speculator is not None
+    engine.speculator.costs = costs = StepCosts()  # a replaced table is the one measured
+    _run(engine, _prompts(2), [SamplingParams(max_new_tokens=16, logit_bias={77: 30.0})] * 2)
+    table = costs.table
+    assert table and all(t > 0 for t in table.values())
+    assert any(v for v, _ in table) and max(n for _, n in table) <= 2 * (SPEC["num_speculative_tokens"] + 1)
 
 
 @pytest.mark.parametrize("field, bad", [("model", "x"), ("method", "eagle"),
@@ -373,3 +430,4 @@ def test_serving_stats_and_metrics_carry_the_spec_decode_counters(tiny32):
     assert 'mlx_serving:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
     plain = ServingStats(0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, backend={"seqs_running": 0})
     assert "spec_decode" not in Metrics(lambda: {"m": plain}).exposition().decode()  # speculation off: none
+

@@ -124,6 +124,7 @@ class Engine:
         self.iteration_tokens = IterationTokens()  # tokens per step (the serving's stats)
         self._by_id: dict[int, Request] = {}
         self._flight: Flight | None = None
+        self._timed: tuple[int, bool, float] | None = None  # the flight's step, for the speculator's timer
         self._constraint_factory = constraint_factory
         self._closed = False
 
@@ -225,6 +226,8 @@ class Engine:
         returns nothing for that sequence. Raises RuntimeError after :meth:`close`.
         """
         self._check_open()
+        if self.speculator is not None:
+            self.speculator.timer.start()
         events: list[SeqEvent] = []
         if self._flight is not None and (self._flight.verifies or any(
                 r.constraint is not None and not r.finished for r, _ in self._flight.produced)):
@@ -239,6 +242,8 @@ class Engine:
         if self._flight is not None:
             events += self._land()
         self._flight = flight
+        self._timed = None if self.speculator is None or flight is None else self.speculator.timer.enqueued(
+            len(plan.decodes) + sum(len(v.tokens) for v in plan.verifies), bool(plan.verifies), bool(plan.prefills))
         self.scheduler.commit_blocks()
         return events
 
@@ -247,6 +252,8 @@ class Engine:
             return []
         flight, self._flight = self._flight, None
         landed = self.runner.land(flight)
+        if self.speculator is not None:
+            self.speculator.timer.landed(self._timed)
         for v in flight.verdicts:
             if self.speculator is not None and v.request.spec is not None:
                 self.speculator.record(v.request.spec, v.drafted, v.accepted)

@@ -10,26 +10,30 @@ from ...decoder.layers import State
 from ..config import SpeculativeConfig
 from ..sampling import SamplingParams
 from .adaptive import SpecState
+from .choice import draft_lengths
+from .cost import StepCosts, StepTimer
 from .draft import DraftModel, DraftRow
 from .ngram import NgramProposer
 from .stats import SpecStats
 
-__all__ = ["MIN_RATE", "Speculator", "load_draft"]
+__all__ = ["DRAFT_COSTS", "Speculator", "load_draft"]
 
-
-#: Fewest accepted tokens per draft (a row's rate) for a row to propose: a lone verify costs about
-#: two plain steps (a k+1-token ragged row, and the row's last token lands first).
-MIN_RATE = 1.0
+#: The draft-model method's fixed step costs (:class:`~.cost.StepCosts` table): a step whose rows
+#: are nearly free (1 for one row, 2 for 1024), so its rows propose while their drafts hold at all.
+DRAFT_COSTS = {(False, 1): 1.0, (False, 1024): 2.0}
 
 
 class Speculator:
     """Drafts for the rows of an engine built with ``config``: n-gram prompt lookup ("ngram"), or
     ``draft`` ("draft_model": :meth:`build` loads it). ``eager`` (False; set it to change): every
     row that speculates proposes at each of its decode steps (vLLM's way: a loss where drafts fail;
-    tests set it to verify all the time), else rows propose on evidence (:meth:`choose`): for
-    n-gram drafts the free evidence of :meth:`witness`; a draft model's rows start trusted (its
-    drafts cost a draft forward, so there is no free evidence) and keep proposing while their
-    verifies keep their rate."""
+    tests set it to verify all the time), else each step's draft lengths are the ones that pay
+    most (:meth:`choose`) on each row's evidence (for n-gram drafts the free evidence of
+    :meth:`witness`; a draft model's rows start trusted: its drafts cost a draft forward, so
+    there is no free evidence) and on the step costs (``costs``, measured by ``timer``, which the
+    engine drives). A draft model's costs are not measured but fixed (:data:`DRAFT_COSTS`): its
+    sampled rows draw more uniforms when they verify, so their choices must not depend on timing
+    for a seeded request to reproduce."""
 
     def __init__(self, config: SpeculativeConfig, draft: DraftModel | None = None):
         if (config.method == "draft_model") != (draft is not None):
@@ -39,6 +43,8 @@ class Speculator:
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft_model = draft
         self.stats = SpecStats(config.num_speculative_tokens)
+        self.costs = StepCosts(dict(DRAFT_COSTS), frozen=True) if draft is not None else StepCosts()
+        self.timer = StepTimer(lambda: self.costs)  # ``costs`` may be replaced (tests give theirs)
 
     @classmethod
     def build(cls, config: SpeculativeConfig, draft: State | None, num_blocks: int, block_size: int) -> Speculator:
@@ -56,23 +62,23 @@ class Speculator:
                 or params.grammar is not None or params.logprobs is not None):
             return None
         k = self.config.num_speculative_tokens
-        return SpecState(k, rate=float(k) if self.draft_model is not None else 0.0)
+        return SpecState(k, hits=float(k) if self.draft_model is not None else 0.0)
 
     def choose(self, decoding: Sequence[SpecState | None]) -> bool:
-        """Pick the rows that propose at the coming step (``go``) among the step's ``decoding``
-        rows (None: a row that never speculates); True when any was picked (their last tokens must
-        land before the step is planned). The rows whose rate is at least :data:`MIN_RATE` propose
-        when their rates sum to at least one more than the rows left to decode plainly: a step
-        with verify rows runs a second forward besides the plain rows' decode, which costs about
-        a plain step, so the accepted tokens must outnumber the plain rows' one each. ``eager``:
-        every row that speculates."""
-        floor = 0.0 if self.eager else MIN_RATE
-        picked = [s for s in decoding if s is not None and s.rate >= floor]
-        go = bool(picked) and (self.eager or sum(s.rate for s in picked) >= len(decoding) - len(picked) + 1)
-        for s in decoding:
+        """Set the draft length ``k`` of each of the step's ``decoding`` rows (None: a row that
+        never speculates) and pick those with k > 0 to propose (``go``): the lengths that maximise
+        expected emitted tokens per second (:func:`~.choice.draft_lengths`, on the rows' outlooks
+        and ``costs``; ``eager``: ``k_max`` each). True when any row was picked (their last tokens
+        must land before the step is planned). Each chosen k is counted in ``stats.k_chosen``."""
+        if self.eager:
+            ks = [s.k_max if s is not None else 0 for s in decoding]
+        else:
+            ks = draft_lengths([s.odds() if s is not None else None for s in decoding], self.costs)
+        for s, k in zip(decoding, ks):
             if s is not None:
-                s.go = go and s.rate >= floor
-        return go
+                s.k, s.go = k, k > 0
+                self.stats.chose(k)
+        return any(ks)
 
     def drafts(self, rows: Sequence[tuple[DraftRow, int]]) -> list[np.ndarray]:
         """The picked rows' drafts for this step (``(d,) int32`` each, d <= min(the row's k,

@@ -7,11 +7,18 @@ __all__ = ["SpecStats"]
 
 
 class SpecStats:
-    """Counters of one engine's verifies with at most ``k_max`` draft tokens each."""
+    """Counters of one engine's verifies with at most ``k_max`` draft tokens each, and
+    ``k_chosen[k]``: how many times a speculating decoding row was given k draft tokens at a step
+    (0: it decoded plainly; not exported as a metric)."""
 
     def __init__(self, k_max: int):
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * k_max
+        self.k_chosen = [0] * (k_max + 1)
+
+    def chose(self, k: int) -> None:
+        """A speculating row was given ``k`` (0..k_max) draft tokens for a step."""
+        self.k_chosen[k] += 1
 
     def record(self, drafted: int, accepted: int) -> None:
         """One verify of ``drafted`` tokens whose first ``accepted`` were accepted."""
