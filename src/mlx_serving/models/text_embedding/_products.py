@@ -2,10 +2,10 @@
 GEMM, or the exact float forward.
 
 "native" (the default where it applies: the CPU device, float32 activations, the native module
-built) packs a batch's texts into one sequence (:mod:`._packed`) over
-:func:`models.decoder.cpu.prefill.prefill_state`: every affine 4/8-bit projection runs the int8
-GEMM of the text-generation prefill (activations quantized to int8 per block of 32; a matrix it
-does not take, e.g. a dense one, keeps its float product). "matmul" is the exact float forward
+built, every projection and the head affine 4/8-bit as :func:`models.decoder.cpu.native_decode`
+takes them) packs a batch's texts into one sequence (:mod:`._packed`) over the text-generation
+prefill's model (:attr:`models.decoder.cpu.NativeDecode.prefill_state`): every projection runs
+the int8 GEMM over its matrix packed once (activations quantized to int8 per block of 32). "matmul" is the exact float forward
 (:func:`models.decoder.layers.hidden_states` over the padded rows, compiled).
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..decoder.cpu import pool_threads
-from ..decoder.cpu.prefill import prefill_state
+from ..decoder.cpu import native_decode
 from ..decoder.layers import State
 from ..native import cpu_decode_module, unavailable_reason
 
@@ -29,8 +28,10 @@ def native_state(state: State, products: str | None) -> State | None:
     if products == "matmul":
         return None
     why = _why_not(state)
-    if why is None:
-        return prefill_state(state, cpu_decode_module(), pool_threads())
+    native = native_decode(state) if why is None else None
+    if native is not None:
+        return native.prefill_state
+    why = why or "a projection or the head is not MLX affine 4/8-bit with group size 32/64/128"
     if products == "native":
         raise ValueError(f"products 'native' does not apply: {why}; use products='matmul' or None")
     return None
