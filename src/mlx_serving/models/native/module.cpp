@@ -87,6 +87,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("threads"),
         "x (..., K) float32 @ dequantize(w).T -> (..., N) with x quantized to int8 per block of 32 (the int8 GEMM "
         "of the native prefill, on a pool of ``threads``).");
+  m.def("int8_swiglu_matmul", &ms::int8_swiglu_matmul, nb::arg("gate_up"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("group_size"), nb::arg("bits"), nb::arg("threads"),
+        "gate_up (..., 2K) = [gate | up] float32 -> silu(gate) * up @ dequantize(w).T -> (..., N), the SwiGLU "
+        "fused with the int8 product (the native prefill's down projection).");
   m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
   m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
         "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");

@@ -1,4 +1,4 @@
-// The native prefill's product (prefill.cpp): an MLX primitive over the int8 GEMM (qgemm.cpp).
+// The native prefill's products (prefill.cpp): MLX primitives over the int8 GEMM (qgemm.cpp).
 #pragma once
 
 #include "mlx/array.h"
@@ -13,5 +13,13 @@ namespace mlx_serving {
 mlx::core::array int8_quantized_matmul(const mlx::core::array& x, const mlx::core::array& w,
                                        const mlx::core::array& scales, const mlx::core::array& biases,
                                        int group_size, int bits, int threads);
+
+// The MLP's down product from its gate/up product: gate_up (..., 2 K) float32 = [gate | up] ->
+// silu(gate) * up (..., K), computed as the decode step does (g / (1 + exp(-g)) * u, float32),
+// then @ dequantize(w, scales, biases).T -> (..., N) float32 as int8_quantized_matmul (same
+// arguments, same numerics). Raises std::invalid_argument naming the argument.
+mlx::core::array int8_swiglu_matmul(const mlx::core::array& gate_up, const mlx::core::array& w,
+                                    const mlx::core::array& scales, const mlx::core::array& biases,
+                                    int group_size, int bits, int threads);
 
 }  // namespace mlx_serving
