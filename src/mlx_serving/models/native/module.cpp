@@ -46,9 +46,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("block_table"), nb::arg("start"), nb::arg("n_valid"), nb::arg("scale"), nb::arg("block_size"),
         nb::arg("k_scales").none() = nb::none(), nb::arg("k_biases").none() = nb::none(),
         nb::arg("v_scales").none() = nb::none(), nb::arg("v_biases").none() = nb::none(), nb::arg("group_size") = 0,
-        nb::arg("bits") = 0,
+        nb::arg("bits") = 0, nb::arg("threads") = 0,
         "Causal GQA attention of q (B, H, T, D) over the paged cache k, v (R, Hkv, D) -> (B, T, H, D) float32; "
-        "with the scales and biases, k and v are MLX's affine layout (R, Hkv, D * bits / 32) uint32.");
+        "with the scales and biases, k and v are MLX's affine layout (R, Hkv, D * bits / 32) uint32; threads > 0: "
+        "on the native prefill's pool of that many threads (else OpenMP's).");
   m.def("isa", []() { return ms::cpu_has_avx2() ? "avx2+fma" : "portable"; },
         "The instruction set the kernels run with on this CPU: 'avx2+fma' or 'portable'.");
   m.def("force_portable", &ms::force_portable,

@@ -8,6 +8,9 @@
 // The GEMM runs on one pool kept alive across calls (pool.h), made for the first call's thread
 // count (again when a call asks for another); calls take turns on it (a mutex), as MLX runs the
 // primitives of one CPU stream one after another anyway. The quantized rows' buffer is kept too.
+// The native prefill's attention (paged_attention.cpp with threads > 0) runs on the same pool
+// (run_on_prefill_pool): no OpenMP team spinning beside it, which on a busy machine cost several
+// times the attention's own CPU time.
 
 #include "prefill.h"
 
@@ -51,9 +54,14 @@ void swiglu_rows(const float* gate_up, int64_t rows, int64_t k, float* out, Pool
 
 // y = x @ m (x quantized per block first); with ``swiglu`` x is (rows, 2 m.k) gate/up rows whose
 // SwiGLU is the product's input.
+Pool& pool_of(int threads) {  // the caller holds pool_lock
+  if (!pool || pool->threads() != threads) pool = std::make_unique<Pool>(threads);
+  return *pool;
+}
+
 void run(const QMatrixView& m, const float* x, int64_t rows, float* y, int threads, bool swiglu) {
   std::lock_guard<std::mutex> guard(pool_lock);
-  if (!pool || pool->threads() != threads) pool = std::make_unique<Pool>(threads);
+  pool_of(threads);
   if (swiglu) {
     gated.resize(static_cast<size_t>(rows * m.k));
     swiglu_rows(x, rows, m.k, gated.data(), *pool);
@@ -142,6 +150,11 @@ mx::array product(const char* what, const mx::array& x, const mx::array& w, cons
 }
 
 }  // namespace
+
+void run_on_prefill_pool(int threads, int64_t count, const std::function<void(int64_t)>& fn) {
+  std::lock_guard<std::mutex> guard(pool_lock);
+  pool_of(threads).run(count, fn);
+}
 
 mx::array int8_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                 const mx::array& biases, int group_size, int bits, int threads) {

@@ -1,6 +1,9 @@
 // The native prefill's products (prefill.cpp): MLX primitives over the int8 GEMM (qgemm.cpp).
 #pragma once
 
+#include <cstdint>
+#include <functional>
+
 #include "mlx/array.h"
 
 namespace mlx_serving {
@@ -21,5 +24,9 @@ mlx::core::array int8_quantized_matmul(const mlx::core::array& x, const mlx::cor
 mlx::core::array int8_swiglu_matmul(const mlx::core::array& gate_up, const mlx::core::array& w,
                                     const mlx::core::array& scales, const mlx::core::array& biases,
                                     int group_size, int bits, int threads);
+
+// fn(0), ..., fn(count - 1) on the products' pool of ``threads`` (made or remade for that count; the
+// native prefill's attention runs there too, not on OpenMP's threads); one caller at a time.
+void run_on_prefill_pool(int threads, int64_t count, const std::function<void(int64_t)>& fn);
 
 }  // namespace mlx_serving

@@ -9,7 +9,8 @@ weights, each weight panel unpacked once and reused across the rows (AVX-512 VNN
 portable loop, picked at run time), on a pool of threads kept alive across calls. Each layer's MLP
 is :class:`NativeMlp` (``Layer.mlp``): the gate/up product, then one primitive that computes the
 SwiGLU row by row as the decode step does and quantizes it for the down product
-(``int8_swiglu_matmul``), instead of MLX's split, sigmoid and multiplies over strided views.
+(``int8_swiglu_matmul``), instead of MLX's split, sigmoid and multiplies over strided views. The
+native paged attention runs on the same pool (its ``threads`` argument), not on OpenMP's threads.
 
 Numerics: each product is bit for bit the decode step's (``qdot.cpp``) for the same row, so a
 row's result never depends on its batchmates or its place among the rows (batched == solo,
@@ -53,7 +54,8 @@ class NativeMlp:
 def prefill_state(state: State, module: Any, threads: int) -> State:
     """``state`` with each projection and the head computed by ``module``'s int8 GEMM on a pool of
     ``threads`` (the weights are the same arrays, not copies; a tied embedding stays tied), each
-    layer's MLP a :class:`NativeMlp` where both its matrices take the GEMM (gate/up merged).
+    layer's MLP a :class:`NativeMlp` where both its matrices take the GEMM (gate/up merged), and
+    the native attention (``state.attention``, when set) on the same pool instead of OpenMP's.
     Every matrix must be affine 4/8-bit with group size 32/64/128 and scales and biases of one
     dtype, float32 or float16 (as :func:`.native_decode` checks); a matrix that is not keeps its
     own product."""
@@ -69,7 +71,9 @@ def prefill_state(state: State, module: Any, threads: int) -> State:
 
     head = swap(state.lm_head)
     embed = head if state.embed_tokens is state.lm_head else state.embed_tokens
-    return replace(state, layers=[layer(ly) for ly in state.layers], lm_head=head, embed_tokens=embed)
+    attention = None if state.attention is None else partial(state.attention, threads=threads)
+    return replace(state, layers=[layer(ly) for ly in state.layers], lm_head=head, embed_tokens=embed,
+                   attention=attention)
 
 
 def _mlp(gate_up: Fused, down: Linear, module: Any, threads: int) -> NativeMlp | None:
