@@ -62,7 +62,7 @@ def test_gemm_is_the_int8_reference_and_the_decode_steps_product(isa, bits, grou
     """K ending in a partial group of 8 blocks (416: 13 blocks, a padded group of 5; 576: 18, a
     group of 2 in two lanes each; 640: 20, 4 blocks likewise), rows and columns off the tile
     sizes: within float32 accumulation error of the integer reference, and bit for bit the decode
-    step's product of each row (qgemv)."""
+    step's product of each row (qgemv), also when the call has fewer rows than a tile."""
     rng = np.random.default_rng(bits * group + half)
     k = {32: 416, 64: 576, 128: 640}[group]
     w, s, b = _matrix(rng, 45, k, bits, group, half)
@@ -72,6 +72,9 @@ def test_gemm_is_the_int8_reference_and_the_decode_steps_product(isa, bits, grou
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     decode = np.array(module.int8_matmul(module.QMatrix(w, s, b, None, bits, group), mx.array(x)))
     np.testing.assert_array_equal(got, decode)
+    for m in (1, 3):  # fewer rows than the GEMM's tile: the decode step's product over column ranges
+        np.testing.assert_array_equal(np.array(module.int8_quantized_matmul(mx.array(x[:m]), w, s, b, group, bits, 2)),
+                                      got[:m])
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -54,6 +54,22 @@ void swiglu_rows(const float* gate_up, int64_t rows, int64_t k, float* out, Pool
 
 // y = x @ m (x quantized per block first); with ``swiglu`` x is (rows, 2 m.k) gate/up rows whose
 // SwiGLU is the product's input.
+// Fewer rows than the GEMM's row tile (the head's one row per prompt): the decode step's product
+// (qgemv, the same bits as the GEMM's) over column ranges on the pool, no weight tile unpacked for
+// rows that are not there (~6x less work for one row of SmolLM2's head).
+constexpr int64_t kGemmMinRows = 4;
+constexpr int64_t kGemvColumns = 512;  // columns per pool task
+std::vector<QuantRow> gemv_rows;       // guarded by pool_lock
+
+void gemv(const QMatrixView& m, const float* x, int64_t rows, float* y, Pool& p) {
+  gemv_rows.resize(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) gemv_rows[r].quantize(x + r * m.k, m.k);
+  const Isa isa = best_isa();
+  p.run((m.n + kGemvColumns - 1) / kGemvColumns, [&](int64_t task) {
+    qgemv(m, gemv_rows.data(), rows, task * kGemvColumns, std::min(m.n, (task + 1) * kGemvColumns), y, m.n, isa);
+  });
+}
+
 Pool& pool_of(int threads) {  // the caller holds pool_lock
   if (!pool || pool->threads() != threads) pool = std::make_unique<Pool>(threads);
   return *pool;
@@ -66,6 +82,10 @@ void run(const QMatrixView& m, const float* x, int64_t rows, float* y, int threa
     gated.resize(static_cast<size_t>(rows * m.k));
     swiglu_rows(x, rows, m.k, gated.data(), *pool);
     x = gated.data();
+  }
+  if (rows < kGemmMinRows) {
+    gemv(m, x, rows, y, *pool);
+    return;
   }
   quant_rows.quantize(x, rows, m.k, *pool);
   qgemm(m, quant_rows, y, best_isa(), *pool);
