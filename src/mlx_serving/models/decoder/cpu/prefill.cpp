@@ -1,6 +1,6 @@
 // The native prefill's products (issue 39): MLX primitives computing a quantized projection of
 // many rows with int8 activations (qgemm.cpp), for the shared decoder's prefill forward on the
-// "native" path (models/decoder/cpu/prefill.py): norms, RoPE and attention stay MLX operations.
+// "native" path (models/decoder/cpu/prefill.py): norms and RoPE stay MLX operations.
 // The MLP's down product takes the gate/up product's output and computes its SwiGLU itself (the
 // decode step's formula, row by row on the pool) before quantizing it: one primitive instead of
 // MLX's split, sigmoid and two multiplies over strided views.

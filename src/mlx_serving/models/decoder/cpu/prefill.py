@@ -1,12 +1,13 @@
 """The native prefill (issue 39): the shared decoder's prefill forward with int8-activation products.
 
 On the "native" decode path a prefill (and every forward of more than one token per row) runs the
-shared decoder's generic forward (:func:`models.decoder.layers.forward`: norms, RoPE and attention
-stay MLX operations) over :func:`prefill_state`, the model whose quantized projections and head are
+shared decoder's generic forward (:func:`models.decoder.layers.forward`: norms and RoPE stay MLX
+operations) over :func:`prefill_state`, the model whose quantized projections and head are
 computed by the native int8 GEMM (``prefill.cpp`` / ``qgemm.cpp``): each row's activations
 quantized to int8 per block of 32 and multiplied with integer products against the 4- or 8-bit
 weights, each weight panel unpacked once and reused across the rows (AVX-512 VNNI, AVX2 or a
-portable loop, picked at run time), on a pool of threads kept alive across calls. Each layer's MLP
+portable loop, picked at run time), on a pool of threads kept alive across calls (a call of fewer
+than 4 rows, the head's one row, is the decode step's product over column ranges). Each layer's MLP
 is :class:`NativeMlp` (``Layer.mlp``): the gate/up product, then one primitive that computes the
 SwiGLU row by row as the decode step does and quantizes it for the down product
 (``int8_swiglu_matmul``), instead of MLX's split, sigmoid and multiplies over strided views. The
