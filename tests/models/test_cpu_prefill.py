@@ -63,7 +63,7 @@ def test_gemm_is_the_int8_reference_and_the_decode_steps_product(isa, bits, grou
     """K ending in a partial group of 8 blocks (416: 13 blocks, a padded group of 5; 576: 18, a
     group of 2 in two lanes each; 640: 20, 4 blocks likewise), rows and columns off the tile
     sizes: within float32 accumulation error of the integer reference, and bit for bit the decode
-    step's product of each row (qgemv)."""
+    step's product of each row (qgemv), also when the call has fewer rows than a tile."""
     rng = np.random.default_rng(bits * group + half)
     k = {32: 416, 64: 576, 128: 640}[group]
     w, s, b = _matrix(rng, 45, k, bits, group, half)
@@ -73,6 +73,9 @@ def test_gemm_is_the_int8_reference_and_the_decode_steps_product(isa, bits, grou
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
     decode = np.array(module.int8_matmul(module.QMatrix(w, s, b, None, bits, group), mx.array(x)))
     np.testing.assert_array_equal(got, decode)
+    for m in (1, 3):  # fewer rows than the GEMM's tile: the decode step's product over column ranges
+        np.testing.assert_array_equal(np.array(module.int8_quantized_matmul(mx.array(x[:m]), w, s, b, group, bits, 2)),
+                                      got[:m])
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -123,6 +126,80 @@ def test_gemm_takes_leading_dimensions_and_refuses_bad_arguments():
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             module.int8_quantized_matmul(*args)
+
+
+def _swiglu(gate_up: np.ndarray) -> np.ndarray:
+    g, u = np.split(gate_up.astype(np.float32), 2, axis=-1)
+    return g / (np.float32(1) + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_swiglu_product_is_the_gemm_of_the_swiglu_and_rows_stay_independent(isa, threads):
+    """gate_up (rows, 2K) = [gate | up] -> the int8 product of silu(gate) * up: the GEMM of numpy's
+    SwiGLU (the decode step's formula) up to float32 rounding (a 1-ulp exp can flip one int8
+    rounding), not the product of the halves swapped; each row bit for bit the same alone, in a
+    subset in another order and among 200 rows."""
+    rng = np.random.default_rng(threads)
+    w, s, b = _matrix(rng, 40, 1536, 4, 32, True)
+    m = module.QMatrix(w, s, b, None, 4, 32)
+    gate_up = (rng.normal(size=(200, 3072)) * 2).astype(np.float32)
+    got = np.array(module.int8_swiglu_matmul(m, mx.array(gate_up), threads))
+    want = np.array(module.int8_quantized_matmul(mx.array(_swiglu(gate_up)), w, s, b, 32, 4, threads))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+    swapped = np.array(module.int8_quantized_matmul(mx.array(_swiglu(np.roll(gate_up, 1536, axis=1))), w, s, b, 32,
+                                                    4, threads))
+    assert np.abs(got - swapped).max() > 0.1 * np.abs(want).max()
+    for pick in (rng.permutation(200)[:9], np.array([17])):
+        part = np.array(module.int8_swiglu_matmul(m, mx.array(gate_up[pick]), threads))
+        np.testing.assert_array_equal(part, got[pick])
+
+
+def test_swiglu_product_takes_leading_dimensions_and_refuses_bad_arguments():
+    rng = np.random.default_rng(0)
+    w, s, b = _matrix(rng, 8, 64, 4, 32, False)
+    m = module.QMatrix(w, s, b, None, 4, 32)
+    gate_up = rng.normal(size=(2, 3, 128)).astype(np.float32)
+    got = np.array(module.int8_swiglu_matmul(m, mx.array(gate_up), 2))
+    np.testing.assert_array_equal(
+        got.reshape(6, 8), np.array(module.int8_swiglu_matmul(m, mx.array(gate_up.reshape(6, 128)), 2)))
+    for args, message in [((m, mx.array(gate_up[..., :64]), 2), "int8_swiglu_matmul: gate_up must be"),
+                          ((m, mx.array(gate_up), 0), "int8_swiglu_matmul: threads")]:
+        with pytest.raises(ValueError, match=message):
+            module.int8_swiglu_matmul(*args)
+
+
+@pytest.mark.parametrize("bits", [0, 8], ids=["float-cache", "int8-cache"])
+def test_attention_on_the_prefill_pool_is_openmps_bit_for_bit(bits):
+    """The paged attention of rows at different starts (a prefix in the cache) and padding, float and
+    quantized cache: on the prefill's pool of 1 or 3 threads the same bits as on OpenMP's threads;
+    negative threads refused."""
+    attention = native.paged_attention_cpu()
+    rng = np.random.default_rng(bits)
+    table = mx.array(row_blocks(3, 96))
+    q = mx.array(rng.normal(size=(3, 6, 40, 64)).astype(np.float32))
+    kv = [mx.array(rng.normal(size=(int(table.max()) * 16 + 16, 2, 64)).astype(np.float32)) for _ in range(2)]
+    extra: dict = {}
+    if bits:
+        (k, ks, kb), (v, vs, vb) = (mx.quantize(a, group_size=32, bits=bits) for a in kv)
+        kv = [k, v]
+        extra = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, group_size=32, bits=bits)
+    args = (q, *kv, table, mx.array([0, 37, 5], dtype=mx.int32), mx.array([40, 21, 33], dtype=mx.int32), 0.125, 16)
+    ref = np.array(attention(*args, **extra))
+    assert np.abs(ref).max() > 0
+    for threads in (1, 3):
+        np.testing.assert_array_equal(np.array(attention(*args, **extra, threads=threads)), ref)
+    with pytest.raises(ValueError, match="threads"):
+        attention(*args, **extra, threads=-1)
+
+
+def test_native_prefill_state_runs_its_mlp_and_attention_natively(family_state):
+    """Every layer's MLP is the fused native one, the attention runs on the prefill's pool, and the
+    exact state is left as it was."""
+    state = _native(family_state)
+    assert all(ly.mlp is not None for ly in state.layers)
+    assert all(ly.mlp is None for ly in family_state.layers)
+    assert state.attention is not None and state.attention is not family_state.attention
+    assert state.attention.keywords["threads"] >= 1  # a functools.partial
 
 
 # ---- the prefill forward ---------------------------------------------------------------------------

@@ -38,7 +38,10 @@ __all__ = ["Layer", "State", "compiled_decode", "forward", "hidden_states", "rop
 @dataclass
 class Layer:
     """One decoder layer's weights; ``qkv`` fuses q/k/v_proj, ``gate_up`` gate/up_proj (each with
-    its biases when the config has them); ``q_norm`` / ``k_norm`` ``(head_dim,)`` with ``qk_norm``."""
+    its biases when the config has them); ``q_norm`` / ``k_norm`` ``(head_dim,)`` with ``qk_norm``;
+    ``mlp``: when set, the gated MLP of normed ``(N, hidden)`` -> ``(N, hidden)`` as one computation
+    over these weights, run by :func:`forward` instead of ``down_proj(swiglu(*gate_up(x)))`` (the
+    native prefill's: :mod:`.cpu.prefill`)."""
 
     input_layernorm: mx.array
     post_attention_layernorm: mx.array
@@ -48,6 +51,7 @@ class Layer:
     down_proj: Linear
     q_norm: mx.array | None = None
     k_norm: mx.array | None = None
+    mlp: Callable[[mx.array], mx.array] | None = None
 
 
 @dataclass
@@ -121,6 +125,14 @@ def _attention(layer: Layer, x: mx.array, cache: Cache, i: int, step: Step,
     return layer.o_proj(step.pack(attend(cache, i, q, k, v, step)))
 
 
+def _mlp(layer: Layer, x: mx.array) -> mx.array:
+    """Layer ``layer``'s gated MLP on normed ``x`` ``(N, hidden)`` -> ``(N, hidden)``."""
+    if layer.mlp is not None:
+        return layer.mlp(x)
+    gate, up = layer.gate_up(x)
+    return layer.down_proj(swiglu(gate, up))
+
+
 def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend[State] | None = None) -> mx.array:
     """Run ``rows`` through the model, writing their K/V into ``cache`` (lazily).
 
@@ -139,8 +151,7 @@ def forward(state: State, cache: Cache, rows: Rows, decode: DecodeBackend[State]
     eps = c.rms_norm_eps
     for i, layer in enumerate(state.layers):
         h = h + _attention(layer, mx.fast.rms_norm(h, layer.input_layernorm, eps), cache, i, step, rope, c)
-        gate, up = layer.gate_up(mx.fast.rms_norm(h, layer.post_attention_layernorm, eps))
-        h = h + layer.down_proj(swiglu(gate, up))
+        h = h + _mlp(layer, mx.fast.rms_norm(h, layer.post_attention_layernorm, eps))
     h = mx.fast.rms_norm(last_hidden(h, rows), state.norm, eps)
     return state.lm_head(h)
 

@@ -68,13 +68,15 @@ class PagedAttention(Protocol):
     A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
     ``(R, Hkv, D * bits / 32)`` uint32 with ``k_scales`` / ``k_biases`` / ``v_scales`` / ``v_biases``
     ``(R, Hkv, D / group_size)`` float32, ``bits`` 4 or 8, ``group_size`` 32, 64 or 128: each block's
-    rows are dequantized in float32 once per work unit, as they are read. Raises ValueError for
-    arguments of another dtype or shape."""
+    rows are dequantized in float32 once per work unit, as they are read. ``threads`` > 0: the work
+    runs on the native prefill's thread pool of that many threads (:mod:`models.decoder.cpu.prefill`)
+    instead of OpenMP's (the same result). Raises ValueError for arguments of another dtype or shape."""
 
     def __call__(self, q: mx.array, k: mx.array, v: mx.array, block_table: mx.array, start: mx.array,
                  n_valid: mx.array, scale: float, block_size: int, *, k_scales: mx.array | None = None,
                  k_biases: mx.array | None = None, v_scales: mx.array | None = None,
-                 v_biases: mx.array | None = None, group_size: int = 0, bits: int = 0) -> mx.array: ...
+                 v_biases: mx.array | None = None, group_size: int = 0, bits: int = 0,
+                 threads: int = 0) -> mx.array: ...
 
 
 def unavailable_reason() -> str | None:

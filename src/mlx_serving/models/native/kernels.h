@@ -24,6 +24,7 @@ mlx::core::array paged_attention(const mlx::core::array& q, const mlx::core::arr
                                  const std::optional<mlx::core::array>& k_scales,
                                  const std::optional<mlx::core::array>& k_biases,
                                  const std::optional<mlx::core::array>& v_scales,
-                                 const std::optional<mlx::core::array>& v_biases, int group_size, int bits);
+                                 const std::optional<mlx::core::array>& v_biases, int group_size, int bits,
+                                 int threads);
 
 }  // namespace mlx_serving

@@ -46,9 +46,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("block_table"), nb::arg("start"), nb::arg("n_valid"), nb::arg("scale"), nb::arg("block_size"),
         nb::arg("k_scales").none() = nb::none(), nb::arg("k_biases").none() = nb::none(),
         nb::arg("v_scales").none() = nb::none(), nb::arg("v_biases").none() = nb::none(), nb::arg("group_size") = 0,
-        nb::arg("bits") = 0,
+        nb::arg("bits") = 0, nb::arg("threads") = 0,
         "Causal GQA attention of q (B, H, T, D) over the paged cache k, v (R, Hkv, D) -> (B, T, H, D) float32; "
-        "with the scales and biases, k and v are MLX's affine layout (R, Hkv, D * bits / 32) uint32.");
+        "with the scales and biases, k and v are MLX's affine layout (R, Hkv, D * bits / 32) uint32; threads > 0: "
+        "on the native prefill's pool of that many threads (else OpenMP's).");
   m.def("isa", []() { return ms::cpu_has_avx2() ? "avx2+fma" : "portable"; },
         "The instruction set the kernels run with on this CPU: 'avx2+fma' or 'portable'.");
   m.def("force_portable", &ms::force_portable,
@@ -90,6 +91,9 @@ NB_MODULE(_kernels, m) {
   m.def("int8_packed_matmul", &ms::int8_packed_matmul, nb::arg("m"), nb::arg("x"), nb::arg("threads"),
         "x (..., K) float32 @ dequantize(m).T (+ bias) -> (..., N) with x quantized to int8 per block of 32 (the "
         "int8 GEMM over m's weights packed at load, on a pool of ``threads``).");
+  m.def("int8_swiglu_matmul", &ms::int8_swiglu_matmul, nb::arg("m"), nb::arg("gate_up"), nb::arg("threads"),
+        "gate_up (..., 2K) = [gate | up] float32 -> silu(gate) * up @ dequantize(m).T (+ bias) -> (..., N), the "
+        "SwiGLU fused with the int8 product over m's packed weights (the native prefill's down projection).");
   m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
   m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
         "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "prefill.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -359,7 +360,8 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
 }
 
 void attention(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq,
-               const int32_t* table, const int32_t* start, const int32_t* n_valid, float* out, const Geometry& ge) {
+               const int32_t* table, const int32_t* start, const int32_t* n_valid, float* out, const Geometry& ge,
+               int threads) {
   std::memset(out, 0, sizeof(float) * ge.b * ge.t * ge.h * ge.d);  // padding queries stay zero
   struct Work {
     int64_t b, g, j0, j1;
@@ -376,6 +378,14 @@ void attention(const float* q, const float* k, const float* v, const Quant& kq, 
   }
   const bool avx2 = avx2_path(ge.d);
   const int64_t count = static_cast<int64_t>(units.size());
+  if (threads > 0) {  // the native prefill's pool (prefill.cpp), not OpenMP's threads
+    run_on_prefill_pool(threads, count, [&](int64_t u) {
+      thread_local Scratch w;
+      const Work& x = units[u];
+      unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
+    });
+    return;
+  }
 #pragma omp parallel if (cost >= (1 << 17))
   {
     Scratch w;
@@ -391,8 +401,13 @@ class PagedAttention : public mx::Primitive {
  public:
   // bits 0: a float cache (inputs q, k, v, table, start, n_valid); 4 or 8: k and v quantized, their
   // scales and biases the inputs 6..9 (k scales, k biases, v scales, v biases).
-  PagedAttention(mx::Stream stream, float scale, int block_size, int group_size, int bits)
-      : mx::Primitive(stream), scale_(scale), block_size_(block_size), group_size_(group_size), bits_(bits) {}
+  PagedAttention(mx::Stream stream, float scale, int block_size, int group_size, int bits, int threads)
+      : mx::Primitive(stream),
+        scale_(scale),
+        block_size_(block_size),
+        group_size_(group_size),
+        bits_(bits),
+        threads_(threads) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -416,7 +431,7 @@ class PagedAttention : public mx::Primitive {
     encoder.set_output_array(y);
     encoder.dispatch([qp = q.data<float>(), kp, vp, kq, vq, tp = table.data<int32_t>(), sp = inputs[4].data<int32_t>(),
                       np = inputs[5].data<int32_t>(), yp = y.data<float>(),
-                      ge]() { attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge); });
+                      ge, threads = threads_]() { attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge, threads); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -432,12 +447,13 @@ class PagedAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttention&>(other);
-    return scale_ == o.scale_ && block_size_ == o.block_size_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+    return scale_ == o.scale_ && block_size_ == o.block_size_ && group_size_ == o.group_size_ && bits_ == o.bits_ &&
+           threads_ == o.threads_;
   }
 
  private:
   float scale_;
-  int block_size_, group_size_, bits_;
+  int block_size_, group_size_, bits_, threads_;  // threads 0: OpenMP's
 };
 
 }  // namespace
@@ -446,7 +462,8 @@ mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::arra
                           const mx::array& start, const mx::array& n_valid, float scale, int block_size,
                           const std::optional<mx::array>& k_scales, const std::optional<mx::array>& k_biases,
                           const std::optional<mx::array>& v_scales, const std::optional<mx::array>& v_biases,
-                          int group_size, int bits) {
+                          int group_size, int bits, int threads) {
+  if (threads < 0) throw std::invalid_argument("paged_attention_cpu: threads must be 0 (OpenMP's) or more");
   const bool quantized = k_scales.has_value();
   if (quantized != (k_biases && v_scales && v_biases && bits != 0))
     throw std::invalid_argument("paged_attention_cpu: a quantized cache needs k/v scales and biases and bits");
@@ -478,7 +495,7 @@ mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::arra
   }
   return mx::array({q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
                    std::make_shared<PagedAttention>(mx::default_stream(s), scale, block_size, quantized ? group_size : 0,
-                                                    quantized ? bits : 0),
+                                                    quantized ? bits : 0, threads),
                    std::move(inputs));
 }
 

@@ -1,13 +1,16 @@
 """The native prefill (issue 39): the shared decoder's prefill forward with int8-activation products.
 
 On the "native" decode path a prefill (and every forward of more than one token per row) runs the
-shared decoder's generic forward (:func:`models.decoder.layers.forward`: norms, RoPE and attention
-stay MLX operations) over :func:`prefill_state`, the model whose quantized projections and head are
+shared decoder's generic forward (:func:`models.decoder.layers.forward`: norms and RoPE stay MLX
+operations) over :func:`prefill_state`, the model whose quantized projections and head are
 computed by the native int8 GEMM (``prefill.cpp`` / ``qgemm.cpp``) over the decode step's own
 matrices, packed once when the decoder was made (``pack.h``): each row's activations quantized to
 int8 per block of 32 and multiplied with integer products against the 4- or 8-bit weights as they
 lie (AVX-512 VNNI, AVX2 or a portable loop, picked at run time), on a pool of threads kept alive
-across calls.
+across calls. Each layer's MLP is :class:`NativeMlp` (``Layer.mlp``): the gate/up product, then one
+primitive that computes the SwiGLU row by row as the decode step does and quantizes it for the down
+product (``int8_swiglu_matmul``), instead of MLX's split, sigmoid and multiplies over strided views.
+The native paged attention runs on the same pool (its ``threads`` argument), not on OpenMP's threads.
 
 Numerics: each product is bit for bit the decode step's for the same row, so a row's result never
 depends on its batchmates or its place among the rows (batched == solo, prefix hit == miss); it
@@ -17,6 +20,7 @@ differs from the exact float path ("matmul") as the decode step does.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -24,7 +28,7 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["PackedLayer", "prefill_state"]
+__all__ = ["NativeMlp", "PackedLayer", "prefill_state"]
 
 
 @dataclass(frozen=True)
@@ -51,22 +55,44 @@ class _Packed:
         return self.module.int8_packed_matmul(self.matrix, x, self.threads)
 
 
+@dataclass(frozen=True)
+class NativeMlp:
+    """A layer's gated MLP on the native path: ``gate_up`` (the merged gate/up Linear, its product
+    the int8 GEMM) then ``down`` (the packed down matrix, which adds its bias) fed by ``module``'s
+    ``int8_swiglu_matmul`` on a pool of ``threads``. Call with normed ``x`` ``(N, hidden)`` float32
+    -> ``(N, hidden)`` float32."""
+
+    gate_up: Linear
+    down: Any
+    module: Any
+    threads: int
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.module.int8_swiglu_matmul(self.down, self.gate_up(x), self.threads)
+
+
 def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLayer], head: Any) -> State:
     """``state`` with each projection and the head computed by ``module``'s int8 GEMM over
     ``layers``' / ``head``'s packed matrices (the decode step's, one per fused q/k/v, o, fused
     gate/up, down and head: every one of ``state``'s is quantized as :func:`.native_decode`
-    checks) on a pool of ``threads``. The packed matrix adds the Linear's bias (the same float32
-    addition), so the swapped Linear has none; it keeps its other arrays (the embedding lookup of
-    a tied head reads them; a tied embedding stays tied)."""
+    checks) on a pool of ``threads``, each layer's MLP a :class:`NativeMlp`, and the native
+    attention (``state.attention``, when set) on the same pool instead of OpenMP's. The packed
+    matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none; it
+    keeps its other arrays (the embedding lookup of a tied head reads them; a tied embedding stays
+    tied)."""
 
     def swap(m: Linear, matrix: Any) -> Linear:
         return replace(m, kernel=_Packed(module, matrix, threads), bias=None)  # the packed matrix adds it
 
     def layer(ly: Layer, p: PackedLayer) -> Layer:
+        gate_up = ly.gate_up.map(lambda m: swap(m, p.gate_up))
+        assert gate_up.merged is not None  # native_decode takes only merged gate/up
         return replace(ly, qkv=ly.qkv.map(lambda m: swap(m, p.qkv)), o_proj=swap(ly.o_proj, p.o),
-                       gate_up=ly.gate_up.map(lambda m: swap(m, p.gate_up)), down_proj=swap(ly.down_proj, p.down))
+                       gate_up=gate_up, down_proj=swap(ly.down_proj, p.down),
+                       mlp=NativeMlp(gate_up.merged, p.down, module, threads))
 
     lm_head = swap(state.lm_head, head)
     embed = lm_head if state.embed_tokens is state.lm_head else state.embed_tokens
+    attention = None if state.attention is None else partial(state.attention, threads=threads)
     return replace(state, layers=[layer(ly, p) for ly, p in zip(state.layers, layers, strict=True)],
-                   lm_head=lm_head, embed_tokens=embed)
+                   lm_head=lm_head, embed_tokens=embed, attention=attention)
