@@ -25,6 +25,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -345,11 +346,10 @@ class DecodeStep : public mx::Primitive {
     auto& logits = outputs[0];
     logits.set_data(mx::allocator::malloc(logits.nbytes()));
     std::vector<float*> keys(nl), values(nl);
+    std::vector<std::pair<mx::array, float*>> copies;
     for (int64_t l = 0; l < nl; ++l) {
-      outputs[1 + l].copy_shared_buffer(inputs[4 + l]);
-      outputs[1 + nl + l].copy_shared_buffer(inputs[4 + nl + l]);
-      keys[l] = const_cast<float*>(inputs[4 + l].data<float>());
-      values[l] = const_cast<float*>(inputs[4 + nl + l].data<float>());
+      keys[l] = in_place(inputs[4 + l], outputs[1 + l], copies);
+      values[l] = in_place(inputs[4 + nl + l], outputs[1 + nl + l], copies);
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : inputs) encoder.set_input_array(x);
@@ -358,7 +358,32 @@ class DecodeStep : public mx::Primitive {
     encoder.dispatch([dec = dec_, hp = inputs[0].data<float>(), sp = inputs[1].data<int32_t>(),
                       np = inputs[2].data<int32_t>(), tp = table.data<int32_t>(), b = inputs[0].shape(0),
                       w = table.shape(1), keys, values, rows = inputs[4].shape(0), bs = block_size_,
-                      lp = logits.data<float>()]() { dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp); });
+                      lp = logits.data<float>(), copies = std::move(copies)]() {
+      for (const auto& [src, dst] : copies) copy_rows(src, dst);
+      dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp);
+    });
+  }
+
+  // The cache array ``out`` over the buffer of ``in`` when that is row-contiguous (the cache's own,
+  // as always), else over a new buffer that ``copies`` fills before the step runs; the step writes
+  // the new K/V through the returned pointer.
+  static float* in_place(const mx::array& in, mx::array& out, std::vector<std::pair<mx::array, float*>>& copies) {
+    if (in.flags().row_contiguous) {
+      out.copy_shared_buffer(in);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      copies.emplace_back(in, out.data<float>());
+    }
+    return out.data<float>();
+  }
+
+  // ``src`` (R, H, D) of any strides into the row-contiguous ``dst``.
+  static void copy_rows(const mx::array& src, float* dst) {
+    const float* s = src.data<float>();
+    const auto& st = src.strides();
+    for (int64_t i = 0; i < src.shape(0); ++i)
+      for (int64_t j = 0; j < src.shape(1); ++j)
+        for (int64_t k = 0; k < src.shape(2); ++k) *dst++ = s[i * st[0] + j * st[1] + k * st[2]];
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -452,7 +477,7 @@ std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array&
       need(a.dtype() == mx::float32 && a.ndim() == 3 && a.shape(1) == d.kv_heads && a.shape(2) == d.head_dim &&
                a.shape() == keys[0].shape(),
            "keys and values must be (R, kv_heads, head_dim) float32");
-      inputs.push_back(mx::contiguous(a, false, dev));
+      inputs.push_back(a);  // no contiguous node per array and step: the primitive copies one that is not
       shapes.push_back(a.shape());
       dtypes.push_back(mx::float32);
     }
