@@ -346,10 +346,10 @@ class DecodeStep : public mx::Primitive {
     auto& logits = outputs[0];
     logits.set_data(mx::allocator::malloc(logits.nbytes()));
     std::vector<float*> keys(nl), values(nl);
-    std::vector<std::pair<mx::array, float*>> copies;
+    std::vector<std::pair<mx::array, void*>> copies;
     for (int64_t l = 0; l < nl; ++l) {
-      keys[l] = in_place(inputs[4 + l], outputs[1 + l], copies);
-      values[l] = in_place(inputs[4 + nl + l], outputs[1 + nl + l], copies);
+      keys[l] = static_cast<float*>(in_place(inputs[4 + l], outputs[1 + l], copies));
+      values[l] = static_cast<float*>(in_place(inputs[4 + nl + l], outputs[1 + nl + l], copies));
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : inputs) encoder.set_input_array(x);
@@ -359,7 +359,7 @@ class DecodeStep : public mx::Primitive {
                       np = inputs[2].data<int32_t>(), tp = table.data<int32_t>(), b = inputs[0].shape(0),
                       w = table.shape(1), keys, values, rows = inputs[4].shape(0), bs = block_size_,
                       lp = logits.data<float>(), copies = std::move(copies)]() {
-      for (const auto& [src, dst] : copies) copy_rows(src, dst);
+      for (const auto& [src, dst] : copies) copy_strided(src, dst);
       dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp);
     });
   }
@@ -367,23 +367,28 @@ class DecodeStep : public mx::Primitive {
   // The cache array ``out`` over the buffer of ``in`` when that is row-contiguous (the cache's own,
   // as always), else over a new buffer that ``copies`` fills before the step runs; the step writes
   // the new K/V through the returned pointer.
-  static float* in_place(const mx::array& in, mx::array& out, std::vector<std::pair<mx::array, float*>>& copies) {
+  static void* in_place(const mx::array& in, mx::array& out, std::vector<std::pair<mx::array, void*>>& copies) {
     if (in.flags().row_contiguous) {
       out.copy_shared_buffer(in);
     } else {
       out.set_data(mx::allocator::malloc(out.nbytes()));
-      copies.emplace_back(in, out.data<float>());
+      copies.emplace_back(in, out.data<void>());
     }
-    return out.data<float>();
+    return out.data<void>();
   }
 
-  // ``src`` (R, H, D) of any strides into the row-contiguous ``dst``.
-  static void copy_rows(const mx::array& src, float* dst) {
-    const float* s = src.data<float>();
-    const auto& st = src.strides();
-    for (int64_t i = 0; i < src.shape(0); ++i)
-      for (int64_t j = 0; j < src.shape(1); ++j)
-        for (int64_t k = 0; k < src.shape(2); ++k) *dst++ = s[i * st[0] + j * st[1] + k * st[2]];
+  // ``src`` of any strides, element by element in row-major order, into the contiguous ``dst``.
+  static void copy_strided(const mx::array& src, void* dst) {
+    const size_t item = src.itemsize();
+    const auto* from = static_cast<const char*>(src.data<void>());
+    auto* to = static_cast<char*>(dst);
+    std::vector<int64_t> at(src.ndim(), 0);
+    for (size_t n = 0; n < src.size(); ++n, to += item) {
+      int64_t off = 0;
+      for (size_t d = 0; d < at.size(); ++d) off += at[d] * src.strides()[d];
+      std::memcpy(to, from + off * static_cast<int64_t>(item), item);
+      for (size_t d = at.size(); d-- > 0 && ++at[d] == src.shape(d);) at[d] = 0;
+    }
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
