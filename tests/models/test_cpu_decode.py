@@ -139,6 +139,30 @@ def test_a_row_batched_equals_the_row_alone_bit_for_bit(family_state):
             np.testing.assert_array_equal(np.array(k[mx.array(rows)]), np.array(ks[mx.array(rows)]))
 
 
+def test_a_cache_of_strided_arrays_gets_the_same_step(tiny):
+    """The step takes the cache arrays without a copy node and writes in place; arrays that are
+    not row-contiguous (transposed views here, holding three steps' K/V) are copied first: the
+    fourth step's logits and K/V are those of the contiguous cache."""
+    backend = decode_backend(tiny, "native")
+    ids = [np.random.default_rng(3).integers(0, tiny.config.vocab_size, 4).tolist()]
+    table = row_blocks(1, 16)
+    want, cache = _decode(tiny, backend, ids, table)
+    _, strided = _decode(tiny, backend, [ids[0][:3]], table)
+
+    def view(a: mx.array) -> mx.array:  # the same values through a transposed layout
+        return mx.contiguous(a.swapaxes(1, 2)).swapaxes(1, 2)
+
+    strided.keys[:], strided.values[:] = [view(k) for k in strided.keys], [view(v) for v in strided.values]
+    rows = Rows(mx.array([[ids[0][3]]], dtype=mx.int32), mx.array([3], mx.int32), mx.ones((1,), mx.int32), 4,
+                mx.zeros((1,), mx.int32), mx.array(table), dense=True)
+    logits = layers.forward(tiny, strided, rows, backend)
+    mx.eval(logits, strided.keys, strided.values)
+    np.testing.assert_array_equal(np.array(logits), want[3])
+    at = mx.array([int(table[0, 0]) * strided.block_size + p for p in range(4)])  # the four positions' rows
+    for got, ref in zip(strided.keys + strided.values, cache.keys + cache.values):
+        np.testing.assert_array_equal(np.array(got[at]), np.array(ref[at]))
+
+
 def test_portable_and_vector_paths_agree(family_state):
     """The same step through the portable loops and the best vector path: the same int8 products,
     float32 sums in another order."""

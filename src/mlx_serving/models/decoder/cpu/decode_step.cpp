@@ -25,6 +25,7 @@
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -322,11 +323,10 @@ class DecodeStep : public mx::Primitive {
     auto& logits = outputs[0];
     logits.set_data(mx::allocator::malloc(logits.nbytes()));
     std::vector<float*> keys(nl), values(nl);
+    std::vector<std::pair<mx::array, void*>> copies;
     for (int64_t l = 0; l < nl; ++l) {
-      outputs[1 + l].copy_shared_buffer(inputs[4 + l]);
-      outputs[1 + nl + l].copy_shared_buffer(inputs[4 + nl + l]);
-      keys[l] = const_cast<float*>(inputs[4 + l].data<float>());
-      values[l] = const_cast<float*>(inputs[4 + nl + l].data<float>());
+      keys[l] = static_cast<float*>(in_place(inputs[4 + l], outputs[1 + l], copies));
+      values[l] = static_cast<float*>(in_place(inputs[4 + nl + l], outputs[1 + nl + l], copies));
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : inputs) encoder.set_input_array(x);
@@ -335,7 +335,37 @@ class DecodeStep : public mx::Primitive {
     encoder.dispatch([dec = dec_, hp = inputs[0].data<float>(), sp = inputs[1].data<int32_t>(),
                       np = inputs[2].data<int32_t>(), tp = table.data<int32_t>(), b = inputs[0].shape(0),
                       w = table.shape(1), keys, values, rows = inputs[4].shape(0), bs = block_size_,
-                      lp = logits.data<float>()]() { dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp); });
+                      lp = logits.data<float>(), copies = std::move(copies)]() {
+      for (const auto& [src, dst] : copies) copy_strided(src, dst);
+      dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp);
+    });
+  }
+
+  // The cache array ``out`` over the buffer of ``in`` when that is row-contiguous (the cache's own,
+  // as always), else over a new buffer that ``copies`` fills before the step runs; the step writes
+  // the new K/V through the returned pointer.
+  static void* in_place(const mx::array& in, mx::array& out, std::vector<std::pair<mx::array, void*>>& copies) {
+    if (in.flags().row_contiguous) {
+      out.copy_shared_buffer(in);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      copies.emplace_back(in, out.data<void>());
+    }
+    return out.data<void>();
+  }
+
+  // ``src`` of any strides, element by element in row-major order, into the contiguous ``dst``.
+  static void copy_strided(const mx::array& src, void* dst) {
+    const size_t item = src.itemsize();
+    const auto* from = static_cast<const char*>(src.data<void>());
+    auto* to = static_cast<char*>(dst);
+    std::vector<int64_t> at(src.ndim(), 0);
+    for (size_t n = 0; n < src.size(); ++n, to += item) {
+      int64_t off = 0;
+      for (size_t d = 0; d < at.size(); ++d) off += at[d] * src.strides()[d];
+      std::memcpy(to, from + off * static_cast<int64_t>(item), item);
+      for (size_t d = at.size(); d-- > 0 && ++at[d] == src.shape(d);) at[d] = 0;
+    }
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -428,7 +458,7 @@ std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array&
       need(a.dtype() == mx::float32 && a.ndim() == 3 && a.shape(1) == d.kv_heads && a.shape(2) == d.head_dim &&
                a.shape() == keys[0].shape(),
            "keys and values must be (R, kv_heads, head_dim) float32");
-      inputs.push_back(mx::contiguous(a, false, dev));
+      inputs.push_back(a);  // no contiguous node per array and step: the primitive copies one that is not
       shapes.push_back(a.shape());
       dtypes.push_back(mx::float32);
     }

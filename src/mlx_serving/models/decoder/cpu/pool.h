@@ -2,14 +2,20 @@
 // run the tasks of one parallel region, claimed one at a time from a shared counter.
 //
 // - No fork/join per region: workers stay alive; between regions they spin briefly (the next region
-//   of a decode step follows within microseconds), then sleep on a condition variable, so an idle
-//   or oversubscribed machine is not burned by spinning threads (OpenMP's active waiting
-//   collapsed decode under load: issue 39).
+//   of a decode step follows within microseconds), then keep checking while yielding their core,
+//   then sleep on a condition variable, so an idle or oversubscribed machine is not burned by
+//   spinning threads (OpenMP's active waiting collapsed decode under load: issue 39). Yielding
+//   matters with more runnable threads than cores (the serving's own Python thread beside the
+//   pool on 2 cores, or other processes): a thread spinning on a core that a descheduled pool
+//   thread holding the region's work needs would stall the step for a whole time slice
+//   (measured on 2 busy cores: the worker spent ~35% of the process's time spinning and ran ~10%
+//   of the products).
 // - Dynamic claiming: a task is claimed with a compare-and-swap on one 64-bit word (the region's
 //   generation in the high half, the next task in the low half), so a descheduled worker holds at
 //   most the one task it claimed, the others take the rest, and a worker that wakes late can never
 //   claim a task of a later region with the previous region's function.
-// - The caller spins on the completion count briefly, then yields its core (sched_yield).
+// - The caller spins on the completion count briefly (kPauses checks), then yields its core
+//   between checks (sched_yield).
 #pragma once
 
 #include <atomic>
@@ -65,10 +71,7 @@ class Pool {
     claim_.store(gen << 32, std::memory_order_release);  // publishes fn_ and count_
     wake();
     drain(gen);
-    for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) {
-      if (spins < 4096) POOL_PAUSE();
-      else sched_yield();  // a descheduled worker holds a task: give it the core
-    }
+    for (int spins = 0; done_.load(std::memory_order_acquire) < count; ++spins) pause_or_yield(spins);
   }
 
  private:
@@ -96,13 +99,18 @@ class Pool {
     asleep_.notify_all();
   }
 
+  // One wait between checks: a pause for the first kPauses, then the core yielded (a descheduled
+  // thread of the region, or another runnable thread, gets it; on an idle core it returns at once).
+  static void pause_or_yield(int spins) {
+    if (spins < kPauses) POOL_PAUSE();
+    else sched_yield();
+  }
+
   void work(uint32_t seen) {
     while (true) {
-      int spins = 0;
       uint32_t now = wake_.load(std::memory_order_acquire);
-      while (now == seen && spins < kSpins) {
-        POOL_PAUSE();
-        ++spins;
+      for (int spins = 0; now == seen && spins < kChecks; ++spins) {
+        pause_or_yield(spins);
         now = wake_.load(std::memory_order_acquire);
       }
       if (now == seen) {
@@ -116,7 +124,8 @@ class Pool {
     }
   }
 
-  static constexpr int kSpins = 1 << 15;  // ~100-300 us of pause instructions, then sleep
+  static constexpr int kPauses = 256;    // checks with a pause between (a few microseconds), then yield
+  static constexpr int kChecks = 4096;   // checks in all before sleeping (~1 ms on an idle core)
   const int threads_;
   std::vector<std::thread> workers_;
   std::atomic<uint64_t> claim_{0};
