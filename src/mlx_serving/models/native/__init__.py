@@ -58,14 +58,15 @@ class QuantizedMatmul(Protocol):
 
 
 class PagedAttention(Protocol):
-    """``(q (B, H, T, D) float32, k (R, Hkv, D) float32, v (R, Hkv, D) float32, block_table (B, W)
+    """``(q (B, H, T, D) float32, k (R, Hkv, D) float32, v (R, Hkv, D) float32 (or 16-bit), block_table (B, W)
     int32, start (B,) int32, n_valid (B,) int32, scale, block_size) -> (B, T, H, D) float32``: query
     ``j`` of row ``b`` (position ``start[b] + j``) attends to the keys at positions ``0..start[b] + j``,
     read at flat row ``block_table[b, p // block_size] * block_size + p % block_size``; head ``h``
     reads KV head ``h // (H // Hkv)``; queries ``j >= n_valid[b]`` are padding (zeros). Each query's
     result depends only on its own vector and its prefix (batch-invariant, bit for bit).
 
-    A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
+    A 16-bit cache (``kv_cache_dtype`` float16 / bfloat16): ``k`` and ``v`` in that dtype, widened
+    to float32 as they are read. A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
     ``(R, Hkv, D * bits / 32)`` uint32 with ``k_scales`` / ``k_biases`` / ``v_scales`` / ``v_biases``
     ``(R, Hkv, D / group_size)`` float32, ``bits`` 4 or 8, ``group_size`` 32, 64 or 128: each block's
     rows are dequantized in float32 once per work unit, as they are read. Raises ValueError for
