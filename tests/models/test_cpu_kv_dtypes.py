@@ -154,7 +154,7 @@ def test_engine_batched_equals_solo_and_prefix_hit_equals_miss(tiny, dtype):
 
 def test_auto_is_float16_on_the_native_path_only(tiny):
     """"auto" allocates float16 blocks under the native step, the activation dtype under "matmul";
-    the quantized dtypes take the native step too."""
+    a named dtype is kept; the quantized dtypes take the native step too."""
     def cache(path: str, dtype: str = "auto") -> PagedKVCache:
         engine = Engine(tiny, EngineConfig.of(max_batch=1, max_len=32, decode_path=path, kv_cache_dtype=dtype))
         kept = PagedKVCache(list(engine.runner.cache.keys), [], 0, engine.runner.cache.quant)
@@ -165,5 +165,6 @@ def test_auto_is_float16_on_the_native_path_only(tiny):
     assert cache("native").keys[0].dtype == mx.float16
     assert cache("matmul").keys[0].dtype == tiny.dtype == mx.float32
     assert cache("native", "bfloat16").keys[0].dtype == mx.bfloat16
+    assert cache("native", "float32").keys[0].dtype == mx.float32  # the float32 cache, asked for by name
     assert cache("native", "int4").quant == kv_quant("int4", tiny.config.head_dim)
     assert all(isinstance(decode_backend(tiny, None, d), NativeDecode) for d in DTYPES)

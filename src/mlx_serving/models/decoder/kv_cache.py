@@ -85,11 +85,12 @@ log = logging.getLogger("mlx_serving")
 BLOCK_SIZE = 16
 #: Default KV budget on the CPU.
 DEFAULT_CPU_BYTES = 1 << 30
-#: The KV cache dtypes by name and their bits: "auto" is the activation dtype, "float16" / "bfloat16"
-#: a 16-bit float cache (None: not quantized).
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "float16": None, "bfloat16": None, "int8": 8, "int4": 4}
-#: The 16-bit float cache dtypes by name.
-KV_FLOAT_DTYPES: dict[str, mx.Dtype] = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+#: The KV cache dtypes by name and their bits: "auto" is the activation dtype, "float32" / "float16" /
+#: "bfloat16" a float cache of that dtype (None: not quantized).
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "float32": None, "float16": None, "bfloat16": None, "int8": 8,
+                                          "int4": 4}
+#: The float cache dtypes named explicitly (whatever the activation dtype).
+KV_FLOAT_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,8 @@ def kv_quant(kv_cache_dtype: str, head_dim: int) -> KVQuant | None:
 
 
 def kv_float_dtype(kv_cache_dtype: str, activation: mx.Dtype) -> mx.Dtype:
-    """The dtype a float cache's blocks hold: :data:`KV_FLOAT_DTYPES`' for "float16" / "bfloat16",
-    else ``activation`` (a quantized cache's scales and biases are in it too)."""
+    """The dtype a float cache's blocks hold: :data:`KV_FLOAT_DTYPES`' for a name there, else
+    ``activation`` (a quantized cache's scales and biases are in it too)."""
     return KV_FLOAT_DTYPES.get(kv_cache_dtype, activation)
 
 
