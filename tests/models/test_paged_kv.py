@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_serving.models.generation import BlockPool, Engine, EngineConfig, block_hash
+from mlx_serving.models.decoder.decode_backends import decode_backend, kv_cache_dtype_for
 from mlx_serving.models.decoder.kv_cache import kv_bytes_per_token
 from mlx_serving.models.generation import SamplingParams, generate
 
@@ -27,8 +28,10 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(0, 151000, n)]
 
 
-def _budget(state, blocks: int) -> int:
-    return kv_bytes_per_token(state) * BS * blocks
+def _budget(state, blocks: int, path: str | None = "matmul") -> int:
+    """Bytes of ``blocks`` blocks of the cache the engine builds on ``path`` ("auto" stores float16
+    under the native step)."""
+    return kv_bytes_per_token(state, kv_cache_dtype_for(decode_backend(state, path), "auto")) * BS * blocks
 
 
 def _run(engine: Engine, max_steps: int = 2000) -> dict[int, list[int]]:
@@ -144,7 +147,7 @@ def test_preempted_equals_uninterrupted(path_state, chunk):
     prompts = [_prompt(20 + i, 10 + 3 * i) for i in range(4)]
     for caching in (True, False):
         engine = Engine(tiny32, EngineConfig.of(max_batch=4, max_len=64, prefill_chunk=chunk, decode_path=path,
-                                                kv_cache_bytes=_budget(tiny32, 5), prefix_caching=caching))
+                                                kv_cache_bytes=_budget(tiny32, 5, path), prefix_caching=caching))
         assert engine.kv_stats().blocks_total == 5
         for i, (pr, p) in enumerate(zip(prompts, params)):
             engine.add(i, pr, p)

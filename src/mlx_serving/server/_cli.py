@@ -136,9 +136,10 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         type=float, metavar="FRACTION",
         help="KV-cache budget as a fraction of available memory (default: 1 GiB on the CPU, half on a GPU)")),
     (("--kv-cache-dtype",), dict(
-        choices=("auto", "int8", "int4"),  # kv_cache.KV_CACHE_DTYPES (not imported: mlx)
-        help="what the KV blocks hold: auto (the activation dtype, exact), int8 or int4 (quantized K/V: more "
-             "blocks in the budget, approximate)")),
+        choices=("auto", "float32", "float16", "bfloat16", "int8", "int4"),  # kv_cache.KV_CACHE_DTYPES (not imported: mlx)
+        help="what the KV blocks hold: auto (the activation dtype; float16 under the native CPU decode step), "
+             "float32, float16 or bfloat16 (half a float32 cache), int8 or int4 (quantized K/V: more blocks in the budget, "
+             "approximate)")),
     (("--enable-prefix-caching",), dict(
         dest="prefix_caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV blocks of cached prompt prefixes")),

@@ -251,17 +251,23 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     if step.kernel is not None:
         return cache.rotate(_native(step.kernel, cache, i, q, rows)).reshape(b * t, h * d)
     if step.groups is not None:
-        outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *cache.gather(i, read), scale=d**-0.5,
+        outs = [mx.fast.scaled_dot_product_attention(q[lo:hi], *_gather(cache, i, read, q.dtype), scale=d**-0.5,
                                                      mask="causal") for lo, hi, read in step.groups]
         covered = step.groups[-1][1]
         if covered < b:  # trailing padding rows outside every group
             outs.append(mx.zeros((b - covered, h, t, d), dtype=q.dtype))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs)
     elif step.read_idx is not None:  # make_step sets it whenever there are no groups
-        out = _sdpa(q, *cache.gather(i, step.read_idx), d**-0.5, step.mask, step.sdpa_decode)
+        out = _sdpa(q, *_gather(cache, i, step.read_idx, q.dtype), d**-0.5, step.mask, step.sdpa_decode)
     else:
         raise RuntimeError("attend: a step with neither causal groups nor read indices")
     return cache.rotate(out).transpose(0, 2, 1, 3).reshape(b * t, h * d)
+
+
+def _gather(cache: Cache, i: int, read: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """:meth:`~.kv_cache.PagedKVCache.gather` in the activation ``dtype`` (a 16-bit cache widened)."""
+    k, v = cache.gather(i, read)
+    return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
 
 
 def _native(kernel: PagedAttention, cache: Cache, i: int, q: mx.array, rows: Rows) -> mx.array:

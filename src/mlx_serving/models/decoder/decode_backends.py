@@ -29,14 +29,20 @@ from .._weights import swiglu as split_swiglu
 from . import cuda_gemv, cuda_kernels
 from .attention import Cache, Rows
 from .cpu import NativeDecode, native_decode
+from .kv_cache import kv_quant
 from .attention import DecodeBackend as _DecodeBackend
 from .layers import State
 
-__all__ = ["DECODE_PATHS", "DecodeBackend", "FusedDecode", "GenericDecode", "NativeDecode", "decode_backend",
-           "fits_fused", "qmv_fits"]
+__all__ = ["DECODE_PATHS", "NATIVE_AUTO_KV", "DecodeBackend", "FusedDecode", "GenericDecode", "NativeDecode",
+           "decode_backend", "fits_fused", "kv_cache_dtype_for", "qmv_fits"]
 
 #: The decode paths a caller may ask for by name.
 DECODE_PATHS = ("fused", "matmul", "native", "sdpa")
+
+
+#: What ``kv_cache_dtype="auto"`` stores on the native CPU path (llama.cpp's default f16 cache: half
+#: the float32 cache's bytes; docs/benchmarks.md measures its perplexity against float32).
+NATIVE_AUTO_KV = "float16"
 
 
 #: What the engine and the decoder ask of a decode backend over this package's State.
@@ -135,15 +141,19 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None,
     where it applies, :func:`~.cpu.native_decode`, else "matmul"), "matmul" or "sdpa"; None:
     "fused" where the kernels run and fit, else "native" where it applies, else "matmul" (the
     native step's int8 activations change the numerics: "matmul" is the exact path, asked for by
-    name). The fused and native steps read a float KV cache only: with a quantized
-    ``kv_cache_dtype`` a name or None gives "matmul" (whose attention dequantizes, or on the CPU
-    reads the quantized blocks in the native attention). Raises ValueError for another name."""
+    name). The fused kernels read a cache in the activation dtype only: with another
+    ``kv_cache_dtype`` a name or None gives "native" where it applies (it reads 16-bit and int8 /
+    int4 blocks itself; a quantized one needs a power-of-2 head_dim, the rotation it recomputes),
+    else "matmul" (whose attention dequantizes, or on the CPU reads the blocks in the native
+    attention). Raises ValueError for another name."""
     if path is not None and not isinstance(path, str):
         return path
     if path is not None and path not in DECODE_PATHS:
         raise ValueError(f"decode_path must be one of {list(DECODE_PATHS)} or None, got {path!r}")
     if kv_cache_dtype != "auto":
-        return GenericDecode(sdpa=path == "sdpa")
+        d = state.config.head_dim
+        native = path in ("native", None) and (kv_quant(kv_cache_dtype, d) is None or d & (d - 1) == 0)
+        return (native_decode(state) if native else None) or GenericDecode(sdpa=path == "sdpa")
     c = state.config
     runs = cuda_kernels.kernels_available() and cuda_kernels.supports(c.hidden_size, c.head_dim)
     if path == "fused" or (path is None and runs):
@@ -151,3 +161,9 @@ def decode_backend(state: State, path: str | DecodeBackend | None = None,
     if path in ("native", None):
         return native_decode(state) or GenericDecode()
     return GenericDecode(sdpa=path == "sdpa")
+
+
+def kv_cache_dtype_for(backend: DecodeBackend, kv_cache_dtype: str) -> str:
+    """What the blocks of a cache read by ``backend`` hold: ``kv_cache_dtype``, but "auto" on the
+    native CPU path is :data:`NATIVE_AUTO_KV` (the exact "matmul" path keeps the activation dtype)."""
+    return NATIVE_AUTO_KV if kv_cache_dtype == "auto" and isinstance(backend, NativeDecode) else kv_cache_dtype

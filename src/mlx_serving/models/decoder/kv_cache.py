@@ -15,6 +15,10 @@ never more than every row at full length needs (``max_batch x ceil(max_len / blo
 blocks), and never past the budget: one that holds no sequence of ``max_len`` is refused. The pool
 is allocated up front for that budget.
 
+16-bit blocks (``kv_cache_dtype`` "float16" / "bfloat16", llama.cpp's default f16 cache, vLLM's names):
+the same layout in that dtype (half a float32 cache's bytes); a write rounds the activations to it
+(round to nearest even) and attention reads them widened to the activation dtype (exact).
+
 Quantized blocks (``kv_cache_dtype`` "int8" / "int4", :class:`KVQuant`): each K and V array holds
 MLX's affine ``mx.quantize`` layout along ``head_dim``, ``(rows, kv_heads, head_dim * bits / 32)``
 uint32, beside per-group ``scales`` and ``biases`` ``(rows, kv_heads, head_dim / group_size)`` in the
@@ -45,7 +49,8 @@ from . import memory
 
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "KV_CACHE_DTYPES", "KVQuant", "ModelConfig", "ModelState", "PagedKVCache",
-           "init_paged_kv_cache", "kv_budget", "kv_bytes_per_token", "kv_quant", "plan_blocks", "row_blocks"]
+           "KV_FLOAT_DTYPES", "init_paged_kv_cache", "kv_budget", "kv_bytes_per_token", "kv_float_dtype", "kv_quant",
+           "plan_blocks", "row_blocks"]
 
 
 class ModelConfig(Protocol):
@@ -80,8 +85,12 @@ log = logging.getLogger("mlx_serving")
 BLOCK_SIZE = 16
 #: Default KV budget on the CPU.
 DEFAULT_CPU_BYTES = 1 << 30
-#: The KV cache dtypes by name and their bits: "auto" is the activation dtype (the float cache).
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "int8": 8, "int4": 4}
+#: The KV cache dtypes by name and their bits: "auto" is the activation dtype, "float32" / "float16" /
+#: "bfloat16" a float cache of that dtype (None: not quantized).
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "float32": None, "float16": None, "bfloat16": None, "int8": 8,
+                                          "int4": 4}
+#: The float cache dtypes named explicitly (whatever the activation dtype).
+KV_FLOAT_DTYPES: dict[str, mx.Dtype] = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -109,10 +118,16 @@ def kv_quant(kv_cache_dtype: str, head_dim: int) -> KVQuant | None:
     return KVQuant(bits, group)
 
 
+def kv_float_dtype(kv_cache_dtype: str, activation: mx.Dtype) -> mx.Dtype:
+    """The dtype a float cache's blocks hold: :data:`KV_FLOAT_DTYPES`' for a name there, else
+    ``activation`` (a quantized cache's scales and biases are in it too)."""
+    return KV_FLOAT_DTYPES.get(kv_cache_dtype, activation)
+
+
 @dataclass
 class PagedKVCache:
     """Per-layer ``keys``/``values`` arrays of ``num_blocks * block_size`` token rows: float
-    ``(rows, Hkv, D)`` in the activation dtype, or with ``quant`` set, packed ``(rows, Hkv, D * bits
+    ``(rows, Hkv, D)`` in the activation dtype or a 16-bit one (:func:`kv_float_dtype`), or with ``quant`` set, packed ``(rows, Hkv, D * bits
     / 32)`` uint32 with per-layer ``key_scales`` / ``key_biases`` / ``value_scales`` /
     ``value_biases`` ``(rows, Hkv, D / group_size)`` (empty lists for a float cache)."""
 
@@ -171,7 +186,8 @@ class PagedKVCache:
 
     def gather(self, i: int, read: mx.array) -> tuple[mx.array, mx.array]:
         """Layer ``i``'s keys and values at the flat rows ``read`` ``(R, S)``: ``(R, Hkv, S, D)``
-        each in the activation dtype (dequantized, in the rotated basis, for a quantized cache)."""
+        each in the stored dtype (a float cache's) or the activation dtype (dequantized, in the
+        rotated basis, for a quantized cache)."""
         q = self.quant
         if q is None:
             return self.keys[i][read].transpose(0, 2, 1, 3), self.values[i][read].transpose(0, 2, 1, 3)
@@ -199,7 +215,7 @@ def kv_bytes_per_token(state: ModelState, kv_cache_dtype: str = "auto") -> int:
     quantized one's scales and biases included). Raises ValueError as :func:`kv_quant`."""
     c = state.config
     q = kv_quant(kv_cache_dtype, c.head_dim)
-    per_head = c.head_dim * state.dtype.size if q is None else (
+    per_head = c.head_dim * kv_float_dtype(kv_cache_dtype, state.dtype).size if q is None else (
         c.head_dim * q.bits // 8 + 2 * (c.head_dim // q.group_size) * state.dtype.size)
     return 2 * c.num_hidden_layers * c.num_key_value_heads * per_head
 
@@ -260,12 +276,13 @@ def init_paged_kv_cache(state: ModelState, num_blocks: int, block_size: int = BL
         return [mx.zeros((rows, hkv, width), dtype=dtype) for _ in range(n)]
 
     if q is None:
-        cache = PagedKVCache(zeros(d, state.dtype), zeros(d, state.dtype), block_size)
+        dtype = kv_float_dtype(kv_cache_dtype, state.dtype)
+        cache = PagedKVCache(zeros(d, dtype), zeros(d, dtype), block_size)
     else:
         packed, groups = d * q.bits // 32, d // q.group_size
         cache = PagedKVCache(zeros(packed, mx.uint32), zeros(packed, mx.uint32), block_size, q,
                              *(zeros(groups, state.dtype) for _ in range(4)))
     mx.eval(cache.arrays())
     log.info("KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s) reserved", num_blocks, block_size,
-             num_blocks * block_size, cache.nbytes / 2**20, state.dtype if q is None else kv_cache_dtype)
+             num_blocks * block_size, cache.nbytes / 2**20, cache.keys[0].dtype if q is None else kv_cache_dtype)
     return cache

@@ -100,7 +100,9 @@ class CacheConfig:
     buffer_cache_bytes: the bound set on MLX's buffer cache when the engine is built, process-wide
       (:data:`BUFFER_CACHE_BYTES`, 1 GiB); None: left as it is.
     kv_cache_dtype: what the blocks hold (vLLM's name): "auto", the activation dtype (the exact
-      float cache); "int8" / "int4", K and V quantized when written (MLX's affine layout, one
+      float cache), but float16 under the native CPU decode step (llama.cpp's default f16 cache:
+      :data:`..decoder.decode_backends.NATIVE_AUTO_KV`); "float16" / "bfloat16", K and V rounded
+      to that dtype when written; "int8" / "int4", K and V quantized when written (MLX's affine layout, one
       scale and bias per head vector: :mod:`..decoder.kv_cache`) and dequantized when attention
       reads them: smaller blocks, so more of them in the budget; approximate (docs/generation.md).
 

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..decoder import cuda_kernels
-from ..decoder.decode_backends import DecodeBackend, FusedDecode, NativeDecode, decode_backend
+from ..decoder.decode_backends import DecodeBackend, FusedDecode, NativeDecode, decode_backend, kv_cache_dtype_for
 from .config import EngineConfig
 from .events import FinishReason, SeqEvent
 from .iteration_stats import IterationTokens
@@ -102,9 +102,10 @@ class Engine:
             mx.set_cache_limit(c.buffer_cache_bytes)  # process-wide, as MLX's cache is
         self.state, self.config = state, config
         self.decode_backend: DecodeBackend = _runnable(decode_backend(state, d.decode_path, c.kv_cache_dtype))
+        kv_dtype = kv_cache_dtype_for(self.decode_backend, c.kv_cache_dtype)  # "auto" on the native path: float16
         draft = load_draft(config.speculative, state)  # its KV shares the budget
         blocks = plan_blocks(state, s.max_batch, c.max_len, c.kv_cache_bytes, c.kv_cache_fraction, c.block_size,
-                             c.kv_cache_dtype, draft=draft)
+                             kv_dtype, draft=draft)
         bucket = d.bucketed()
         align = s.prefill_chunk if bucket and s.prefill_chunk % c.block_size == 0 else 0  # hits start on warmed shapes
         kv = KVCacheManager(blocks, c.block_size, c.prefix_caching, prefix_align=align)
@@ -116,7 +117,7 @@ class Engine:
         compile_decode = self.decode_backend.reads_own_length if d.compile_decode is None else d.compile_decode
         backend = self.decode_backend  # on the native path the prefill runs int8 products too
         forward_state = backend.prefill_state if isinstance(backend, NativeDecode) else state
-        self.runner = ModelRunner(forward_state, init_paged_kv_cache(state, blocks, c.block_size, c.kv_cache_dtype), s.max_batch, c.max_len,
+        self.runner = ModelRunner(forward_state, init_paged_kv_cache(state, blocks, c.block_size, kv_dtype), s.max_batch, c.max_len,
                                   s.prefill_chunk, self.decode_backend, compile_decode=compile_decode,
                                   bucket_shapes=bucket, pack_prefill=d.pack_prefill,
                                   max_causal_groups=d.max_causal_groups)

@@ -40,9 +40,9 @@ _DIR = Path(__file__).parent
 _CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources, built into the same module
 _SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
             _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp", _CPU_DECODER / "qgemm.cpp",
-            _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp")
+            _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp", _CPU_DECODER / "kv_store.cpp")
 _HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h",
-            _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h")
+            _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h", _CPU_DECODER / "kv_store.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
@@ -58,14 +58,15 @@ class QuantizedMatmul(Protocol):
 
 
 class PagedAttention(Protocol):
-    """``(q (B, H, T, D) float32, k (R, Hkv, D) float32, v (R, Hkv, D) float32, block_table (B, W)
+    """``(q (B, H, T, D) float32, k (R, Hkv, D) float32, v (R, Hkv, D) float32 (or 16-bit), block_table (B, W)
     int32, start (B,) int32, n_valid (B,) int32, scale, block_size) -> (B, T, H, D) float32``: query
     ``j`` of row ``b`` (position ``start[b] + j``) attends to the keys at positions ``0..start[b] + j``,
     read at flat row ``block_table[b, p // block_size] * block_size + p % block_size``; head ``h``
     reads KV head ``h // (H // Hkv)``; queries ``j >= n_valid[b]`` are padding (zeros). Each query's
     result depends only on its own vector and its prefix (batch-invariant, bit for bit).
 
-    A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
+    A 16-bit cache (``kv_cache_dtype`` float16 / bfloat16): ``k`` and ``v`` in that dtype, widened
+    to float32 as they are read. A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
     ``(R, Hkv, D * bits / 32)`` uint32 with ``k_scales`` / ``k_biases`` / ``v_scales`` / ``v_biases``
     ``(R, Hkv, D / group_size)`` float32, ``bits`` 4 or 8, ``group_size`` 32, 64 or 128: each block's
     rows are dequantized in float32 once per work unit, as they are read. ``threads`` > 0: the work

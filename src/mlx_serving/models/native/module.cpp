@@ -10,6 +10,7 @@
 
 #include "decode_step.h"
 #include "kernels.h"
+#include "kv_store.h"
 #include "prefill.h"
 #include "qdot.h"
 
@@ -81,7 +82,11 @@ NB_MODULE(_kernels, m) {
       "The CPU decoder over the model's weights (shared, not copied), with a pool of ``threads``.");
   m.def("decode_step", &ms::decode_step, nb::arg("decoder"), nb::arg("h"), nb::arg("start"), nb::arg("n_valid"),
         nb::arg("block_table"), nb::arg("keys"), nb::arg("values"), nb::arg("block_size"),
-        "One decode token per row -> [logits (B, vocab), keys..., values...] (the K/V written in place).");
+        nb::arg("scales") = std::vector<array>{}, nb::arg("bits") = 0, nb::arg("group") = 0,
+        "One decode token per row -> [logits (B, vocab), keys..., values..., scales...] (the K/V written in place; "
+        "float32/float16/bfloat16 K/V, or with bits 4 / 8 the quantized layout and its scales and biases).");
+  m.def("kv_quantize", &ms::kv_quantize, nb::arg("x"), nb::arg("bits"), nb::arg("group"),
+        "The decode step's quantized K/V store of x (N, D) float32 -> [w, scales, biases] (tests).");
   m.def("int8_matmul", &ms::int8_matmul, nb::arg("m"), nb::arg("x"),
         "x (M, K) @ dequantize(m).T (+ bias) with x quantized to int8 per block of 32 (one thread).");
   m.def("int8_quantized_matmul", &ms::int8_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),

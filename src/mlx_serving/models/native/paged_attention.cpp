@@ -19,7 +19,9 @@
 // with scales and biases (R, Hkv, D / group) float32; each block's key and value rows are
 // dequantized (scale * q + bias, in float32) into the work unit's scratch once and shared by all
 // its queries, so the read is bits / 32 of the float cache's bytes. The values a query sees depend
-// only on the stored rows: the invariance below holds unchanged.
+// only on the stored rows: the invariance below holds unchanged. A 16-bit cache (kv_cache_dtype float16 /
+// bfloat16): k and v (R, Hkv, D) float16 or bfloat16, each block's rows widened to float32 (exact) the
+// same way.
 //
 // Invariance: keys are visited in blocks of kSk at absolute positions (0, kSk, 2 kSk, ...), and
 // every query keeps its own running maximum, sum and accumulator; a query's result depends only on
@@ -59,13 +61,23 @@ struct Geometry {
   float scale;
 };
 
-// A quantized cache side (keys or values); bits 0: a float cache.
+// A quantized cache side (keys or values); bits 0: a float32 cache; 16: a float16 (bfloat16 with
+// ``bf16``) cache whose rows ``w`` points to.
 struct Quant {
   const uint32_t* w = nullptr;
   const float* scales = nullptr;
   const float* biases = nullptr;
   int bits = 0, group = 0;
+  bool bf16 = false;
 };
+
+// out[0..d) = the 16-bit head vector at flat index idx, widened (exactly).
+void widen(const Quant& q, int64_t idx, int64_t d, float* out) {
+  const void* p = reinterpret_cast<const uint16_t*>(q.w) + idx * d;
+  for (int64_t c = 0; c < d; ++c)
+    out[c] = q.bf16 ? static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[c])
+                    : static_cast<float>(static_cast<const mx::float16_t*>(p)[c]);
+}
 
 // out[0..d) = the head vector at flat index idx (row * Hkv + head), dequantized.
 void dequantize_portable(const Quant& q, int64_t idx, int64_t d, float* out) {
@@ -260,6 +272,8 @@ void dequantize_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, 
                       std::vector<const float*>& rows) {
   for (int s = 0; s < kSk; ++s) {
     float* dst = buf.data() + s * d;
+    if (q.bits == 16) widen(q, idx[s], d, dst);
+    else
 #ifdef ATT_X86
     if (avx2) dequantize_avx2(q, idx[s], d, dst);
     else
@@ -422,6 +436,10 @@ class PagedAttention : public mx::Primitive {
     if (bits_) {
       kq = {k.data<uint32_t>(), inputs[6].data<float>(), inputs[7].data<float>(), bits_, group_size_};
       vq = {inputs[2].data<uint32_t>(), inputs[8].data<float>(), inputs[9].data<float>(), bits_, group_size_};
+    } else if (k.dtype() != mx::float32) {
+      const bool bf16 = k.dtype() == mx::bfloat16;
+      kq = {k.data<uint32_t>(), nullptr, nullptr, 16, 0, bf16};
+      vq = {inputs[2].data<uint32_t>(), nullptr, nullptr, 16, 0, bf16};
     } else {
       kp = k.data<float>();
       vp = inputs[2].data<float>();
@@ -467,9 +485,11 @@ mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::arra
   const bool quantized = k_scales.has_value();
   if (quantized != (k_biases && v_scales && v_biases && bits != 0))
     throw std::invalid_argument("paged_attention_cpu: a quantized cache needs k/v scales and biases and bits");
+  const bool wide = k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16;
   if (q.dtype() != mx::float32 || k.shape() != v.shape() || k.dtype() != v.dtype() ||
-      k.dtype() != (quantized ? mx::uint32 : mx::float32))
-    throw std::invalid_argument("paged_attention_cpu: q must be float32, and k, v float32 (uint32 when quantized)");
+      (quantized ? k.dtype() != mx::uint32 : !wide))
+    throw std::invalid_argument(
+        "paged_attention_cpu: q must be float32, and k, v float32, float16 or bfloat16 (uint32 when quantized)");
   if (block_table.dtype() != mx::int32 || start.dtype() != mx::int32 || n_valid.dtype() != mx::int32)
     throw std::invalid_argument("paged_attention_cpu: block_table, start and n_valid must be int32");
   const int64_t d = q.ndim() == 4 ? q.shape(3) : 0;

@@ -51,11 +51,13 @@ class NativeDecode:
     def decode(self, state: State, cache: Cache, rows: Rows, h: mx.array) -> mx.array | None:
         """Logits ``(B, vocab)`` float32 of one-token ``rows`` from their embeddings ``h``
         ``(B, hidden)``; the new K/V are written into ``cache`` (its arrays replaced by the step's
-        outputs, which share their buffers)."""
+        outputs, which share their buffers), in its layout: float32, float16, bfloat16, or int8 /
+        int4 stored as :meth:`~..kv_cache.PagedKVCache.write` stores them, bit for bit."""
+        q, n = cache.quant, len(cache.keys)
         out = self.module.decode_step(self.decoder, h, rows.start, rows.n_valid, rows.block_table, cache.keys,
-                                      cache.values, cache.block_size)
-        n = len(cache.keys)
-        cache.keys[:], cache.values[:] = out[1:1 + n], out[1 + n:]
+                                      cache.values, cache.block_size, cache.arrays()[2 * n:],
+                                      0 if q is None else q.bits, 0 if q is None else q.group_size)
+        cache.set_arrays(out[1:])
         return out[0]
 
 

@@ -5,7 +5,7 @@
 // RoPE, reshapes, K/V scatters) around the products and attention; here it is one primitive whose
 // work runs on a thread pool kept alive across regions and steps (pool.h), per layer: RMSNorm ->
 // int8 q/k/v product (+ bias) -> q/k RMSNorm (Qwen3) -> RoPE -> K/V written into the paged cache in
-// place -> GQA attention over the row's prefix -> int8 o product + residual -> RMSNorm -> int8
+// place (kv_store.cpp: float32, float16 / bfloat16, or rotated int8 / int4, as the cache stores them) -> GQA attention over the row's prefix -> int8 o product + residual -> RMSNorm -> int8
 // gate/up product -> SwiGLU -> int8 down product + residual; then the final norm and the head.
 //
 // Numerics: the products quantize their activations to int8 per block of 32 (qdot.cpp); norms,
@@ -31,15 +31,11 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "kv_store.h"
 #include "pack.h"
 #include "pool.h"
 #include "qgemm.h"
 #include "qdot.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define DS_X86 1
-#endif
 
 namespace mx = mlx::core;
 
@@ -62,48 +58,6 @@ void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
-}
-
-float dot_f32(const float* a, const float* b, int64_t n, bool vec) {
-#ifdef DS_X86
-  if (vec) {
-    struct V {
-      __attribute__((target("avx2,fma"))) static float run(const float* a, const float* b, int64_t n) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        return _mm_cvtss_f32(s);
-      }
-    };
-    return V::run(a, b, n);
-  }
-#else
-  (void)vec;
-#endif
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-void axpy(float a, const float* x, float* y, int64_t n, bool vec) {
-#ifdef DS_X86
-  if (vec) {
-    struct V {
-      __attribute__((target("avx2,fma"))) static void run(float a, const float* x, float* y, int64_t n) {
-        const __m256 va = _mm256_set1_ps(a);
-        for (int64_t i = 0; i < n; i += 8)
-          _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-      }
-    };
-    V::run(a, x, y, n);
-    return;
-  }
-#else
-  (void)vec;
-#endif
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 }  // namespace
@@ -144,12 +98,11 @@ class Decoder {
   const DecoderDims& dims() const { return d_; }
 
   void step(const float* h_in, const int32_t* start, const int32_t* n_valid, const int32_t* table, int64_t b,
-            int64_t w, const std::vector<float*>& keys, const std::vector<float*>& values, int64_t cache_rows,
-            int64_t block_size, float* logits);
+            int64_t w, const KvCache& kv, int64_t cache_rows, int64_t block_size, float* logits);
 
  private:
   void product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y);
-  void attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values);
+  void attend_rows(int64_t l, const KvCache& kv);
   int64_t cache_row(const int32_t* table, int64_t w, int64_t r, int64_t pos, int64_t cache_rows,
                     int64_t block_size) const {
     const int64_t blk = pos / block_size;
@@ -180,24 +133,36 @@ void Decoder::product(const QMatrix& m, const float* x, int64_t rows, int64_t k,
   qgemm(*m.packed, qrows_, y, isa_, pool_);
 }
 
-void Decoder::attend_rows(int64_t l, const std::vector<float*>& keys, const std::vector<float*>& values) {
+// Each row's heads attend over the row's prefix in layer ``l``'s cache, read as stored (float16 /
+// bfloat16 widened in the dot products; int8 / int4 dequantized per head vector, the query rotated
+// into the cache's Hadamard basis and the output back: kv_cache.PagedKVCache.rotate).
+void Decoder::attend_rows(int64_t l, const KvCache& kv) {
   const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim;
   const int64_t width = (h + 2 * hkv) * dd, group = h / hkv;
   const float scale = 1.f / std::sqrt(static_cast<float>(dd));
-  const bool vec = isa_ != Isa::portable && dd % 8 == 0;
-  const float* kc = keys[l];
-  const float* vc = values[l];
+  const bool vec = isa_ != Isa::portable && dd % 8 == 0, quant = kv.quantized();
+  const KvSide& ks = kv.keys[l];
+  const KvSide& vs = kv.values[l];
+  const KvKind kind = quant ? KvKind::kF32 : kv.kind;  // what the dot products read: a dequantized vector
   pool_.run(a * h, [&](int64_t t) {
-    thread_local std::vector<float> sc, qs;
+    thread_local std::vector<float> sc, qs, buf;
     const int64_t r = t / h, head = t % h, g = head / group, n = pos_[r] + 1;
     const int64_t* idx = idx_.data() + off_[r];
     sc.resize(n);
     qs.resize(dd);
+    buf.resize(dd);
+    auto row = [&](const KvSide& side, int64_t p) -> const void* {
+      if (!quant) return stored_row(side, kind, idx[p] * hkv + g, dd);
+      kv.load(side, idx[p], g, buf.data());
+      return buf.data();
+    };
     const float* q = qkv_.data() + r * width + head * dd;
-    for (int64_t c = 0; c < dd; ++c) qs[c] = q[c] * scale;
+    std::copy(q, q + dd, qs.begin());
+    if (quant) hadamard(qs.data(), dd);
+    for (int64_t c = 0; c < dd; ++c) qs[c] *= scale;
     float top = -INFINITY;
     for (int64_t p = 0; p < n; ++p) {
-      sc[p] = dot_f32(qs.data(), kc + (idx[p] * hkv + g) * dd, dd, vec);
+      sc[p] = dot_stored(qs.data(), row(ks, p), kind, dd, vec);
       top = std::max(top, sc[p]);
     }
     float sum = 0.f;
@@ -207,15 +172,15 @@ void Decoder::attend_rows(int64_t l, const std::vector<float*>& keys, const std:
     }
     float* o = att_.data() + (r * h + head) * dd;
     std::fill(o, o + dd, 0.f);
-    for (int64_t p = 0; p < n; ++p) axpy(sc[p], vc + (idx[p] * hkv + g) * dd, o, dd, vec);
+    for (int64_t p = 0; p < n; ++p) axpy_stored(sc[p], row(vs, p), kind, o, dd, vec);
     const float inv = 1.f / sum;
     for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
+    if (quant) hadamard(o, dd);
   });
 }
 
 void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_valid, const int32_t* table, int64_t b,
-                   int64_t w, const std::vector<float*>& keys, const std::vector<float*>& values, int64_t cache_rows,
-                   int64_t block_size, float* logits) {
+                   int64_t w, const KvCache& kv, int64_t cache_rows, int64_t block_size, float* logits) {
   std::lock_guard<std::mutex> guard(lock_);
   isa_ = best_isa();
   const int64_t hid = d_.hidden, hh = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim, inter = d_.intermediate;
@@ -270,7 +235,7 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
     for (int64_t r = 0; r < a; ++r) {
       float* q = qkv_.data() + r * width;
       float* k = q + hh * dd;
-      const float* vv = k + hkv * dd;
+      float* vv = k + hkv * dd;
       std::vector<float> tmp(dd);
       for (int64_t i = 0; i < hh + hkv; ++i) {
         float* x = q + i * dd;  // q heads, then k heads
@@ -281,10 +246,10 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
         rope(x, r);
       }
       const int64_t row = idx_[off_[r] + pos_[r]];
-      std::memcpy(keys[l] + row * hkv * dd, k, sizeof(float) * hkv * dd);
-      std::memcpy(values[l] + row * hkv * dd, vv, sizeof(float) * hkv * dd);
+      kv.store(kv.keys[l], row, k);  // k and v are not read again here: a quantized store rotates them in place
+      kv.store(kv.values[l], row, vv);
     }
-    attend_rows(l, keys, values);
+    attend_rows(l, kv);
     product(lw.o, att_.data(), a, hh * dd, tmp_.data());
     for (int64_t r = 0; r < a; ++r) {
       float* hr = h_.data() + r * hid;
@@ -315,18 +280,25 @@ namespace {
 
 class DecodeStep : public mx::Primitive {
  public:
-  DecodeStep(mx::Stream stream, std::shared_ptr<Decoder> decoder, int block_size)
-      : mx::Primitive(stream), dec_(std::move(decoder)), block_size_(block_size) {}
+  // ``kind`` / ``group``: the cache's layout (kv_store.h); inputs 4.. are the keys, the values and, for a
+  // quantized cache, the key scales, key biases, value scales and value biases, one array per layer each.
+  DecodeStep(mx::Stream stream, std::shared_ptr<Decoder> decoder, int block_size, KvKind kind, int group)
+      : mx::Primitive(stream), dec_(std::move(decoder)), block_size_(block_size), kind_(kind), group_(group) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const int64_t nl = dec_->num_layers();
     auto& logits = outputs[0];
     logits.set_data(mx::allocator::malloc(logits.nbytes()));
-    std::vector<float*> keys(nl), values(nl);
     std::vector<std::pair<mx::array, void*>> copies;
+    std::vector<void*> cache(inputs.size(), nullptr);  // each cache input's buffer as the step writes it
+    for (size_t i = 4; i < inputs.size(); ++i) cache[i] = in_place(inputs[i], outputs[i - 3], copies);
+    KvCache kv{kind_, dec_->dims().kv_heads, dec_->dims().head_dim, group_, {}, {}};
+    auto ptr = [&](int64_t part, int64_t l) { return cache[4 + part * nl + l]; };
+    const bool quant = kv.quantized();
     for (int64_t l = 0; l < nl; ++l) {
-      keys[l] = static_cast<float*>(in_place(inputs[4 + l], outputs[1 + l], copies));
-      values[l] = static_cast<float*>(in_place(inputs[4 + nl + l], outputs[1 + nl + l], copies));
+      auto scales = [&](int64_t part) { return quant ? static_cast<float*>(ptr(part, l)) : nullptr; };
+      kv.keys.push_back({ptr(0, l), scales(2), scales(3)});
+      kv.values.push_back({ptr(1, l), scales(4), scales(5)});
     }
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& x : inputs) encoder.set_input_array(x);
@@ -334,10 +306,10 @@ class DecodeStep : public mx::Primitive {
     const auto& table = inputs[3];
     encoder.dispatch([dec = dec_, hp = inputs[0].data<float>(), sp = inputs[1].data<int32_t>(),
                       np = inputs[2].data<int32_t>(), tp = table.data<int32_t>(), b = inputs[0].shape(0),
-                      w = table.shape(1), keys, values, rows = inputs[4].shape(0), bs = block_size_,
+                      w = table.shape(1), kv = std::move(kv), rows = inputs[4].shape(0), bs = block_size_,
                       lp = logits.data<float>(), copies = std::move(copies)]() {
       for (const auto& [src, dst] : copies) copy_strided(src, dst);
-      dec->step(hp, sp, np, tp, b, w, keys, values, rows, bs, lp);
+      dec->step(hp, sp, np, tp, b, w, kv, rows, bs, lp);
     });
   }
 
@@ -382,13 +354,15 @@ class DecodeStep : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeStep&>(other);
-    return dec_ == o.dec_ && block_size_ == o.block_size_;
+    return dec_ == o.dec_ && block_size_ == o.block_size_ && kind_ == o.kind_ && group_ == o.group_;
   }
 
 
  private:
   std::shared_ptr<Decoder> dec_;
   int block_size_;
+  KvKind kind_;
+  int group_;
 };
 
 }  // namespace
@@ -432,10 +406,36 @@ DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeigh
                                     threads)};
 }
 
+namespace {
+
+// The cache layout of ``keys`` (their dtype; uint32: ``bits``) after checking every array's shape.
+KvKind kv_kind(const DecoderDims& d, const std::vector<mx::array>& keys, const std::vector<mx::array>& scales,
+               int bits, int group) {
+  if (bits == 0) {
+    const mx::Dtype t = keys[0].dtype();
+    need((t == mx::float32 || t == mx::float16 || t == mx::bfloat16) && scales.empty(),
+         "a float cache's keys and values must be float32, float16 or bfloat16 (no scales)");
+    return t == mx::float32 ? KvKind::kF32 : t == mx::float16 ? KvKind::kF16 : KvKind::kBF16;
+  }
+  need(bits == 4 || bits == 8, "bits must be 0 (a float cache), 4 or 8");
+  need((group == 32 || group == 64 || group == 128) && d.head_dim % group == 0 &&
+           (d.head_dim & (d.head_dim - 1)) == 0,
+       "a quantized cache needs a power-of-2 head_dim and a group of 32, 64 or 128 dividing it");
+  need(keys[0].dtype() == mx::uint32, "a quantized cache's keys and values must be uint32");
+  need(scales.size() == 4 * keys.size(), "a quantized cache needs key/value scales and biases per layer");
+  for (const auto& s : scales)
+    need(s.dtype() == mx::float32 && s.ndim() == 3 && s.shape(0) == keys[0].shape(0) && s.shape(1) == d.kv_heads &&
+             s.shape(2) == d.head_dim / group,
+         "scales and biases must be (R, kv_heads, head_dim / group) float32");
+  return bits == 8 ? KvKind::kQ8 : KvKind::kQ4;
+}
+
+}  // namespace
+
 std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array& h,
                                    const mx::array& start, const mx::array& n_valid, const mx::array& block_table,
                                    const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
-                                   int block_size) {
+                                   int block_size, const std::vector<mx::array>& scales, int bits, int group) {
   need(handle.ptr != nullptr && block_size > 0, "a built decoder and block_size > 0 expected");
   const auto& decoder = handle.ptr;
   const auto& d = decoder->dims();
@@ -448,23 +448,26 @@ std::vector<mx::array> decode_step(const DecoderHandle& handle, const mx::array&
        "start (B,), n_valid (B,) and block_table (B, W) expected");
   need(static_cast<int64_t>(keys.size()) == nl && static_cast<int64_t>(values.size()) == nl,
        "one key and one value array per layer expected");
+  const KvKind kind = kv_kind(d, keys, scales, bits, group);
+  const int width = bits ? d.head_dim * bits / 32 : d.head_dim;
   const auto dev = mx::Device(mx::Device::cpu);
   std::vector<mx::array> inputs = {mx::contiguous(h, false, dev), mx::contiguous(start, false, dev),
                                    mx::contiguous(n_valid, false, dev), mx::contiguous(block_table, false, dev)};
   std::vector<mx::Shape> shapes = {{h.shape(0), static_cast<int>(decoder->vocab())}};
   std::vector<mx::Dtype> dtypes = {mx::float32};
-  for (const auto* side : {&keys, &values})
+  for (const auto* side : {&keys, &values, &scales})
     for (const auto& a : *side) {
-      need(a.dtype() == mx::float32 && a.ndim() == 3 && a.shape(1) == d.kv_heads && a.shape(2) == d.head_dim &&
-               a.shape() == keys[0].shape(),
-           "keys and values must be (R, kv_heads, head_dim) float32");
+      need(side == &scales || (a.dtype() == keys[0].dtype() && a.ndim() == 3 && a.shape(1) == d.kv_heads &&
+                               a.shape(2) == width && a.shape() == keys[0].shape()),
+           "keys and values must be (R, kv_heads, head_dim) (head_dim * bits / 32 quantized), all one dtype");
       inputs.push_back(a);  // no contiguous node per array and step: the primitive copies one that is not
       shapes.push_back(a.shape());
-      dtypes.push_back(mx::float32);
+      dtypes.push_back(a.dtype());
     }
-  return mx::array::make_arrays(std::move(shapes), dtypes,
-                                std::make_shared<DecodeStep>(mx::default_stream(dev), decoder, block_size),
-                                std::move(inputs));
+  return mx::array::make_arrays(
+      std::move(shapes), dtypes,
+      std::make_shared<DecodeStep>(mx::default_stream(dev), decoder, block_size, kind, bits ? group : 0),
+      std::move(inputs));
 }
 
 mx::array int8_matmul(const QMatrix& m, const mx::array& x) {

@@ -52,14 +52,18 @@ DecoderHandle make_decoder(const DecoderDims& dims, const std::vector<LayerWeigh
                                       const mlx::core::array& inv_freq, int threads);
 
 // One decode token per row: h (B, hidden) float32 embeddings, start (B,) int32 positions, n_valid
-// (B,) int32 (1 real, 0 padding), block_table (B, W) int32 (``block_size`` tokens per block), keys / values the paged cache's
-// per-layer arrays (R, Hkv, D) float32 -> [logits (B, vocab) float32, keys..., values...] (the cache
-// arrays share the inputs' buffers: the new K/V are written in place).
+// (B,) int32 (1 real, 0 padding), block_table (B, W) int32 (``block_size`` tokens per block), keys / values the paged
+// cache's per-layer arrays (R, Hkv, D) float32, float16 or bfloat16, or with ``bits`` 4 / 8 MLX's affine
+// layout (R, Hkv, D * bits / 32) uint32 of the Hadamard-rotated vectors, ``scales`` then the per-layer key
+// scales, key biases, value scales and value biases (R, Hkv, D / group) float32 (kv_store.h) ->
+// [logits (B, vocab) float32, keys..., values..., scales...] (the cache arrays share the inputs' buffers:
+// the new K/V are written in place). Raises std::invalid_argument on another layout.
 std::vector<mlx::core::array> decode_step(const DecoderHandle& decoder, const mlx::core::array& h,
                                           const mlx::core::array& start, const mlx::core::array& n_valid,
                                           const mlx::core::array& block_table,
                                           const std::vector<mlx::core::array>& keys,
-                                          const std::vector<mlx::core::array>& values, int block_size);
+                                          const std::vector<mlx::core::array>& values, int block_size,
+                                          const std::vector<mlx::core::array>& scales, int bits, int group);
 
 // Reference pieces for the tests: y = x @ dequantize(m).T (+ bias) with int8 activations, (M, K)
 // float32, on the calling thread, one row at a time (the one-row micro kernel).

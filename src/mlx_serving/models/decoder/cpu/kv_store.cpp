@@ -1,0 +1,209 @@
+// The CPU decode step's KV cache reads and writes (kv_store.h), in each layout kv_cache.py stores.
+//
+// Writes are MLX's own, bit for bit, so a block written by the decode step equals one written by the
+// generic forward (prefill, the "matmul" path): float16 / bfloat16 through MLX's conversion types
+// (round to nearest even), int8 / int4 as PagedKVCache.write does, mx.hadamard_transform (MLX's CPU
+// butterfly order, hadamard.cpp) then mx.quantize's affine rounding (quantized.cpp's quantize: the
+// group's edge value exact, scale and bias float32). Reads widen exactly (float16 / bfloat16) or
+// dequantize to scale * q + bias in float32.
+
+#include "kv_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "mlx/ops.h"
+
+#include "mlx/types/half_types.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define KV_X86 1
+#endif
+
+namespace mx = mlx::core;
+
+namespace mlx_serving {
+
+namespace {
+
+int bits_of(KvKind kind) { return kind == KvKind::kQ8 ? 8 : 4; }
+
+// mx.quantize of one group of ``group`` float32 values (quantized.cpp's affine quantize).
+void quantize_group(const float* w, int64_t group, int bits, uint32_t* out, float* scale_out, float* bias_out) {
+  const float n_bins = static_cast<float>((1 << bits) - 1);
+  const float eps = 1e-7f;
+  float w_min = std::numeric_limits<float>::infinity();
+  float w_max = -w_min;
+  for (int64_t j = 0; j < group; ++j) {
+    w_max = std::max(w_max, w[j]);
+    w_min = std::min(w_min, w[j]);
+  }
+  const bool mask = std::abs(w_min) > std::abs(w_max);
+  float scale = std::max((w_max - w_min) / n_bins, eps);
+  scale = mask ? scale : -scale;
+  const float edge = mask ? w_min : w_max;
+  const float q0 = std::rint(edge / scale);
+  float bias = 0;
+  if (q0 != 0) {
+    scale = edge / q0;
+    bias = edge;
+  }
+  const int per = 32 / bits;
+  for (int64_t j = 0; j < group / per; ++j) {
+    uint64_t word = 0;
+    for (int k = 0; k < per; ++k) {
+      float x = std::rint((w[j * per + k] - bias) / scale);
+      x = std::min(std::max(x, 0.0f), n_bins);
+      word |= static_cast<uint64_t>(x) << (k * bits);
+    }
+    out[j] = static_cast<uint32_t>(word);
+  }
+  *scale_out = scale;
+  *bias_out = bias;
+}
+
+size_t element_bytes(KvKind kind) { return kind == KvKind::kF32 ? 4 : 2; }
+
+#ifdef KV_X86
+__attribute__((target("avx2,fma,f16c"))) __m256 load8(const void* p, KvKind kind, int64_t i) {
+  if (kind == KvKind::kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+  if (kind == KvKind::kF16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const void* k, KvKind kind, int64_t d) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, kind, i), acc);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float a, const void* v, KvKind kind, float* y, int64_t d) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (int64_t i = 0; i < d; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(v, kind, i), _mm256_loadu_ps(y + i)));
+}
+#endif
+
+float widen(const void* p, KvKind kind, int64_t i) {
+  if (kind == KvKind::kF32) return static_cast<const float*>(p)[i];
+  if (kind == KvKind::kF16) return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
+  return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
+}
+
+}  // namespace
+
+void hadamard(float* x, int64_t n) {
+  const float scale = 1.0f / std::sqrt(static_cast<int>(n));  // ops.cpp's default scale, as it computes it
+  const int64_t half = n / 2;
+  for (int64_t h = 1; h < n; h <<= 1)
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t k = i & (h - 1), j = ((i - k) << 1) + k;
+      const float a = x[j], b = x[j + h];
+      x[j] = a + b;
+      x[j + h] = a - b;
+      if (h == half) {
+        x[j] *= scale;
+        x[j + h] *= scale;
+      }
+    }
+}
+
+void KvCache::store(const KvSide& side, int64_t row, float* x) const {
+  const int64_t n = hkv * d;
+  switch (kind) {
+    case KvKind::kF32:
+      std::memcpy(static_cast<float*>(side.data) + row * n, x, sizeof(float) * n);
+      return;
+    case KvKind::kF16: {
+      auto* dst = static_cast<mx::float16_t*>(side.data) + row * n;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<mx::float16_t>(x[i]);
+      return;
+    }
+    case KvKind::kBF16: {
+      auto* dst = static_cast<mx::bfloat16_t*>(side.data) + row * n;
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<mx::bfloat16_t>(x[i]);
+      return;
+    }
+    default: {
+      const int bits = bits_of(kind);
+      const int64_t words = d * bits / 32, groups = d / group;
+      for (int64_t hd = 0; hd < hkv; ++hd) {
+        float* v = x + hd * d;
+        hadamard(v, d);
+        const int64_t at = row * hkv + hd;
+        for (int64_t g = 0; g < groups; ++g)
+          quantize_group(v + g * group, group, bits,
+                         static_cast<uint32_t*>(side.data) + at * words + g * group * bits / 32,
+                         side.scales + at * groups + g, side.biases + at * groups + g);
+      }
+    }
+  }
+}
+
+void KvCache::load(const KvSide& side, int64_t row, int64_t head, float* out) const {
+  const int64_t at = row * hkv + head;
+  if (!quantized()) {
+    for (int64_t c = 0; c < d; ++c) out[c] = widen(side.data, kind, at * d + c);
+    return;
+  }
+  const int bits = bits_of(kind), per = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  const uint32_t* w = static_cast<const uint32_t*>(side.data) + at * (d * bits / 32);
+  const float* s = side.scales + at * (d / group);
+  const float* b = side.biases + at * (d / group);
+  for (int64_t c = 0; c < d; ++c) {
+    const float q = static_cast<float>((w[c / per] >> (bits * (c % per))) & mask);
+    out[c] = s[c / group] * q + b[c / group];
+  }
+}
+
+float dot_stored(const float* q, const void* k, KvKind kind, int64_t d, bool vec) {
+#ifdef KV_X86
+  if (vec) return dot_avx2(q, k, kind, d);
+#endif
+  (void)vec;
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += q[i] * widen(k, kind, i);
+  return s;
+}
+
+void axpy_stored(float a, const void* v, KvKind kind, float* y, int64_t d, bool vec) {
+#ifdef KV_X86
+  if (vec) {
+    axpy_avx2(a, v, kind, y, d);
+    return;
+  }
+#endif
+  (void)vec;
+  for (int64_t i = 0; i < d; ++i) y[i] += a * widen(v, kind, i);
+}
+
+const void* stored_row(const KvSide& side, KvKind kind, int64_t index, int64_t d) {
+  return static_cast<const char*>(side.data) + index * d * element_bytes(kind);
+}
+
+std::vector<mx::array> kv_quantize(const mx::array& x, int bits, int group) {
+  const int64_t d = x.ndim() == 2 ? x.shape(1) : 0;
+  if (x.dtype() != mx::float32 || d == 0 || (d & (d - 1)) != 0 || (bits != 4 && bits != 8) ||
+      (group != 32 && group != 64 && group != 128) || d % group != 0)
+    throw std::invalid_argument("kv_quantize: x (N, D) float32 with D a power of 2, bits 4 or 8, group 32/64/128 dividing D");
+  mx::array c = mx::contiguous(x, false, mx::Device(mx::Device::cpu));
+  c.eval();
+  const int n = x.shape(0), words = static_cast<int>(d) * bits / 32, groups = static_cast<int>(d / group);
+  std::vector<uint32_t> w(static_cast<size_t>(n) * words);
+  std::vector<float> s(static_cast<size_t>(n) * groups), b(s.size()), row(c.data<float>(), c.data<float>() + c.size());
+  const KvCache kv{bits == 8 ? KvKind::kQ8 : KvKind::kQ4, 1, d, group, {}, {}};
+  for (int i = 0; i < n; ++i) kv.store({w.data(), s.data(), b.data()}, i, row.data() + i * d);
+  return {mx::array(w.begin(), {n, words}, mx::uint32), mx::array(s.begin(), {n, groups}, mx::float32),
+          mx::array(b.begin(), {n, groups}, mx::float32)};
+}
+
+}  // namespace mlx_serving
