@@ -146,38 +146,48 @@ void Decoder::attend_rows(int64_t l, const KvCache& kv) {
   const KvSide& ks = kv.keys[l];
   const KvSide& vs = kv.values[l];
   const KvKind kind = quant ? KvKind::kF32 : kv.kind;  // what the dot products read: a dequantized vector
-  pool_.run(a * h, [&](int64_t t) {
-    thread_local std::vector<float> sc, qs, buf;
-    const int64_t r = t / h, head = t % h, g = head / group, n = pos_[r] + 1;
+  // With enough rows, one task per (row, KV head): the query heads sharing a KV head run in turn on
+  // one thread, so its K/V are fetched into that core's cache once (split over threads, each fetched
+  // them again); with few rows, one task per (row, query head), for the threads' balance.
+  const int64_t per = a * hkv >= 8 * pool_.threads() ? group : 1, tasks = per == 1 ? a * h : a * hkv;
+  pool_.run(tasks, [&](int64_t t) {
+    thread_local std::vector<float> sc, qs, buf, acc;
+    const int64_t r = t * per / h, first = t * per % h, g = first / group, n = pos_[r] + 1;
     const int64_t* idx = idx_.data() + off_[r];
     sc.resize(n);
     qs.resize(dd);
     buf.resize(dd);
+    acc.resize(dd);
     auto row = [&](const KvSide& side, int64_t p) -> const void* {
       if (!quant) return stored_row(side, kind, idx[p] * hkv + g, dd);
       kv.load(side, idx[p], g, buf.data());
       return buf.data();
     };
-    const float* q = qkv_.data() + r * width + head * dd;
-    std::copy(q, q + dd, qs.begin());
-    if (quant) hadamard(qs.data(), dd);
-    for (int64_t c = 0; c < dd; ++c) qs[c] *= scale;
-    float top = -INFINITY;
-    for (int64_t p = 0; p < n; ++p) {
-      sc[p] = dot_stored(qs.data(), row(ks, p), kind, dd, vec);
-      top = std::max(top, sc[p]);
+    for (int64_t head = first; head < first + per; ++head) {
+      const float* q = qkv_.data() + r * width + head * dd;
+      std::copy(q, q + dd, qs.begin());
+      if (quant) hadamard(qs.data(), dd);
+      for (int64_t c = 0; c < dd; ++c) qs[c] *= scale;
+      float top = -INFINITY;
+      for (int64_t p = 0; p < n; ++p) {
+        sc[p] = dot_stored(qs.data(), row(ks, p), kind, dd, vec);
+        top = std::max(top, sc[p]);
+      }
+      float sum = 0.f;
+      for (int64_t p = 0; p < n; ++p) {
+        sc[p] = std::exp(sc[p] - top);
+        sum += sc[p];
+      }
+      // summed in a buffer of this thread's, written out once: a neighbouring head's output may share
+      // a cache line with this one's, and another thread writing it would bounce the line per sum
+      float* o = acc.data();
+      std::fill(o, o + dd, 0.f);
+      for (int64_t p = 0; p < n; ++p) axpy_stored(sc[p], row(vs, p), kind, o, dd, vec);
+      const float inv = 1.f / sum;
+      for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
+      if (quant) hadamard(o, dd);
+      std::copy(o, o + dd, att_.data() + (r * h + head) * dd);
     }
-    float sum = 0.f;
-    for (int64_t p = 0; p < n; ++p) {
-      sc[p] = std::exp(sc[p] - top);
-      sum += sc[p];
-    }
-    float* o = att_.data() + (r * h + head) * dd;
-    std::fill(o, o + dd, 0.f);
-    for (int64_t p = 0; p < n; ++p) axpy_stored(sc[p], row(vs, p), kind, o, dd, vec);
-    const float inv = 1.f / sum;
-    for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
-    if (quant) hadamard(o, dd);
   });
 }
 
