@@ -470,10 +470,17 @@ def test_chat_turn_too_long_for_max_len_is_reported_and_the_chat_goes_on(
 
 # ---- Ctrl-C (a real process) ----------------------------------------------------------------------
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C's default action, also when the tests run as a background job (whose
+    shell started them with SIGINT ignored, an inherited setting a SIGINT test would never see)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _chat_child(ckpt: Path, *flags: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "mlx_serving", "chat", "--model", str(ckpt), *flags],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=default_sigint)
 
 
 def _wait_ready(child: subprocess.Popen[bytes]) -> None:

@@ -168,7 +168,8 @@ def test_openai_server_as_the_serve_ingress(serve_instance, tiny_ckpt, tiny_serv
     with ThreadPoolExecutor(24) as executor:
         replies = list(executor.map(
             lambda m: client.chat.completions.create(model=MODEL, messages=m, max_tokens=4), prompts))
-    stats = handle.stats.remote().result()  # the replica the handle picked
+    # the busiest of the replicas the handle picks (routing may leave one with a single request)
+    stats = max((handle.stats.remote().result() for _ in range(8)), key=lambda st: st.completed)
     assert [r.choices[0].message.content for r in replies] == [
         expected({"messages": m, "max_new_tokens": 4}) for m in prompts]
     assert stats.completed >= 2 and stats.steps_run < steps_alone * stats.completed

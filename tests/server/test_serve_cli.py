@@ -31,6 +31,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C's default action, also when the tests run as a background job (whose
+    shell started them with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     """Until /health answers 200; the server's stderr in the failure when it exits first."""
     def healthy() -> bool:
@@ -49,7 +55,8 @@ def serve_process(ckpt: Path, *options: str, env: dict[str, str] | None = None) 
     ``(base URL, process)``; killed on exit if still running."""
     port = _free_port()
     command = [sys.executable, "-m", "mlx_serving", "serve", "--model", str(ckpt), "--port", str(port), *options]
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, timeout=300)  # a cap that only ends a hang (2 shared cores)
@@ -149,7 +156,8 @@ def test_serve_with_no_model_serves_smollm2(private_cache, tmp_path: Path):
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "mlx_serving", "serve", "--port", str(port), "--max-len", "256", "--max-new-tokens", "32", "--temperature", "0",
                                 "--max-batch", "2", "--log-level", "warning"],
-                               env={**os.environ, "MLX_SERVING_CACHE": str(cache)}, stderr=subprocess.PIPE, text=True)
+                               env={**os.environ, "MLX_SERVING_CACHE": str(cache)}, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, process, timeout=480)  # it converts the GGUF first

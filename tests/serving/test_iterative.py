@@ -70,8 +70,10 @@ def test_transducer_stop_rows_cancels_the_row_and_ends_the_request():
 
 
 def test_admission_window_shares_one_admission_when_idle():
+    """Two requests 0.15 s apart, on an idle serving with a window longer than any busy machine's
+    delay between them (it closes when the batch is full): one admission of both."""
     backend = CountdownBackend()
-    with Serving.new(backend).start(batch_size=4, batch_timeout=0.4) as h, ThreadPoolExecutor(2) as pool:
+    with Serving.new(backend).start(batch_size=2, batch_timeout=60) as h, ThreadPoolExecutor(2) as pool:
         a = pool.submit(Serving.batched_run, h, countdown(2))
         time.sleep(0.15)
         b = pool.submit(Serving.batched_run, h, countdown(3))
