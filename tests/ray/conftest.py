@@ -23,7 +23,9 @@ _started: list[object] = []  # the ray module, when ray_cluster started the conn
 def ray_cluster():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+        # address="local": always a cluster of its own, never one found on the machine (another test
+        # process's, or one that a killed run left behind in /tmp/ray/ray_current_cluster)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
         _started.append(ray)
     return ray
 

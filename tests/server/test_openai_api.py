@@ -180,14 +180,18 @@ def test_deadline_is_504(client: openai.OpenAI, server: Server):
     assert info.value.status_code == 504 and info.value.body["code"] == "deadline_exceeded"
 
 
-def test_deadline_mid_stream_ends_the_stream_with_an_error(client: openai.OpenAI):
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, stream=True,
-                                            extra_body={"deadline": 0.5})
-    pieces = []
-    with pytest.raises(openai.APIError, match="deadline"):
-        for chunk in stream:  # headers were sent: the error arrives as the last event
-            pieces.append(chunk.choices[0].delta.content or "")
-    assert "".join(pieces)  # some text streamed before the deadline
+def test_deadline_mid_stream_ends_the_stream_with_an_error(tiny_ckpt: Path):
+    # 4,000 tokens no early stop can end (min_tokens): more than 0.5 s on any machine, however fast
+    long = text_generation.from_mlx4bit(tiny_ckpt, max_new_tokens=8, max_len=4096, max_batch=1)
+    with Serving.start(long) as handle, serve(create_app({MODEL: handle})) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4000, stream=True,
+                                                extra_body={"deadline": 0.5, "min_tokens": 4000})
+        pieces = []
+        with pytest.raises(openai.APIError, match="deadline"):
+            for chunk in stream:  # headers were sent: the error arrives as the last event
+                pieces.append(chunk.choices[0].delta.content or "")
+        assert "".join(pieces)  # some text streamed before the deadline
 
 
 def test_overloaded_is_503_with_retry_after(tiny_ckpt: Path):
