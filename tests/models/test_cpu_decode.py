@@ -21,6 +21,7 @@ from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache, row_blocks
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
+from engine_runs import run_to_end
 
 module = native.cpu_decode_module()
 pytestmark = pytest.mark.skipif(module is None or mx.default_device() != mx.cpu,
@@ -185,14 +186,9 @@ def _generate(state, prompts: list[list[int]], max_batch: int, compiled: bool, p
     engine = Engine(state, EngineConfig.of(max_batch=max_batch, max_len=64, prefill_chunk=8, block_size=4,
                                            decode_path=path, compile_decode=compiled, **kw))
     assert engine.decode_backend.name == path
-    out: list[list[int]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.add(i, p, SamplingParams(max_new_tokens=10, eos_token_ids=()))
-    while engine.num_active:
-        for ev in engine.step():
-            out[ev.seq_id].append(ev.token_id)
+    out = run_to_end(engine, prompts, [SamplingParams(max_new_tokens=10, eos_token_ids=())] * len(prompts))
     engine.close()
-    return out
+    return [out[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

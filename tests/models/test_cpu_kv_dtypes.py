@@ -20,6 +20,7 @@ from mlx_serving.models.decoder.cpu import NativeDecode
 from mlx_serving.models.decoder.decode_backends import NATIVE_AUTO_KV, GenericDecode, decode_backend
 from mlx_serving.models.decoder.kv_cache import PagedKVCache, init_paged_kv_cache, kv_quant, row_blocks
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
+from engine_runs import run_to_end
 
 module = native.cpu_decode_module()
 pytestmark = pytest.mark.skipif(module is None or mx.default_device() != mx.cpu,
@@ -129,14 +130,9 @@ def test_a_row_batched_equals_the_row_alone_per_dtype(tiny, dtype):
 def _generate(state, prompts: list[list[int]], max_batch: int, dtype: str, **kw) -> list[list[int]]:
     engine = Engine(state, EngineConfig.of(max_batch=max_batch, max_len=64, prefill_chunk=8, block_size=4,
                                            decode_path="native", kv_cache_dtype=dtype, **kw))
-    out: list[list[int]] = [[] for _ in prompts]
-    for i, p in enumerate(prompts):
-        engine.add(i, p, SamplingParams(max_new_tokens=10, eos_token_ids=()))
-    while engine.num_active:
-        for ev in engine.step():
-            out[ev.seq_id].append(ev.token_id)
+    out = run_to_end(engine, prompts, [SamplingParams(max_new_tokens=10, eos_token_ids=())] * len(prompts))
     engine.close()
-    return out
+    return [out[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("dtype", ["auto", "int8"])
