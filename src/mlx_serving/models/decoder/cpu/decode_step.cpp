@@ -127,7 +127,7 @@ class Decoder {
 };
 
 // y (rows, n) = x (rows, k) float32 @ dequantize(m).T (+ bias), the activations rounded to int8 per
-// block of 32 (QuantRow's rounding), the packed weights read as they lie whatever the rows (1-3
+// block of 32 (QuantRows' rounding), the packed weights read as they lie whatever the rows (1-3
 // rows run micro tiles of as many rows): each (row, column) bit for bit the same, so a row's result
 // does not depend on how many rows share its step.
 void Decoder::product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y) {

@@ -1,10 +1,9 @@
-// The int8 products' common parts (qdot.cpp): the instruction set, the activations' rounding and
-// MLX's weight layout (the products themselves: qgemm.h).
+// The int8 products' common parts (qdot.cpp): the instruction set and MLX's weight layout (the
+// products and the activations' rounding: qgemm.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 namespace mlx_serving {
 
@@ -14,14 +13,6 @@ enum class Isa { portable, avx2, avx512vnni };
 Isa best_isa();                      // what this CPU supports (the override applied)
 void set_isa_override(const std::string& name);  // "auto" | "avx2" | "portable" (tests)
 const char* isa_name(Isa isa);
-
-// Activations of one row quantized in blocks of 32: x[j] ~ dx[j / 32] * q[j], with each block's
-// sum dx * sum(q) (the affine bias term reads it); ``q`` in natural order.
-struct QuantRow {
-  std::vector<int8_t> q;
-  std::vector<float> dx, sum;
-  void quantize(const float* x, int64_t k);
-};
 
 // An affine-quantized matrix (N, K) in MLX's layout (mx.quantize): w (N, K * bits / 32) uint32,
 // scales / biases (N, K / group) float32 or float16 (``half``); ``bias`` (N,) float32 or null.

@@ -1,5 +1,5 @@
 // The int8 products of the CPU decoder (issue 39): y = x @ dequantize(w).T for 1 to many rows x,
-// activations quantized per block of 32 to int8 (QuantRow's rounding), weights packed once when
+// activations quantized per block of 32 to int8 (QuantRows' rounding, as llama.cpp's Q8_1), weights packed once when
 // the decoder is made (pack.h): the decode step's products (1-32 rows a step) and the native
 // prefill's (prefill.cpp) are this one kernel over one layout.
 //
@@ -20,6 +20,8 @@
 #include "qgemm.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -35,6 +37,7 @@ namespace {
 constexpr int64_t kRowPad = 4;      // QuantRows pads its rows to this (the largest micro tile's rows)
 constexpr int64_t kRowChunk = 64;   // most rows a task runs its columns over
 constexpr int64_t kMaxTiles = 16;   // most column tiles a task takes (64 columns)
+constexpr int64_t kQuantRows = 4;   // rows per task of QuantRows::quantize
 
 // Rows [r0, r1) x columns [c0, c1), block by block.
 void range_portable(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
@@ -189,27 +192,100 @@ Micros micros(Isa isa, int bits, bool half) {
 }
 #endif
 
+// Activation rounding (QuantRows): for a weight group with scale s and offset b (w = s q + b, q
+// unsigned) and an activation block x ~ dx xq, sum_j x_j w_j = s dx sum_j xq_j q_j + b sum_j x_j.
+// The integer sums are exact and the offset term uses the block's quantized sum dx sum_j xq_j
+// (with b ~ -8 s for 4-bit weights, the exact float sum would leave the rounding errors of the two
+// terms uncorrelated, ~3x the error measured). The only approximation is the rounding to 8 bits
+// (at most half a step, 1/254 of the block's largest value): the product is exactly that of the
+// rounded x.
+
+// Block i's 32 values (natural order) into row ``q``'s places (BlockLayout), its scale and sum.
+inline void place_block(const BlockLayout& at, int64_t i, const int8_t* v, float d, int32_t s, int8_t* q,
+                        float* dx, float* sum) {
+  for (int ch = 0; ch < 8; ++ch) std::memcpy(q + at.offset(i, ch), v + 4 * ch, 4);
+  dx[(i / 8) * 8 + i % 8] = d;
+  sum[(i / 8) * 8 + i % 8] = d * static_cast<float>(s);
+}
+
+// One row x (at.blocks x 32 float32) rounded block by block.
+void quantize_row_portable(const float* x, const BlockLayout& at, int8_t* q, float* dx, float* sum) {
+  for (int64_t i = 0; i < at.blocks; ++i) {
+    const float* xb = x + 32 * i;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t v[32];
+    int32_t s = 0;
+    for (int j = 0; j < 32; ++j) {
+      v[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+      s += v[j];
+    }
+    place_block(at, i, v, d, s, q, dx, sum);
+  }
+}
+
+#ifdef QG_X86
+// The same rounding 8 lanes at a time: the largest |x| by max (exact in any order; a NaN is
+// skipped, as std::max skips it), the product by 127 / max rounded by the current mode (ties to
+// even, as nearbyint), the int32 values packed to int8 (each within +-127, no saturation).
+QG_AVX2 void quantize_row_avx2(const float* x, const BlockLayout& at, int8_t* q, float* dx, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < at.blocks; ++i) {
+    const float* xb = x + 32 * i;
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int t = 0; t < 4; ++t) {
+      v[t] = _mm256_loadu_ps(xb + 8 * t);
+      top = _mm256_max_ps(_mm256_andnot_ps(sign, v[t]), top);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i n[4];
+    for (int t = 0; t < 4; ++t) n[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], scale));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
+    alignas(32) int8_t out[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out), bytes);
+    place_block(at, i, out, d, _mm_cvtsi128_si32(s4), q, dx, sum);
+  }
+}
+#endif
+
 }  // namespace
 
 void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool) {
   rows = n_rows;
   k = n_k;
   at = BlockLayout(k);
-  const int64_t blocks = at.blocks, groups = at.groups, padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
+  const int64_t padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
   q.assign(padded * at.row_bytes, 0);
-  dx.assign(padded * groups * 8, 0.f);
-  sum.assign(padded * groups * 8, 0.f);
-  constexpr int64_t kPer = 16;  // rows per task
-  pool.run((rows + kPer - 1) / kPer, [&](int64_t t) {
-    thread_local QuantRow row;
-    for (int64_t r = t * kPer; r < std::min(rows, (t + 1) * kPer); ++r) {
-      row.quantize(x + r * k, k);
-      for (int64_t i = 0; i < blocks; ++i) {
-        for (int ch = 0; ch < 8; ++ch)
-          std::copy_n(row.q.data() + 32 * i + 4 * ch, 4, q.data() + r * at.row_bytes + at.offset(i, ch));
-        dx[(r * groups + i / 8) * 8 + i % 8] = row.dx[i];
-        sum[(r * groups + i / 8) * 8 + i % 8] = row.sum[i];
+  dx.assign(padded * at.groups * 8, 0.f);
+  sum.assign(padded * at.groups * 8, 0.f);
+#ifdef QG_X86
+  const bool vec = best_isa() != Isa::portable;
+#else
+  const bool vec = false;
+#endif
+  pool.run((rows + kQuantRows - 1) / kQuantRows, [&](int64_t t) {
+    for (int64_t r = t * kQuantRows; r < std::min(rows, (t + 1) * kQuantRows); ++r) {
+      int8_t* qr = q.data() + r * at.row_bytes;
+      float* dr = dx.data() + r * at.groups * 8;
+      float* sr = sum.data() + r * at.groups * 8;
+#ifdef QG_X86
+      if (vec) {
+        quantize_row_avx2(x + r * k, at, qr, dr, sr);
+        continue;
       }
+#endif
+      quantize_row_portable(x + r * k, at, qr, dr, sr);
     }
   });
 }

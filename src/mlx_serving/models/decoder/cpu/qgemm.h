@@ -11,15 +11,18 @@
 
 namespace mlx_serving {
 
-// M activation rows quantized as QuantRow does (per block of 32, the same rounding), laid out as
-// the packed weights' values (BlockLayout, ``at.row_bytes`` per row); ``dx`` / ``sum`` per block as
-// QuantRow's, 8 per group (padding 0). Rows are padded to a multiple of 4 with zeros.
+// M activation rows rounded to int8 per block of 32, as llama.cpp's Q8_1: x[j] ~ dx * q[j] with
+// dx = max |x| / 127 over the block and q[j] = x[j] * (127 / max |x|) rounded to the nearest
+// integer (ties to even), and the block's sum dx * sum(q) (the weights' offset term reads it).
+// ``q`` is laid out as the packed weights' values (BlockLayout, ``at.row_bytes`` per row), ``dx``
+// / ``sum`` 8 per group (padding 0). Rows are padded to a multiple of 4 with zeros. The vector
+// and portable roundings give the same bytes.
 struct QuantRows {
   int64_t rows = 0, k = 0;
   BlockLayout at;
   std::vector<int8_t> q;        // padded rows x at.row_bytes
   std::vector<float> dx, sum;   // padded rows x at.groups x 8
-  // Quantize x (rows, k) float32 (k a multiple of 32), rows split over ``pool``.
+  // Quantize x (rows, k) float32 (k a multiple of 32), tasks of 4 rows over ``pool``.
   void quantize(const float* x, int64_t rows, int64_t k, Pool& pool);
 };
 
