@@ -92,70 +92,91 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
 
 QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
 
+// One group's exact integer block sums, ia[m][n], for VECS (8, or 4 in a last ``pairs`` group)
+// vectors of 32 activation bytes: the vector loop's count known when compiled, so it unrolls and
+// the accumulators stay in registers.
+#define QG_GROUP_SUMS(ACC, VECS)                                                                              \
+  for (int m = 0; m < MR; ++m)                                                                                \
+    for (int n = 0; n < kTileCols; ++n) ia[m][n] = _mm256_setzero_si256();                                   \
+  if constexpr (Bits == 4) {                                                                                  \
+    const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                \
+    _Pragma("GCC unroll 4") for (int v = 0; v < (VECS) / 2; ++v) {                                            \
+      __m256i lo[kTileCols], hi[kTileCols];                                                                   \
+      for (int n = 0; n < kTileCols; ++n) {                                                                   \
+        const __m256i raw = load32(wg + n * cb + 32 * v);                                                     \
+        lo[n] = _mm256_and_si256(raw, m4);                                                                    \
+        hi[n] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                                              \
+      }                                                                                                       \
+      for (int m = 0; m < MR; ++m) {                                                                          \
+        const __m256i xl = load32(xr + m * rb + 32 * v), xh = load32(xr + m * rb + 32 * (v + (VECS) / 2));   \
+        for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ACC(ia[m][n], lo[n], xl), hi[n], xh);              \
+      }                                                                                                       \
+    }                                                                                                         \
+  } else {                                                                                                    \
+    _Pragma("GCC unroll 8") for (int v = 0; v < (VECS); ++v) {                                                \
+      __m256i wv[kTileCols];                                                                                  \
+      for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                               \
+      for (int m = 0; m < MR; ++m) {                                                                          \
+        const __m256i xv = load32(xr + m * rb + 32 * v);                                                      \
+        for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                              \
+      }                                                                                                       \
+    }                                                                                                         \
+  }
+
+// Group k's sums scaled into fa: fa += float(ia) * (s * dx), lane by lane.
+#define QG_GROUP_SCALE                                                                                        \
+  for (int m = 0; m < MR; ++m) {                                                                              \
+    const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                                  \
+    for (int n = 0; n < kTileCols; ++n) {                                                                     \
+      const __m256 sc = _mm256_mul_ps(params8<Half>(sp, p.param(tile, k, n)), dx);                           \
+      fa[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), sc, fa[m][n]);                                 \
+    }                                                                                                         \
+  }
+
 // One micro tile: rows r0..r0+MR x the 4 columns of ``tile`` (results stored for its first
-// ``cols``; the rest is padding). Per group: the exact integer block sums, then their scaling.
+// ``cols``; the rest is padding). Per group: the exact integer block sums, then their scaling
+// (fa); the offsets' term (fb: b * the block's quantized sum) in a loop of its own, after, in the
+// same group order (lane by lane the same operations as when interleaved: bit for bit the same).
 #define QG_MICRO(ACC)                                                                                         \
   const BlockLayout& at = x.at;                                                                               \
-  const int64_t g = at.groups, rb = at.row_bytes;                                                             \
+  const int64_t g = at.groups, rb = at.row_bytes, whole = at.pairs ? at.full : g;                             \
   const uint8_t* wt = p.q.data() + tile * p.tile_bytes();                                                     \
   const void* sp = Half ? static_cast<const void*>(p.s16.data()) : static_cast<const void*>(p.s32.data());    \
   const void* bp = Half ? static_cast<const void*>(p.b16.data()) : static_cast<const void*>(p.b32.data());    \
-  __m256 fa[MR][kTileCols], fb[MR][kTileCols];                                                                \
+  __m256 fa[MR][kTileCols];                                                                                   \
+  __m256i ia[MR][kTileCols];                                                                                  \
   for (int m = 0; m < MR; ++m)                                                                                \
-    for (int n = 0; n < kTileCols; ++n) fa[m][n] = fb[m][n] = _mm256_setzero_ps();                           \
-  for (int64_t k = 0; k < g; ++k) {                                                                           \
-    const bool pairs = at.pairs && k == at.full; /* 1-4 blocks, two lanes each: 4 vectors */                 \
-    const int vecs = pairs ? 4 : 8;                                                                           \
-    const int64_t cb = p.column_bytes(k);                                                                     \
-    __m256i ia[MR][kTileCols];                                                                                \
-    for (int m = 0; m < MR; ++m)                                                                              \
-      for (int n = 0; n < kTileCols; ++n) ia[m][n] = _mm256_setzero_si256();                                 \
+    for (int n = 0; n < kTileCols; ++n) fa[m][n] = _mm256_setzero_ps();                                       \
+  for (int64_t k = 0; k < whole; ++k) {                                                                       \
+    const int64_t cb = 256 * Bits / 8;                                                                        \
     const int8_t* xr = x.q.data() + r0 * rb + k * 256;                                                        \
     const uint8_t* wg = wt + p.group_offset(k);                                                               \
-    if constexpr (Bits == 4) {                                                                                \
-      const __m256i m4 = _mm256_set1_epi8(0x0F);                                                              \
-      for (int v = 0; v < vecs / 2; ++v) {                                                                    \
-        __m256i lo[kTileCols], hi[kTileCols];                                                                 \
-        for (int n = 0; n < kTileCols; ++n) {                                                                 \
-          const __m256i raw = load32(wg + n * cb + 32 * v);                                                   \
-          lo[n] = _mm256_and_si256(raw, m4);                                                                  \
-          hi[n] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                                            \
-        }                                                                                                     \
-        for (int m = 0; m < MR; ++m) {                                                                        \
-          const __m256i xl = load32(xr + m * rb + 32 * v), xh = load32(xr + m * rb + 32 * (v + vecs / 2));    \
-          for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ACC(ia[m][n], lo[n], xl), hi[n], xh);            \
-        }                                                                                                     \
-      }                                                                                                       \
-    } else {                                                                                                  \
-      for (int v = 0; v < vecs; ++v) {                                                                        \
-        __m256i wv[kTileCols];                                                                                \
-        for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                             \
-        for (int m = 0; m < MR; ++m) {                                                                        \
-          const __m256i xv = load32(xr + m * rb + 32 * v);                                                    \
-          for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                            \
-        }                                                                                                     \
-      }                                                                                                       \
-    }                                                                                                         \
-    if (pairs) /* lanes 2j, 2j + 1 summed into lane j (lanes 4-7: 0) */                                       \
-      for (int m = 0; m < MR; ++m)                                                                            \
-        for (int n = 0; n < kTileCols; ++n)                                                                   \
-          ia[m][n] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(ia[m][n], _mm256_setzero_si256()),        \
-                                                 _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));                 \
-    for (int m = 0; m < MR; ++m) {                                                                            \
-      const __m256 dx = _mm256_loadu_ps(x.dx.data() + ((r0 + m) * g + k) * 8);                                \
-      const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                               \
-      for (int n = 0; n < kTileCols; ++n) {                                                                   \
-        const int64_t slot = p.param(tile, k, n);                                                             \
-        const __m256 sc = _mm256_mul_ps(params8<Half>(sp, slot), dx);                                         \
-        fa[m][n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m][n]), sc, fa[m][n]);                               \
-        fb[m][n] = _mm256_fmadd_ps(params8<Half>(bp, slot), sm, fb[m][n]);                                    \
-      }                                                                                                       \
-    }                                                                                                         \
+    QG_GROUP_SUMS(ACC, 8)                                                                                     \
+    QG_GROUP_SCALE                                                                                            \
+  }                                                                                                           \
+  if (at.pairs) { /* 1-4 blocks, two lanes each: 4 vectors; lanes 2j, 2j + 1 summed into lane j (4-7: 0) */   \
+    const int64_t k = at.full, cb = 128 * Bits / 8;                                                           \
+    const int8_t* xr = x.q.data() + r0 * rb + k * 256;                                                        \
+    const uint8_t* wg = wt + p.group_offset(k);                                                               \
+    QG_GROUP_SUMS(ACC, 4)                                                                                     \
+    for (int m = 0; m < MR; ++m)                                                                              \
+      for (int n = 0; n < kTileCols; ++n)                                                                     \
+        ia[m][n] = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(ia[m][n], _mm256_setzero_si256()),          \
+                                               _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));                   \
+    QG_GROUP_SCALE                                                                                            \
   }                                                                                                           \
   const int64_t c0 = tile * kTileCols;                                                                        \
-  for (int64_t m = 0; m < MR; ++m)                                                                            \
-    for (int64_t n = 0; n < cols; ++n)                                                                        \
-      y[(r0 + m) * p.n + c0 + n] = hsum8(_mm256_add_ps(fa[m][n], fb[m][n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]);
+  for (int m = 0; m < MR; ++m) {                                                                              \
+    __m256 fb[kTileCols];                                                                                     \
+    for (int n = 0; n < kTileCols; ++n) fb[n] = _mm256_setzero_ps();                                          \
+    for (int64_t k = 0; k < g; ++k) {                                                                         \
+      const __m256 sm = _mm256_loadu_ps(x.sum.data() + ((r0 + m) * g + k) * 8);                               \
+      for (int n = 0; n < kTileCols; ++n)                                                                     \
+        fb[n] = _mm256_fmadd_ps(params8<Half>(bp, p.param(tile, k, n)), sm, fb[n]);                           \
+    }                                                                                                         \
+    for (int n = 0; n < cols; ++n)                                                                            \
+      y[(r0 + m) * p.n + c0 + n] = hsum8(_mm256_add_ps(fa[m][n], fb[n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]); \
+  }
 
 #define QG_MICRO_ARGS const QuantRows &x, int64_t r0, const PackedMatrix &p, int64_t tile, int64_t cols, float *y
 
