@@ -6,11 +6,12 @@
 // work runs on a thread pool kept alive across regions and steps (pool.h), per layer: RMSNorm ->
 // int8 q/k/v product (+ bias) -> q/k RMSNorm (Qwen3) -> RoPE -> K/V written into the paged cache in
 // place (kv_store.cpp: float32, float16 / bfloat16, or rotated int8 / int4, as the cache stores them) -> GQA attention over the row's prefix -> int8 o product + residual -> RMSNorm -> int8
-// gate/up product -> SwiGLU -> int8 down product + residual; then the final norm and the head.
-// The per-row element-wise work (norms, q/k norm + RoPE + K/V write, residuals, SwiGLU) runs in
-// pool regions over rows too, not on the caller alone (at 32 rows it was ~5 ms serial per step).
+// gate/up product -> SwiGLU (in the product's own tasks, rounded there for the next) -> int8 down
+// product + residual; then the final norm and the head. The per-row element-wise work (norms,
+// q/k norm + RoPE + K/V write, residuals) runs in pool regions over rows too, not on the caller
+// alone (at 32 rows it was ~5 ms serial per step).
 //
-// Numerics: the products quantize their activations to int8 per block of 32 (qdot.cpp); norms,
+// Numerics: the products quantize their activations to int8 per block of 32 (qgemm.cpp); norms,
 // RoPE, softmax and the residual stream are float32. Each row's computation is the same whatever
 // its batchmates (the products and attention loop per row in a fixed order; work is split over
 // output columns and heads, never inside one dot product): a row batched equals the row alone,
@@ -104,6 +105,7 @@ class Decoder {
 
  private:
   void product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y);
+  void mlp_product(const LayerWeights& lw, const float* x, int64_t rows, float* y);
   void attend_rows(int64_t l, const KvCache& kv);
   int64_t cache_row(const int32_t* table, int64_t w, int64_t r, int64_t pos, int64_t cache_rows,
                     int64_t block_size) const {
@@ -122,8 +124,8 @@ class Decoder {
   Isa isa_ = Isa::portable;
   // per-step buffers (compacted real rows)
   std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
-  std::vector<float> h_, x_, qkv_, att_, tmp_, gu_, act_, out_;
-  QuantRows qrows_;  // a product's activations, in the packed weights' layout
+  std::vector<float> h_, x_, qkv_, att_, tmp_, out_;
+  QuantRows qrows_, act_rows_;  // a product's activations, in the packed weights' layout; the SwiGLU's
 };
 
 // y (rows, n) = x (rows, k) float32 @ dequantize(m).T (+ bias), the activations rounded to int8 per
@@ -133,6 +135,16 @@ class Decoder {
 void Decoder::product(const QMatrix& m, const float* x, int64_t rows, int64_t k, float* y) {
   qrows_.quantize(x, rows, k, pool_);
   qgemm(*m.packed, qrows_, y, isa_, pool_);
+}
+
+// y (rows, hidden) = the MLP of x (rows, hidden): the gate/up product, its SwiGLU and that rounded
+// for the down product in one region (qgemm_swiglu: no gate/up output written out and read back
+// by another region, often on the other core), then the down product; each value bit for bit as
+// product(gate_up), the SwiGLU row by row, then product(down) would give.
+void Decoder::mlp_product(const LayerWeights& lw, const float* x, int64_t rows, float* y) {
+  qrows_.quantize(x, rows, d_.hidden, pool_);
+  qgemm_swiglu(*lw.gate_up.packed, qrows_, act_rows_, isa_, pool_);
+  qgemm(*lw.down.packed, act_rows_, y, isa_, pool_);
 }
 
 // Each row's heads attend over the row's prefix in layer ``l``'s cache, read as stored (float16 /
@@ -195,7 +207,7 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
                    int64_t w, const KvCache& kv, int64_t cache_rows, int64_t block_size, float* logits) {
   std::lock_guard<std::mutex> guard(lock_);
   isa_ = best_isa();
-  const int64_t hid = d_.hidden, hh = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim, inter = d_.intermediate;
+  const int64_t hid = d_.hidden, hh = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim;
   const int64_t width = (hh + 2 * hkv) * dd, half = dd / 2, v = vocab();
   rows_.clear();
   pos_.clear();
@@ -217,8 +229,6 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
   qkv_.resize(a * width);
   att_.resize(a * hh * dd);
   tmp_.resize(a * hid);
-  gu_.resize(a * 2 * inter);
-  act_.resize(a * inter);
   out_.resize(a * v);
   for (int64_t r = 0; r < a; ++r) std::memcpy(h_.data() + r * hid, h_in + rows_[r] * hid, sizeof(float) * hid);
   // RoPE angles of each row's position (shared by every layer and head)
@@ -270,13 +280,7 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
       for (int64_t i = 0; i < hid; ++i) hr[i] += tr[i];
       rms_norm(hr, lw.post_norm.data<float>(), hid, d_.eps, x_.data() + r * hid);
     });
-    product(lw.gate_up, x_.data(), a, hid, gu_.data());
-    pool_.run(a, [&](int64_t r) {
-      const float* g = gu_.data() + r * 2 * inter;
-      float* o = act_.data() + r * inter;
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
-    });
-    product(lw.down, act_.data(), a, inter, tmp_.data());
+    mlp_product(lw, x_.data(), a, tmp_.data());
     const float* next = l + 1 < nl ? layers_[l + 1].input_norm.data<float>() : norm_.data<float>();
     pool_.run(a, [&](int64_t r) {
       float* hr = h_.data() + r * hid;

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -38,10 +39,18 @@ constexpr int64_t kRowPad = 4;      // QuantRows pads its rows to this (the larg
 constexpr int64_t kRowChunk = 64;   // most rows a task runs its columns over
 constexpr int64_t kMaxTiles = 16;   // most column tiles a task takes (64 columns)
 constexpr int64_t kQuantRows = 4;   // rows per task of QuantRows::quantize
+constexpr int64_t kMaxBlocks = 4;   // most blocks of 32 SwiGLU columns a qgemm_swiglu task takes
+
+// Where a range's results go: value (r, c) at y[(r - r0) * ld + c - c0].
+struct Out {
+  float* y;
+  int64_t ld, r0, c0;
+  float& at(int64_t r, int64_t c) const { return y[(r - r0) * ld + c - c0]; }
+};
 
 // Rows [r0, r1) x columns [c0, c1), block by block.
 void range_portable(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                    float* y) {
+                    const Out& y) {
   const BlockLayout& at = x.at;
   const int64_t g = at.groups;
   for (int64_t r = r0; r < r1; ++r)
@@ -55,7 +64,7 @@ void range_portable(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64
         acc += m.scale(wi) * x.dx[xi] * static_cast<float>(d);
         bacc += m.offset(wi) * x.sum[xi];
       }
-      y[r * m.n + c] = acc + bacc + (m.bias.empty() ? 0.f : m.bias[c]);
+      y.at(r, c) = acc + bacc + (m.bias.empty() ? 0.f : m.bias[c]);
     }
 }
 
@@ -175,10 +184,10 @@ QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256
         fb[n] = _mm256_fmadd_ps(params8<Half>(bp, p.param(tile, k, n)), sm, fb[n]);                           \
     }                                                                                                         \
     for (int n = 0; n < cols; ++n)                                                                            \
-      y[(r0 + m) * p.n + c0 + n] = hsum8(_mm256_add_ps(fa[m][n], fb[n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]); \
+      y.at(r0 + m, c0 + n) = hsum8(_mm256_add_ps(fa[m][n], fb[n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]);     \
   }
 
-#define QG_MICRO_ARGS const QuantRows &x, int64_t r0, const PackedMatrix &p, int64_t tile, int64_t cols, float *y
+#define QG_MICRO_ARGS const QuantRows &x, int64_t r0, const PackedMatrix &p, int64_t tile, int64_t cols, const Out &y
 
 template <int MR, int Bits, bool Half>
 QG_AVX2 void micro_avx2(QG_MICRO_ARGS) {
@@ -229,10 +238,12 @@ inline void place_block(const BlockLayout& at, int64_t i, const int8_t* v, float
   sum[(i / 8) * 8 + i % 8] = d * static_cast<float>(s);
 }
 
-// One row x (at.blocks x 32 float32) rounded block by block.
-void quantize_row_portable(const float* x, const BlockLayout& at, int8_t* q, float* dx, float* sum) {
-  for (int64_t i = 0; i < at.blocks; ++i) {
-    const float* xb = x + 32 * i;
+// Blocks [i0, i1) of a row (x: their values, (i1 - i0) x 32 float32) rounded one by one into the
+// row's places (``q``, ``dx``, ``sum``: the row's).
+void quantize_portable(const float* x, const BlockLayout& at, int64_t i0, int64_t i1, int8_t* q, float* dx,
+                       float* sum) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* xb = x + 32 * (i - i0);
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -250,11 +261,12 @@ void quantize_row_portable(const float* x, const BlockLayout& at, int8_t* q, flo
 // The same rounding 8 lanes at a time: the largest |x| by max (exact in any order; a NaN is
 // skipped, as std::max skips it), the product by 127 / max rounded by the current mode (ties to
 // even, as nearbyint), the int32 values packed to int8 (each within +-127, no saturation).
-QG_AVX2 void quantize_row_avx2(const float* x, const BlockLayout& at, int8_t* q, float* dx, float* sum) {
+QG_AVX2 void quantize_avx2(const float* x, const BlockLayout& at, int64_t i0, int64_t i1, int8_t* q, float* dx,
+                           float* sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t i = 0; i < at.blocks; ++i) {
-    const float* xb = x + 32 * i;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* xb = x + 32 * (i - i0);
     __m256 v[4], top = _mm256_setzero_ps();
     for (int t = 0; t < 4; ++t) {
       v[t] = _mm256_loadu_ps(xb + 8 * t);
@@ -280,39 +292,22 @@ QG_AVX2 void quantize_row_avx2(const float* x, const BlockLayout& at, int8_t* q,
 }
 #endif
 
-}  // namespace
-
-void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool) {
-  rows = n_rows;
-  k = n_k;
-  at = BlockLayout(k);
-  const int64_t padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
-  q.assign(padded * at.row_bytes, 0);
-  dx.assign(padded * at.groups * 8, 0.f);
-  sum.assign(padded * at.groups * 8, 0.f);
+// Blocks [i0, i1) of row r of ``rows`` from x (their values), with the vector rounding where the
+// CPU has it (the same bytes as the portable loop's).
+void quantize_blocks(const float* x, QuantRows& rows, int64_t r, int64_t i0, int64_t i1) {
+  const BlockLayout& at = rows.at;
+  int8_t* q = rows.q.data() + r * at.row_bytes;
+  float* dx = rows.dx.data() + r * at.groups * 8;
+  float* sum = rows.sum.data() + r * at.groups * 8;
 #ifdef QG_X86
-  const bool vec = best_isa() != Isa::portable;
-#else
-  const bool vec = false;
+  if (best_isa() != Isa::portable) return quantize_avx2(x, at, i0, i1, q, dx, sum);
 #endif
-  pool.run((rows + kQuantRows - 1) / kQuantRows, [&](int64_t t) {
-    for (int64_t r = t * kQuantRows; r < std::min(rows, (t + 1) * kQuantRows); ++r) {
-      int8_t* qr = q.data() + r * at.row_bytes;
-      float* dr = dx.data() + r * at.groups * 8;
-      float* sr = sum.data() + r * at.groups * 8;
-#ifdef QG_X86
-      if (vec) {
-        quantize_row_avx2(x + r * k, at, qr, dr, sr);
-        continue;
-      }
-#endif
-      quantize_row_portable(x + r * k, at, qr, dr, sr);
-    }
-  });
+  quantize_portable(x, at, i0, i1, q, dx, sum);
 }
 
-void qgemm_range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* y,
-                 Isa isa) {
+// Rows [r0, r1) x columns [c0, c1) into ``y`` on the calling thread.
+void range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1, const Out& y,
+           Isa isa) {
 #ifdef QG_X86
   if (isa != Isa::portable) {
     const Micros mi = micros(isa, m.bits, m.half);
@@ -328,6 +323,31 @@ void qgemm_range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t 
   range_portable(m, x, r0, r1, c0, c1, y);
 }
 
+}  // namespace
+
+void QuantRows::shape(int64_t n_rows, int64_t n_k) {
+  rows = n_rows;
+  k = n_k;
+  at = BlockLayout(k);
+  const int64_t padded = (rows + kRowPad - 1) / kRowPad * kRowPad;
+  q.assign(padded * at.row_bytes, 0);
+  dx.assign(padded * at.groups * 8, 0.f);
+  sum.assign(padded * at.groups * 8, 0.f);
+}
+
+void QuantRows::quantize(const float* x, int64_t n_rows, int64_t n_k, Pool& pool) {
+  shape(n_rows, n_k);
+  pool.run((rows + kQuantRows - 1) / kQuantRows, [&](int64_t t) {
+    for (int64_t r = t * kQuantRows; r < std::min(rows, (t + 1) * kQuantRows); ++r)
+      quantize_blocks(x + r * k, *this, r, 0, at.blocks);
+  });
+}
+
+void qgemm_range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* y,
+                 Isa isa) {
+  range(m, x, r0, r1, c0, c1, {y, m.n, 0, 0}, isa);
+}
+
 void qgemm(const PackedMatrix& m, const QuantRows& x, float* y, Isa isa, Pool& pool) {
   // Tasks of a chunk of columns (8 or more tasks per thread where the columns allow, at most 64
   // columns) by a chunk of rows (at most kRowChunk).
@@ -337,7 +357,35 @@ void qgemm(const PackedMatrix& m, const QuantRows& x, float* y, Isa isa, Pool& p
   const int64_t col_chunks = (m.tiles + per - 1) / per, row_chunks = (x.rows + kRowChunk - 1) / kRowChunk;
   pool.run(col_chunks * row_chunks, [&](int64_t t) {
     const int64_t c0 = (t / row_chunks) * per * kTileCols, r0 = (t % row_chunks) * kRowChunk;
-    qgemm_range(m, x, r0, std::min(x.rows, r0 + kRowChunk), c0, std::min(m.n, c0 + per * kTileCols), y, isa);
+    range(m, x, r0, std::min(x.rows, r0 + kRowChunk), c0, std::min(m.n, c0 + per * kTileCols), {y, m.n, 0, 0}, isa);
+  });
+}
+
+void qgemm_swiglu(const PackedMatrix& m, const QuantRows& x, QuantRows& act, Isa isa, Pool& pool) {
+  // Tasks of a chunk of SwiGLU blocks (8 or more tasks per thread where the blocks allow, at most
+  // kMaxBlocks) by a chunk of rows; each computes its gate and up columns into buffers of its own,
+  // then the SwiGLU and its blocks' rounding, so no output leaves the core unrounded.
+  const int64_t inter = m.n / 2, blocks = inter / 32;
+  act.shape(x.rows, inter);
+  if (x.rows == 0 || blocks == 0) return;
+  const int64_t wanted = 8 * pool.threads();
+  const int64_t per = std::clamp<int64_t>((blocks + wanted - 1) / wanted, 1, kMaxBlocks);
+  const int64_t chunks = (blocks + per - 1) / per, row_chunks = (x.rows + kRowChunk - 1) / kRowChunk;
+  pool.run(chunks * row_chunks, [&](int64_t t) {
+    thread_local std::vector<float> gate, up, out;
+    const int64_t i0 = (t / row_chunks) * per, i1 = std::min(blocks, i0 + per), c0 = 32 * i0, w = 32 * (i1 - i0);
+    const int64_t r0 = (t % row_chunks) * kRowChunk, r1 = std::min(x.rows, r0 + kRowChunk);
+    gate.resize((r1 - r0) * w);
+    up.resize((r1 - r0) * w);
+    out.resize(w);
+    range(m, x, r0, r1, c0, c0 + w, {gate.data(), w, r0, c0}, isa);
+    range(m, x, r0, r1, inter + c0, inter + c0 + w, {up.data(), w, r0, inter + c0}, isa);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gate.data() + (r - r0) * w;
+      const float* u = up.data() + (r - r0) * w;
+      for (int64_t i = 0; i < w; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      quantize_blocks(out.data(), act, r, i0, i1);
+    }
   });
 }
 

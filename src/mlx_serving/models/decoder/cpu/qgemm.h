@@ -24,6 +24,8 @@ struct QuantRows {
   std::vector<float> dx, sum;   // padded rows x at.groups x 8
   // Quantize x (rows, k) float32 (k a multiple of 32), tasks of 4 rows over ``pool``.
   void quantize(const float* x, int64_t rows, int64_t k, Pool& pool);
+  // Size for ``rows`` x ``k`` values, all zero (what quantize and qgemm_swiglu fill).
+  void shape(int64_t rows, int64_t k);
 };
 
 // y[r * m.n + c] = sum_j dequantize(w)[c, j] x_r[j] (+ bias[c]) for every row r of ``x`` and every
@@ -34,6 +36,14 @@ struct QuantRows {
 // the end; the portable loop block by block), so each (row, column) is bit for bit the same
 // whatever the other rows, the tile it falls in and the thread that runs it.
 void qgemm(const PackedMatrix& m, const QuantRows& x, float* y, Isa isa, Pool& pool);
+
+// The gate/up product and the SwiGLU after it: ``m`` (2 I, K) holds the gate columns then the up
+// columns (I a multiple of 32); act (rows, I) = silu(x @ gate.T) * (x @ up.T), computed as
+// g / (1 + exp(-g)) * u in float32 (the decode step's formula) and rounded as quantize rounds
+// it, for the down product. Work split over ``pool`` by (chunk of 32-column blocks, row chunk):
+// a task computes its blocks' gate and up columns itself, so each rounded act value is bit for
+// bit quantize(SwiGLU(qgemm(m, x))).
+void qgemm_swiglu(const PackedMatrix& m, const QuantRows& x, QuantRows& act, Isa isa, Pool& pool);
 
 // The same for rows [r0, r1) and columns [c0, c1) (c0 a multiple of kTileCols) on the calling thread.
 void qgemm_range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* y,
