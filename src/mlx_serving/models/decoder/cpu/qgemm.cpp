@@ -69,11 +69,31 @@ void range_portable(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64
 }
 
 #ifdef QG_X86
-QG_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// The tile's bias (its first ``cols`` columns; 0 for the rest and for a matrix without one).
+QG_AVX2 inline __m128 bias_of(const PackedMatrix& p, int64_t c0, int64_t cols) {
+  alignas(16) float b[kTileCols] = {0.f, 0.f, 0.f, 0.f};
+  if (!p.bias.empty()) std::copy_n(p.bias.data() + c0, cols, b);
+  return _mm_load_ps(b);
+}
+
+// One row's 4 results, fa[n] + fb[n] summed over their 8 lanes, plus the bias, into y[0..cols):
+// per column ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) + bias, the 4 columns at once (the
+// halves added, a 4 x 4 transpose, two more adds: the order of a horizontal sum of each).
+QG_AVX2 inline void store_row(const __m256* fa, const __m256* fb, __m128 bias, int64_t cols, float* y) {
+  __m128 h[kTileCols];
+  for (int n = 0; n < kTileCols; ++n) {
+    const __m256 v = _mm256_add_ps(fa[n], fb[n]);
+    h[n] = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  }
+  _MM_TRANSPOSE4_PS(h[0], h[1], h[2], h[3]);
+  const __m128 s = _mm_add_ps(_mm_add_ps(_mm_add_ps(h[0], h[2]), _mm_add_ps(h[1], h[3])), bias);
+  if (cols == kTileCols) {
+    _mm_storeu_ps(y, s);
+    return;
+  }
+  alignas(16) float out[kTileCols];
+  _mm_store_ps(out, s);
+  std::copy_n(out, cols, y);
 }
 
 template <bool Half>
@@ -175,6 +195,7 @@ QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256
     QG_GROUP_SCALE                                                                                            \
   }                                                                                                           \
   const int64_t c0 = tile * kTileCols;                                                                        \
+  const __m128 bias4 = bias_of(p, c0, cols);                                                                  \
   for (int m = 0; m < MR; ++m) {                                                                              \
     __m256 fb[kTileCols];                                                                                     \
     for (int n = 0; n < kTileCols; ++n) fb[n] = _mm256_setzero_ps();                                          \
@@ -183,8 +204,7 @@ QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256
       for (int n = 0; n < kTileCols; ++n)                                                                     \
         fb[n] = _mm256_fmadd_ps(params8<Half>(bp, p.param(tile, k, n)), sm, fb[n]);                           \
     }                                                                                                         \
-    for (int n = 0; n < cols; ++n)                                                                            \
-      y.at(r0 + m, c0 + n) = hsum8(_mm256_add_ps(fa[m][n], fb[n])) + (p.bias.empty() ? 0.f : p.bias[c0 + n]);     \
+    store_row(fa[m], fb, bias4, cols, &y.at(r0 + m, c0));                                                      \
   }
 
 #define QG_MICRO_ARGS const QuantRows &x, int64_t r0, const PackedMatrix &p, int64_t tile, int64_t cols, const Out &y
