@@ -248,6 +248,32 @@ def test_ngram_proposer_takes_the_longest_match_with_room():
         NgramProposer(3, 2)
 
 
+def _ngram_by_definition(min_n: int, max_n: int, t: list[int], k: int) -> list[int]:
+    """The n-gram draft as the proposer's docstring defines it, by brute force."""
+    if k < 1:
+        return []
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        starts = [s for s in range(len(t) - n) if t[s : s + n] == t[len(t) - n :]]  # each followed by a token
+        if starts:
+            roomy = [s for s in starts if s + n + k <= len(t)]
+            start = (roomy[-1] if roomy else starts[0]) + n
+            return t[start : start + k]
+    return []
+
+
+def test_ngram_proposer_matches_its_definition_on_random_streams():
+    """Small vocabularies (many repeats, overlapping occurrences), every n range and k, short and
+    empty streams: the vectorized lookup gives the brute-force draft, int32."""
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        lo, hi = sorted(int(x) for x in rng.integers(1, 6, 2))
+        t = rng.integers(0, int(rng.integers(1, 5)), int(rng.integers(0, 30))).astype(np.int32)
+        k = int(rng.integers(0, 6))
+        draft = NgramProposer(lo, hi).propose(t, k)
+        assert draft.dtype == np.int32
+        assert draft.tolist() == _ngram_by_definition(lo, hi, t.tolist(), k), (lo, hi, t.tolist(), k)
+
+
 def test_adaptive_state_learns_from_shadow_drafts_and_verifies():
     """A row's alpha (hits / (hits + misses + 1)) starts at 0 and follows shadow outcomes (landed
     plain tokens against the draft a verify would have checked) and real ones; reach follows

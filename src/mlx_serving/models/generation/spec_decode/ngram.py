@@ -6,7 +6,6 @@ for the longest n in ``[min_n, max_n]`` that occurs."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = ["NgramProposer"]
 
@@ -25,13 +24,21 @@ class NgramProposer:
         """Up to ``k`` draft tokens (``(d,) int32``, d <= k; empty when no n-gram of the tail of
         ``tokens`` ``(L,) int32`` occurs earlier in it, or ``k`` < 1): the tokens after the latest
         earlier occurrence of the longest matching tail that has ``k`` after it (else after the
-        earliest one)."""
-        size = len(tokens)
-        if k < 1:
+        earliest one). One pass over ``tokens`` (this runs for a row's drafts and shadow drafts at
+        its steps), then work on the earlier occurrences of its last token only."""
+        size, top = len(tokens), min(self.max_n, len(tokens) - 1)
+        if k < 1 or top < self.min_n:
             return _EMPTY
-        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(tokens[: size - 1], n)  # occurrences followed by a token
-            hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # where an occurrence may end
+        match = np.zeros(ends.size, dtype=np.int64)  # each one's matching tail length, up to top
+        alive = np.ones(ends.size, dtype=bool)
+        for i in range(top):
+            at = ends - i
+            alive &= at >= 0
+            alive[alive] = tokens[at[alive]] == tokens[size - 1 - i]
+            match += alive
+        for n in range(top, self.min_n - 1, -1):
+            hits = ends[match >= n] - (n - 1)  # the occurrences' starts, in order
             if hits.size:
                 full = hits[hits + n + k <= size]
                 start = int(full[-1] if full.size else hits[0]) + n
