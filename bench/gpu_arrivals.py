@@ -16,8 +16,8 @@ warm-up. ``--fresh``: the first rate starts the moment ``Serving.start`` returns
 no quiet period: what a server sees when traffic is waiting for it); the load -> ready time and the
 shapes the runner built on a request's path (``cold_shapes``) are reported. ``--kv-cache-dtype``
 (auto, int8, int4, ...) and ``--decode-path`` set the serving's KV blocks and decode path (the JSON
-records both and the path they resolve to; issue 42: ``bench/gpu_kv_quant.py`` runs this per KV
-dtype, alternating).
+records both under ``config``, and the path they resolve to as ``decode_path``). Issue 42:
+``bench/gpu_kv_quant.py`` runs this per KV dtype, alternating.
 
 Measured per rate, all from the client's stream (times in ms):
 
@@ -301,7 +301,7 @@ def main() -> None:
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "command": " ".join(["python", "bench/gpu_arrivals.py", *sys.argv[1:]]), "runs": [],
-                           "decode_path_resolved": decode_backend(state, args.decode_path, args.kv_cache_dtype).name}
+                           "decode_path": decode_backend(state, args.decode_path, args.kv_cache_dtype).name}
     with Serving.start(gen, batch_timeout=0.002) as handle:
         out["load_s"], out["start_s"] = loaded - t0, time.perf_counter() - loaded
         out["cold_shapes_at_start"] = handle.stats().backend.get("cold_shapes", 0)

@@ -26,8 +26,9 @@ Ours runs with its projections dequantized at load (``--weights dequantized``, t
 ``--parts`` picks the parts (``single``, ``curve``: ours and the bare engine, ``peer``: mlx-lm's
 ``batch_generate`` at ``--peer-concurrency``; default all three). ``--kv-cache-dtype`` (auto, int8,
 int4, ...) and ``--decode-path`` set what every one of our sides runs (the Serving, the bare engine,
-the 4-bit rows, the arrival part); the JSON records both and the decode path they resolve to
-(issue 42: ``bench/gpu_kv_quant.py`` runs this per KV dtype, alternating).
+the 4-bit rows, the arrival part); the JSON records the KV dtype, the path asked for
+(``decode_path_asked``) and the one it resolves to (``decode_path``). Issue 42:
+``bench/gpu_kv_quant.py`` runs this per KV dtype, alternating.
 
 The JSON is written after each part (a later failure keeps the earlier ones).
 
@@ -287,8 +288,9 @@ def main() -> None:
     default_dequantize = inspect.signature(load).parameters["dequantize"].default
     kv = {"kv_cache_dtype": args.kv_cache_dtype, "decode_path": args.decode_path}
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "preset": args.preset,
-                           "ours_weights": args.weights, **kv,
-                           "decode_path_resolved": decode_backend(state, args.decode_path, args.kv_cache_dtype).name,
+                           "ours_weights": args.weights, "kv_cache_dtype": args.kv_cache_dtype,
+                           "decode_path": decode_backend(state, args.decode_path, args.kv_cache_dtype).name,
+                           "decode_path_asked": args.decode_path,
                            "library_default_weights": "dequantized" if default_dequantize else "4bit",
                            "prompt_len": args.prompt_len, "new_tokens": args.new, "host": platform.node(),
                            "command": " ".join(["python", "bench/gpu_throughput.py", *sys.argv[1:]])}
@@ -390,7 +392,7 @@ def arrival_part(tok: Tokenizer, state: Any, texts: list[str], args: argparse.Na
 def print_table(out: dict[str, Any]) -> None:
     """The parts run, as tables on stdout."""
     print(f"device {out['device']}  mlx {out['mlx']}  preset {out['preset']}  prompt {out['prompt_len']}  "
-          f"new {out['new_tokens']}  KV {out['kv_cache_dtype']}  decode path {out['decode_path_resolved']}")
+          f"new {out['new_tokens']}  KV {out['kv_cache_dtype']}  decode path {out['decode_path']}")
     if "single" in out:
         print_single(out["single"])
     print_curve(out["curve"])
