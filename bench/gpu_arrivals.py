@@ -14,7 +14,10 @@ serving: ``max_batch`` = ``--max-batch``, prefix caching on (unless ``--no-prefi
 seeded Qwen3-0.6B-shaped checkpoint, projections dequantized, the library's step budget and
 warm-up. ``--fresh``: the first rate starts the moment ``Serving.start`` returns (no warm-up drive,
 no quiet period: what a server sees when traffic is waiting for it); the load -> ready time and the
-shapes the runner built on a request's path (``cold_shapes``) are reported.
+shapes the runner built on a request's path (``cold_shapes``) are reported. ``--kv-cache-dtype``
+(auto, int8, int4, ...) and ``--decode-path`` set the serving's KV blocks and decode path (the JSON
+records both under ``config``, and the path they resolve to as ``decode_path``). Issue 42:
+``bench/gpu_kv_quant.py`` runs this per KV dtype, alternating.
 
 Measured per rate, all from the client's stream (times in ms):
 
@@ -69,6 +72,8 @@ from gpu_mixed import add_checkpoint_args, load_ours, summary  # noqa: E402
 from gpu_summary import ARRIVAL_ITL_P99_MS, ARRIVAL_RATES, ARRIVAL_TTFT_P99_MS  # noqa: E402
 from gpu_throughput import default_ckpt, save, word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
+from mlx_serving.models.decoder.decode_backends import DECODE_PATHS, decode_backend  # noqa: E402
+from mlx_serving.models.decoder.kv_cache import KV_CACHE_DTYPES  # noqa: E402
 from mlx_serving.serving import DeadlineExceeded, Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
@@ -258,6 +263,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES), help="what the KV blocks hold")
+    ap.add_argument("--decode-path", default=None, choices=DECODE_PATHS, help="default: the library's")
     ap.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT bound, seconds")
     ap.add_argument("--itl-slo", type=float, default=0.05, help="goodput: per-request ITL p99 bound, seconds")
     ap.add_argument("--goodput-target", type=float, default=0.9, help="fraction of requests meeting both bounds")
@@ -289,10 +296,12 @@ def main() -> None:
     loaded = time.perf_counter()
     new = CHAT_NEW[3] if args.workload == "chat" else args.new
     gen = text_generation.serving(tok, state, max_new_tokens=new, max_batch=args.max_batch, max_len=max_len(args),
-                                  prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
+                                  prefill_chunk=args.prefill_chunk, prefix_caching=not args.no_prefix_caching,
+                                  kv_cache_dtype=args.kv_cache_dtype, decode_path=args.decode_path)
     out: dict[str, Any] = {"device": str(mx.default_device()), "mlx": mx.__version__, "host": platform.node(),
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                           "command": " ".join(["python", "bench/gpu_arrivals.py", *sys.argv[1:]]), "runs": []}
+                           "command": " ".join(["python", "bench/gpu_arrivals.py", *sys.argv[1:]]), "runs": [],
+                           "decode_path": decode_backend(state, args.decode_path, args.kv_cache_dtype).name}
     with Serving.start(gen, batch_timeout=0.002) as handle:
         out["load_s"], out["start_s"] = loaded - t0, time.perf_counter() - loaded
         out["cold_shapes_at_start"] = handle.stats().backend.get("cold_shapes", 0)

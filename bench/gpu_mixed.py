@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_summary import MIXED_RATIO, MIXED_TTFT_P99_S  # noqa: E402
-from gpu_throughput import default_ckpt, save, word_prompts  # noqa: E402
+from gpu_throughput import default_ckpt, load_peer, save, word_prompts  # noqa: E402
 from mlx_serving.models import text_generation  # noqa: E402
 from mlx_serving.models.decoder.layers import State  # noqa: E402
 from mlx_serving.models.loader import load  # noqa: E402
@@ -65,7 +65,7 @@ from mlx_serving.models.seeded_checkpoint import write_checkpoint  # noqa: E402
 from mlx_serving.serving import Serving  # noqa: E402
 from mlx_serving.tokenization import Tokenizer  # noqa: E402
 
-__all__ = ["Workload", "add_checkpoint_args", "load_ours", "load_peer", "make_workload", "summary"]
+__all__ = ["Workload", "add_checkpoint_args", "load_ours", "make_workload", "summary"]
 
 
 
@@ -112,15 +112,6 @@ def load_ours(ckpt: Path, preset: str, weights: str) -> tuple[tokenizers.Tokeniz
         raise ValueError(f"--ckpt {ckpt} holds a hidden_size {config['hidden_size']} checkpoint, not preset {preset!r}")
     raw = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     return raw, Tokenizer(raw, eos_token_ids=()), load(ckpt, dequantize=weights == "dequantized")
-
-
-def load_peer(ckpt: Path) -> tuple[Any, Any]:
-    """mlx-lm's model (as stored) and tokenizer, EOS ignored."""
-    from mlx_lm import load as mlxlm_load
-
-    model, mlxlm_tok = mlxlm_load(str(ckpt))
-    mlxlm_tok.eos_token_ids = set()
-    return model, mlxlm_tok
 
 
 def make_workload(raw: tokenizers.Tokenizer, tok: Tokenizer, n: int, prompt_range: tuple[int, int],
