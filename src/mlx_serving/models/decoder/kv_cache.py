@@ -46,6 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import memory
+from .kv_quantizer import fit_int4
 
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "KV_CACHE_DTYPES", "KVQuant", "ModelConfig", "ModelState", "PagedKVCache",
@@ -174,7 +175,9 @@ class PagedKVCache:
             return
         for x, data, scales, biases in ((k, self.keys, self.key_scales, self.key_biases),
                                         (v, self.values, self.value_scales, self.value_biases)):
-            w, s, b = mx.quantize(mx.hadamard_transform(x), group_size=q.group_size, bits=q.bits)
+            r = mx.hadamard_transform(x)
+            w, s, b = (fit_int4(r, q.group_size, scales[i].dtype) if q.bits == 4 else
+                       mx.quantize(r, group_size=q.group_size, bits=q.bits))
             data[i][rows], scales[i][rows], biases[i][rows] = w, s, b
 
     def rotate(self, x: mx.array) -> mx.array:
