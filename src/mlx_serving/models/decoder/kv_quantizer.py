@@ -33,11 +33,11 @@ _EPS = 1e-7
 
 
 def _pair_sum(a: mx.array) -> mx.array:
-    """Sum over the last axis (a power of 2 long) by halves: ``a[:h] + a[h:]`` until one is left
-    (a fixed order, unlike ``mx.sum``'s). ``(..., G)`` -> ``(..., 1)``."""
-    while a.shape[-1] > 1:
-        h = a.shape[-1] // 2
-        a = a[..., :h] + a[..., h:]
+    """Sum over the first axis (a power of 2 long) by halves: ``a[:h] + a[h:]`` until one is left
+    (a fixed order, unlike ``mx.sum``'s; contiguous halves). ``(G, ...)`` -> ``(1, ...)``."""
+    while a.shape[0] > 1:
+        h = a.shape[0] // 2
+        a = a[:h] + a[h:]
     return a
 
 
@@ -52,25 +52,26 @@ def _error(x: mx.array, q: mx.array, scale: mx.array, bias: mx.array) -> mx.arra
 
 
 def _grid(x: mx.array) -> tuple[mx.array, mx.array]:
-    """The scale and bias ``(..., 1)`` of the :data:`SHRINK` factor of least error for groups ``x``
-    ``(..., G)``."""
+    """The scale and bias ``(1, M)`` of the :data:`SHRINK` factor of least error for the ``M``
+    groups of ``x`` ``(G, M)`` (a group per column)."""
     shrink = mx.array(SHRINK, dtype=mx.float32)[:, None]  # (A, 1)
-    lo = x.min(-1, keepdims=True)[..., None, :] * shrink  # (..., A, 1)
-    hi = x.max(-1, keepdims=True)[..., None, :] * shrink
+    lo = (x.min(0, keepdims=True) * shrink)[None]  # (1, A, M)
+    hi = (x.max(0, keepdims=True) * shrink)[None]
     scale = mx.maximum((hi - lo) / _LEVELS, _EPS)
-    xa = x[..., None, :]
-    err = _error(xa, _codes(xa, scale, lo), scale, lo)  # (..., A, 1)
-    best = mx.argmin(err, axis=-2, keepdims=True)  # the first of the least
-    return mx.take_along_axis(scale, best, axis=-2)[..., 0, :], mx.take_along_axis(lo, best, axis=-2)[..., 0, :]
+    xa = x[:, None]  # (G, 1, M)
+    err = _error(xa, _codes(xa, scale, lo), scale, lo)  # (1, A, M)
+    best = mx.argmin(err, axis=1, keepdims=True)  # the first of the least
+    return mx.take_along_axis(scale, best, axis=1)[:, 0], mx.take_along_axis(lo, best, axis=1)[:, 0]
 
 
 def _refit(x: mx.array, scale: mx.array, bias: mx.array) -> tuple[mx.array, mx.array]:
-    """One Lloyd step: the codes for ``scale``/``bias``, then the least-squares scale and bias for
-    those codes (kept as they were where the codes are all equal or the fit is below 1e-7)."""
+    """One Lloyd step over groups ``x`` ``(G, M)``: the codes for ``scale``/``bias`` ``(1, M)``, then
+    the least-squares scale and bias for those codes (kept as they were where the codes are all
+    equal or the fit is below 1e-7)."""
     q = _codes(x, scale, bias)
-    n = float(x.shape[-1])
-    sums = _pair_sum(mx.stack([q, x, q * q, q * x]))
-    sq, sx, sqq, sqx = sums[0], sums[1], sums[2], sums[3]
+    n = float(x.shape[0])
+    sums = _pair_sum(mx.stack([q, x, q * q, q * x], axis=1))  # (1, 4, M)
+    sq, sx, sqq, sqx = sums[:, 0], sums[:, 1], sums[:, 2], sums[:, 3]
     den = n * sqq - sq * sq  # exact: integers below 2^24
     num = n * sqx - sq * sx
     fit = num / mx.where(den > 0, den, 1.0)
@@ -93,11 +94,11 @@ def fit_int4(x: mx.array, group_size: int, dtype: mx.Dtype) -> tuple[mx.array, m
     (the module docstring): ``(words (..., D / 8) uint32, scales, biases (..., D / group_size)
     in dtype)``, MLX's affine layout (``mx.dequantize(words, scales, biases, group_size, 4)``).
     The codes are rounded for the scale and bias as stored in ``dtype``."""
-    shape = x.shape
-    g = x.astype(mx.float32).reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    shape, groups = x.shape, x.shape[-1] // group_size
+    g = mx.contiguous(x.astype(mx.float32).reshape(-1, group_size).T)  # (G, M): a group per column
     scale, bias = _grid(g)
     for _ in range(REFITS):
         scale, bias = _refit(g, scale, bias)
     scale, bias = scale.astype(dtype), bias.astype(dtype)
     q = _codes(g, scale.astype(mx.float32), bias.astype(mx.float32))
-    return _pack(q.reshape(shape)), scale[..., 0], bias[..., 0]
+    return (_pack(q.T.reshape(shape)), scale.reshape(*shape[:-1], groups), bias.reshape(*shape[:-1], groups))

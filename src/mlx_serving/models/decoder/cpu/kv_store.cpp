@@ -3,8 +3,9 @@
 // Writes are MLX's own, bit for bit, so a block written by the decode step equals one written by the
 // generic forward (prefill, the "matmul" path): float16 / bfloat16 through MLX's conversion types
 // (round to nearest even), int8 / int4 as PagedKVCache.write does, mx.hadamard_transform (MLX's CPU
-// butterfly order, hadamard.cpp) then mx.quantize's affine rounding (quantized.cpp's quantize: the
-// group's edge value exact, scale and bias float32). Reads widen exactly (float16 / bfloat16) or
+// butterfly order, hadamard.cpp) then, for int8, mx.quantize's affine rounding (quantized.cpp's
+// quantize: the group's edge value exact, scale and bias float32), for int4 kv_quantizer.fit_int4's
+// least-squares scale and bias (fit_group4). Reads widen exactly (float16 / bfloat16) or
 // dequantize to scale * q + bias in float32.
 
 #include "kv_store.h"
