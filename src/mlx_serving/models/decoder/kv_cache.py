@@ -25,7 +25,8 @@ uint32, beside per-group ``scales`` and ``biases`` ``(rows, kv_heads, head_dim /
 activation dtype, of each head vector rotated first by the orthonormal Hadamard transform
 (``mx.hadamard_transform``, QuaRot's rotation, Ashkboos et al. 2024: it spreads the few outlier
 channels of the keys over all of them, so one scale fits the vector; int4 perplexity on SmolLM2
-went from +25.7% to +9.5% of the float cache's, docs/benchmarks.md). The group is one head vector (``group_size
+went from +25.7% to +9.5% of the float cache's, docs/benchmarks.md). int8 takes ``mx.quantize``'s scale and
+bias; int4 fits each group's by least squares (:func:`.kv_quantizer.fit_int4`, same layout). The group is one head vector (``group_size
 = head_dim``, or the largest of 128/64/32 dividing it): one scale and bias per token per head, so a
 token's stored K/V depend on that vector alone (batched == solo and prefix hit == miss hold as in
 the float cache), and the
@@ -168,7 +169,8 @@ class PagedKVCache:
 
     def write(self, i: int, k: mx.array, v: mx.array, rows: mx.array) -> None:
         """Write layer ``i``'s new keys and values ``(N, Hkv, D)`` at the flat cache ``rows`` ``(N,)``
-        int32; a quantized cache stores them rotated (:meth:`rotate`) and quantized."""
+        int32; a quantized cache stores them rotated (:meth:`rotate`) and quantized (int8:
+        ``mx.quantize``; int4: :func:`.kv_quantizer.fit_int4`)."""
         q = self.quant
         if q is None:
             self.keys[i][rows], self.values[i][rows] = k, v

@@ -5,9 +5,10 @@ At 4 bits that step is coarse, so :func:`fit_int4` chooses the scale and bias of
 minimize the squared error of the stored values, in the same layout (codes 0..15, one scale and
 one bias per group; every reader dequantizes ``scale * code + bias`` as before):
 
-1. a grid search of the range: [min, max] times each of :data:`SHRINK` (1, 0.95, ..., 0.6; 1 is
-   MLX's span), the values beyond it clipped to the end codes; the factor of least squared error
-   is kept (the first on a tie);
+1. a grid search of the range: [min, max] times each of :data:`SHRINK` (1, 0.95, 0.9, 0.85, 0.8; 1 is
+   the whole span, scale (max - min) / 15 and bias min), the values beyond it clipped to the end
+   codes; the factor of least squared error is kept (the first on a tie; on SmolLM2's rotated K/V
+   it is 1, 0.95 or 0.9 almost always, and nine factors down to 0.6 stored the same bytes);
 2. :data:`REFITS` Lloyd steps: the least-squares scale and bias for the codes (a linear regression
    of the values on their codes), then the codes rounded anew for them; neither half-step can raise
    the error.
@@ -25,7 +26,7 @@ import mlx.core as mx
 __all__ = ["REFITS", "SHRINK", "fit_int4"]
 
 #: The range factors searched (float32; kv_store.cpp's ``kShrink`` holds the same values).
-SHRINK = tuple(1.0 - 0.05 * j for j in range(9))
+SHRINK = tuple(1.0 - 0.05 * j for j in range(5))
 #: Lloyd refits after the grid search (kv_store.cpp's ``kRefits``).
 REFITS = 2
 _LEVELS = 15.0

@@ -70,7 +70,7 @@ void quantize_group(const float* w, int64_t group, int bits, uint32_t* out, floa
 // kv_quantizer.py's int4 fit (its docstring): the [min, max] shrink of least squared error, then kRefits
 // Lloyd steps, float32, each operation and sum order as the MLX ops compute them (no contraction: one
 // operation per statement), so the bytes equal kv_quantizer.fit_int4's.
-constexpr int kShrinks = 9;  // kv_quantizer.SHRINK: 1 - 0.05 j, j < 9 (rounded from double as Python does)
+constexpr int kShrinks = 5;  // kv_quantizer.SHRINK: 1 - 0.05 j, j < 5 (rounded from double as Python does)
 constexpr int kRefits = 2;   // kv_quantizer.REFITS
 constexpr float kLevels = 15.0f;
 const float kEps = static_cast<float>(1e-7);
