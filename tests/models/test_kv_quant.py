@@ -329,3 +329,11 @@ def test_the_native_int4_store_equals_the_fit_on_heavy_tailed_rows():
         want = fit_int4(mx.hadamard_transform(x), group, mx.float32)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(np.array(g).view(np.uint32), np.array(w).view(np.uint32))
+
+
+def test_the_int4_fit_refuses_a_group_it_cannot_sum_by_halves():
+    from mlx_serving.models.decoder.kv_quantizer import fit_int4
+
+    for group in (48, 96, 0):
+        with pytest.raises(ValueError, match="group_size must be a power of 2"):
+            fit_int4(mx.zeros((2, 96)), group, mx.float32)

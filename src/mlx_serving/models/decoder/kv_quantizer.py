@@ -25,7 +25,7 @@ import mlx.core as mx
 
 __all__ = ["REFITS", "SHRINK", "fit_int4"]
 
-#: The range factors searched (float32; kv_store.cpp's ``kShrink`` holds the same values).
+#: The range factors searched (float32; kv_store.cpp's ``kShrinks`` factors are the same values).
 SHRINK = tuple(1.0 - 0.05 * j for j in range(5))
 #: Lloyd refits after the grid search (kv_store.cpp's ``kRefits``).
 REFITS = 2
@@ -90,11 +90,14 @@ def _pack(q: mx.array) -> mx.array:
 
 
 def fit_int4(x: mx.array, group_size: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
-    """Quantize ``x`` ``(..., D)`` (any float dtype; computed in float32) to 4 bits in groups of
+    """Quantize ``x`` ``(..., D)`` (non-empty, any float dtype; computed in float32) to 4 bits in groups of
     ``group_size`` (a power of 2 dividing D) with the least-squares scale and bias of each group
     (the module docstring): ``(words (..., D / 8) uint32, scales, biases (..., D / group_size)
     in dtype)``, MLX's affine layout (``mx.dequantize(words, scales, biases, group_size, 4)``).
-    The codes are rounded for the scale and bias as stored in ``dtype``."""
+    The codes are rounded for the scale and bias as stored in ``dtype``. Raises ValueError naming
+    ``group_size`` when it is not a power of 2 dividing D."""
+    if group_size < 1 or group_size & (group_size - 1) or x.shape[-1] % group_size:
+        raise ValueError(f"group_size must be a power of 2 dividing the last axis {x.shape[-1]}, got {group_size}")
     shape, groups = x.shape, x.shape[-1] // group_size
     g = mx.contiguous(x.astype(mx.float32).reshape(-1, group_size).T)  # (G, M): a group per column
     scale, bias = _grid(g)
