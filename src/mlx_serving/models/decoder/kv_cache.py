@@ -26,7 +26,8 @@ activation dtype, of each head vector rotated first by the orthonormal Hadamard 
 (``mx.hadamard_transform``, QuaRot's rotation, Ashkboos et al. 2024: it spreads the few outlier
 channels of the keys over all of them, so one scale fits the vector; int4 perplexity on SmolLM2
 went from +25.7% to +9.5% of the float cache's, docs/benchmarks.md). int8 takes ``mx.quantize``'s scale and
-bias; int4 fits each group's by least squares (:func:`.kv_quantizer.fit_int4`, same layout). The group is one head vector (``group_size
+bias; int4 fits each group's by least squares (:func:`.kv_quantizer.fit_int4`, same layout, +6.6%).
+The group is one head vector (``group_size
 = head_dim``, or the largest of 128/64/32 dividing it): one scale and bias per token per head, so a
 token's stored K/V depend on that vector alone (batched == solo and prefix hit == miss hold as in
 the float cache), and the
