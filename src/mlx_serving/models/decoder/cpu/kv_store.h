@@ -30,7 +30,7 @@ struct KvCache {
   bool quantized() const { return kind == KvKind::kQ8 || kind == KvKind::kQ4; }
   // Store one token's ``hkv`` head vectors ``x`` (hkv * d float32) at cache row ``row``, as MLX stores
   // them (kv_cache.PagedKVCache.write): the dtype's rounding, or mx.hadamard_transform then
-  // mx.quantize's, bit for bit. ``x`` is rotated in place when quantized.
+  // mx.quantize's (int8) or kv_quantizer.fit_int4's (int4), bit for bit. ``x`` is rotated in place when quantized.
   void store(const KvSide& side, int64_t row, float* x) const;
   // ``out`` (d float32) = the head vector at (row, head), widened or dequantized (scale * q + bias).
   void load(const KvSide& side, int64_t row, int64_t head, float* out) const;
@@ -48,7 +48,8 @@ void axpy_stored(float a, const void* v, KvKind kind, float* y, int64_t d, bool 
 const void* stored_row(const KvSide& side, KvKind kind, int64_t index, int64_t d);
 
 // The decode step's store of ``x`` (N, D) float32 head vectors as a ``bits`` (4 / 8) cache with groups of
-// ``group`` (for the tests: equal to mx.quantize(mx.hadamard_transform(x)), bit for bit) -> [w (N, D * bits /
+// ``group`` (for the tests: equal to mx.quantize (int8) or kv_quantizer.fit_int4 (int4) of mx.hadamard_transform(x),
+// bit for bit) -> [w (N, D * bits /
 // 32) uint32, scales (N, D / group) float32, biases (N, D / group) float32]. Raises std::invalid_argument.
 std::vector<mlx::core::array> kv_quantize(const mlx::core::array& x, int bits, int group);
 
