@@ -199,7 +199,7 @@ def test_native_prefill_state_runs_its_mlp_and_attention_natively(family_state):
     assert all(ly.mlp is not None for ly in state.layers)
     assert all(ly.mlp is None for ly in family_state.layers)
     assert state.attention is not None and state.attention is not family_state.attention
-    assert state.attention.keywords["threads"] >= 1  # a functools.partial
+    assert state.attention.threads >= 1  # a PoolAttention
 
 
 # ---- the prefill forward ---------------------------------------------------------------------------

@@ -27,13 +27,13 @@ import threading
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from .._fetch import cache_dir
 
-__all__ = ["PagedAttention", "QuantizedMatmul", "cpu_decode_module", "paged_attention_cpu", "quantized_matmul_cpu",
+__all__ = ["PagedAttention", "QuantizedMatmul", "StoringAttention", "cpu_decode_module", "paged_attention_cpu", "quantized_matmul_cpu",
            "unavailable_reason"]
 
 _DIR = Path(__file__).parent
@@ -78,6 +78,25 @@ class PagedAttention(Protocol):
                  k_biases: mx.array | None = None, v_scales: mx.array | None = None,
                  v_biases: mx.array | None = None, group_size: int = 0, bits: int = 0,
                  threads: int = 0) -> mx.array: ...
+
+
+@runtime_checkable
+class StoringAttention(PagedAttention, Protocol):
+    """A :class:`PagedAttention` that also stores the new K/V itself (the native prefill's,
+    :mod:`models.decoder.cpu.prefill`): :meth:`store_and_attend`."""
+
+    def store_and_attend(self, q: mx.array, new_k: mx.array, new_v: mx.array, rows: mx.array, cache: list[mx.array],
+                         block_table: mx.array, start: mx.array, n_valid: mx.array, scale: float, block_size: int,
+                         group_size: int = 0, bits: int = 0) -> list[mx.array]:
+        """The new K/V ``new_k``, ``new_v`` ``(N, Hkv, D)`` float32 stored at the flat cache ``rows``
+        ``(N,)`` int32 as the CPU decode step stores them (``kv_store.cpp``: the dtype's rounding,
+        or Hadamard-rotated and quantized: bit for bit ``PagedKVCache.write``'s; a row given twice
+        keeps the later token's), then the attention of ``q`` ``(B, H, T, D)`` over ``cache`` (one
+        layer's ``[k, v]``, then ``[k scales, k biases, v scales, v biases]`` when quantized with
+        ``bits`` / ``group_size``), a quantized cache's queries rotated into its basis and the
+        output back out -> ``[(B, T, H, D) float32, *cache]``: the cache's arrays over the given
+        ones' buffers, written in place, to store back. Raises ValueError as the attention, and for
+        new K/V or rows of another shape or dtype."""
 
 
 def unavailable_reason() -> str | None:

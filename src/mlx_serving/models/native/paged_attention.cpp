@@ -32,12 +32,16 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <stdexcept>
+#include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
+#include "kv_store.h"
 #include "prefill.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -59,6 +63,7 @@ constexpr int kTq = 16;  // queries of one head per work unit
 struct Geometry {
   int64_t b, h, hkv, t, d, w, bs, rows;
   float scale;
+  bool rotate = false;  // queries rotated into the quantized cache's Hadamard basis, outputs back out
 };
 
 // A quantized cache side (keys or values); bits 0: a float32 cache; 16: a float16 (bfloat16 with
@@ -214,6 +219,16 @@ __attribute__((target("avx2,fma"))) float softmax_avx2(float* sc, int n, float m
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
+// widen with 8 lanes (d % 8 == 0): F16C's conversion, or bfloat16's bits shifted up (both exact).
+__attribute__((target("avx2,fma,f16c"))) void widen_avx2(const Quant& q, int64_t idx, int64_t d, float* out) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(q.w) + idx * d;
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + c));
+    _mm256_storeu_ps(out + c, q.bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                     : _mm256_cvtph_ps(h));
+  }
+}
+
 // dequantize_portable with 8 lanes (d % 8 == 0; a group is a multiple of 32 values, so 8 lanes
 // share one scale and bias); the same scale * q + bias per value, fused.
 __attribute__((target("avx2,fma"))) void dequantize_avx2(const Quant& q, int64_t idx, int64_t d, float* out) {
@@ -272,13 +287,14 @@ void dequantize_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, 
                       std::vector<const float*>& rows) {
   for (int s = 0; s < kSk; ++s) {
     float* dst = buf.data() + s * d;
-    if (q.bits == 16) widen(q, idx[s], d, dst);
-    else
 #ifdef ATT_X86
-    if (avx2) dequantize_avx2(q, idx[s], d, dst);
-    else
+    if (avx2) {
+      if (q.bits == 16) widen_avx2(q, idx[s], d, dst);
+      else dequantize_avx2(q, idx[s], d, dst);
+    } else
 #endif
-      dequantize_portable(q, idx[s], d, dst);
+    if (q.bits == 16) widen(q, idx[s], d, dst);
+    else dequantize_portable(q, idx[s], d, dst);
     (void)avx2;
     rows[s] = dst;
   }
@@ -306,7 +322,13 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
     for (int64_t j = j0; j < j1; ++j) {
       const float* src = q + (((b * ge.h + g * group + r) * ge.t) + j) * d;
       float* dst = w.q.data() + (r * (j1 - j0) + (j - j0)) * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * ge.scale;
+      if (ge.rotate) {  // mx.hadamard_transform's order and rounding (kv_store.cpp), then the scale
+        std::copy(src, src + d, dst);
+        hadamard(dst, d);
+        for (int64_t c = 0; c < d; ++c) dst[c] *= ge.scale;
+      } else {
+        for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * ge.scale;
+      }
     }
   const int64_t last = start + j1 - 1;  // the furthest position any query here sees
   for (int64_t s0 = 0; s0 <= last; s0 += kSk) {
@@ -370,7 +392,19 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
     const float* o = w.o.data() + e * d;
     const float inv = 1.f / w.l[e];
     for (int64_t c = 0; c < d; ++c) dst[c] = o[c] * inv;
+    if (ge.rotate) hadamard(dst, d);  // back out of the cache's basis
   }
+}
+
+// fn(0), ..., fn(count - 1): on the native prefill's pool (threads > 0), else on OpenMP's threads
+// (in parallel only when ``parallel``).
+void for_each(int threads, int64_t count, bool parallel, const std::function<void(int64_t)>& fn) {
+  if (threads > 0) {
+    run_on_prefill_pool(threads, count, fn);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
+  for (int64_t u = 0; u < count; ++u) fn(u);
 }
 
 void attention(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq,
@@ -391,37 +425,60 @@ void attention(const float* q, const float* k, const float* v, const Quant& kq, 
     }
   }
   const bool avx2 = avx2_path(ge.d);
-  const int64_t count = static_cast<int64_t>(units.size());
-  if (threads > 0) {  // the native prefill's pool (prefill.cpp), not OpenMP's threads
-    run_on_prefill_pool(threads, count, [&](int64_t u) {
-      thread_local Scratch w;
-      const Work& x = units[u];
-      unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
-    });
-    return;
-  }
-#pragma omp parallel if (cost >= (1 << 17))
-  {
-    Scratch w;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < count; ++u) {
-      const Work& x = units[u];
-      unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
+  for_each(threads, static_cast<int64_t>(units.size()), cost >= (1 << 17), [&](int64_t u) {
+    thread_local Scratch w;
+    const Work& x = units[u];
+    unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
+  });
+}
+
+// ---- the new K/V stored before they are attended (paged_attention_store) ------------------------
+
+constexpr int64_t kStoreTokens = 8;  // tokens per task of the store
+
+// Store the new tokens' K/V ``k``, ``v`` (n, Hkv, D) float32 at the cache rows ``rows`` (n,) as the
+// decode step stores them (KvCache::store: the dtype's rounding, or rotated and quantized). A row
+// written twice keeps the later token's (MLX's scatter, in order: the padding tokens' null block);
+// a row outside [0, cache_rows) is not written.
+void store_tokens(const KvCache& cache, const float* k, const float* v, const int32_t* rows, int64_t n,
+                  int64_t cache_rows, int threads) {
+  std::vector<char> keep(static_cast<size_t>(n), 0);
+  std::unordered_set<int32_t> seen;
+  for (int64_t i = n - 1; i >= 0; --i)
+    keep[i] = rows[i] >= 0 && rows[i] < cache_rows && seen.insert(rows[i]).second;
+  const int64_t width = cache.hkv * cache.d;
+  for_each(threads, (n + kStoreTokens - 1) / kStoreTokens, n * width >= (1 << 14), [&](int64_t task) {
+    thread_local std::vector<float> x;  // store() rotates a quantized cache's vectors in place
+    x.resize(static_cast<size_t>(width));
+    for (int64_t i = task * kStoreTokens; i < std::min(n, (task + 1) * kStoreTokens); ++i) {
+      if (!keep[i]) continue;
+      for (const auto& [src, side] : {std::pair{k, &cache.keys[0]}, std::pair{v, &cache.values[0]}}) {
+        std::copy(src + i * width, src + (i + 1) * width, x.begin());
+        cache.store(*side, rows[i], x.data());
+      }
     }
-  }
+  });
+}
+
+KvKind kind_of(mx::Dtype dtype, int bits) {
+  if (bits) return bits == 8 ? KvKind::kQ8 : KvKind::kQ4;
+  return dtype == mx::float32 ? KvKind::kF32 : dtype == mx::float16 ? KvKind::kF16 : KvKind::kBF16;
 }
 
 class PagedAttention : public mx::Primitive {
  public:
   // bits 0: a float cache (inputs q, k, v, table, start, n_valid); 4 or 8: k and v quantized, their
-  // scales and biases the inputs 6..9 (k scales, k biases, v scales, v biases).
-  PagedAttention(mx::Stream stream, float scale, int block_size, int group_size, int bits, int threads)
+  // scales and biases the inputs 6..9 (k scales, k biases, v scales, v biases). ``store``: three more
+  // inputs, the new K/V and their cache rows, stored first; the outputs after the attention's are
+  // the cache arrays (k, v, then the scales and biases) over the inputs' buffers, written in place.
+  PagedAttention(mx::Stream stream, float scale, int block_size, int group_size, int bits, int threads, bool store)
       : mx::Primitive(stream),
         scale_(scale),
         block_size_(block_size),
         group_size_(group_size),
         bits_(bits),
-        threads_(threads) {}
+        threads_(threads),
+        store_(store) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -429,58 +486,91 @@ class PagedAttention : public mx::Primitive {
     const auto& table = inputs[3];
     auto& y = outputs[0];
     y.set_data(mx::allocator::malloc(y.nbytes()));
+    const std::vector<size_t> held = bits_ ? std::vector<size_t>{1, 2, 6, 7, 8, 9} : std::vector<size_t>{1, 2};
+    std::vector<const void*> at(inputs.size());  // each cache input's buffer as the attention reads it
+    for (size_t i = 0; i < held.size(); ++i) {
+      const auto& in = inputs[held[i]];
+      if (store_) {  // the cache array written in place: its output shares the (row-contiguous) buffer
+        if (!in.flags().row_contiguous) throw std::runtime_error("paged_attention_cpu: a cache array is not contiguous");
+        outputs[1 + i].copy_shared_buffer(in);
+      }
+      at[held[i]] = (store_ ? outputs[1 + i] : in).data<void>();
+    }
     const Geometry ge{q.shape(0), q.shape(1), k.shape(1), q.shape(2), q.shape(3), table.shape(1), block_size_,
-                      k.shape(0), scale_};
+                      k.shape(0), scale_, store_ && bits_ != 0};
     Quant kq, vq;
     const float *kp = nullptr, *vp = nullptr;
+    const auto words = [&](size_t i) { return static_cast<const uint32_t*>(at[i]); };
+    const auto floats = [&](size_t i) { return static_cast<const float*>(at[i]); };
     if (bits_) {
-      kq = {k.data<uint32_t>(), inputs[6].data<float>(), inputs[7].data<float>(), bits_, group_size_};
-      vq = {inputs[2].data<uint32_t>(), inputs[8].data<float>(), inputs[9].data<float>(), bits_, group_size_};
+      kq = {words(1), floats(6), floats(7), bits_, group_size_};
+      vq = {words(2), floats(8), floats(9), bits_, group_size_};
     } else if (k.dtype() != mx::float32) {
       const bool bf16 = k.dtype() == mx::bfloat16;
-      kq = {k.data<uint32_t>(), nullptr, nullptr, 16, 0, bf16};
-      vq = {inputs[2].data<uint32_t>(), nullptr, nullptr, 16, 0, bf16};
+      kq = {words(1), nullptr, nullptr, 16, 0, bf16};
+      vq = {words(2), nullptr, nullptr, 16, 0, bf16};
     } else {
-      kp = k.data<float>();
-      vp = inputs[2].data<float>();
+      kp = floats(1);
+      vp = floats(2);
     }
+    KvCache cache{kind_of(k.dtype(), bits_), ge.hkv, ge.d, group_size_, {}, {}};
+    const auto side = [&](size_t data, size_t scales) {
+      return KvSide{const_cast<void*>(at[data]), bits_ ? const_cast<float*>(floats(scales)) : nullptr,
+                    bits_ ? const_cast<float*>(floats(scales + 1)) : nullptr};
+    };
+    cache.keys.push_back(side(1, 6));
+    cache.values.push_back(side(2, 8));
+    const size_t nk = inputs.size() - 3;  // the new K/V and their rows (store_)
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(y);
+    for (auto& a : outputs) encoder.set_output_array(a);
     encoder.dispatch([qp = q.data<float>(), kp, vp, kq, vq, tp = table.data<int32_t>(), sp = inputs[4].data<int32_t>(),
-                      np = inputs[5].data<int32_t>(), yp = y.data<float>(),
-                      ge, threads = threads_]() { attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge, threads); });
+                      np = inputs[5].data<int32_t>(), yp = y.data<float>(), ge, threads = threads_,
+                      cache = std::move(cache), store = store_,
+                      newk = store_ ? inputs[nk].data<float>() : nullptr,
+                      newv = store_ ? inputs[nk + 1].data<float>() : nullptr,
+                      rows = store_ ? inputs[nk + 2].data<int32_t>() : nullptr,
+                      n = store_ ? inputs[nk + 2].size() : size_t{0}]() {
+      if (store) store_tokens(cache, newk, newv, rows, static_cast<int64_t>(n), ge.rows, threads);
+      attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge, threads);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("PagedAttentionCPU has no GPU implementation");
   }
 
-  const char* name() const override { return "PagedAttentionCPU"; }
+  const char* name() const override { return store_ ? "PagedAttentionStoreCPU" : "PagedAttentionCPU"; }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const auto& q = inputs[0];
-    return {{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+    std::vector<mx::Shape> shapes = {{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+    if (store_)
+      for (size_t i : bits_ ? std::vector<size_t>{1, 2, 6, 7, 8, 9} : std::vector<size_t>{1, 2})
+        shapes.push_back(inputs[i].shape());
+    return shapes;
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const PagedAttention&>(other);
     return scale_ == o.scale_ && block_size_ == o.block_size_ && group_size_ == o.group_size_ && bits_ == o.bits_ &&
-           threads_ == o.threads_;
+           threads_ == o.threads_ && store_ == o.store_;
   }
 
  private:
   float scale_;
   int block_size_, group_size_, bits_, threads_;  // threads 0: OpenMP's
+  bool store_;
 };
 
-}  // namespace
-
-mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& block_table,
-                          const mx::array& start, const mx::array& n_valid, float scale, int block_size,
-                          const std::optional<mx::array>& k_scales, const std::optional<mx::array>& k_biases,
-                          const std::optional<mx::array>& v_scales, const std::optional<mx::array>& v_biases,
-                          int group_size, int bits, int threads) {
+// The checked, contiguous inputs of the primitive: q, k, v, block_table, start, n_valid and, for a
+// quantized cache, the k scales, k biases, v scales and v biases. Raises std::invalid_argument.
+std::vector<mx::array> checked_inputs(const mx::array& q, const mx::array& k, const mx::array& v,
+                                      const mx::array& block_table, const mx::array& start, const mx::array& n_valid,
+                                      int block_size, const std::optional<mx::array>& k_scales,
+                                      const std::optional<mx::array>& k_biases,
+                                      const std::optional<mx::array>& v_scales,
+                                      const std::optional<mx::array>& v_biases, int group_size, int bits, int threads) {
   if (threads < 0) throw std::invalid_argument("paged_attention_cpu: threads must be 0 (OpenMP's) or more");
   const bool quantized = k_scales.has_value();
   if (quantized != (k_biases && v_scales && v_biases && bits != 0))
@@ -513,10 +603,59 @@ mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::arra
       inputs.push_back(mx::contiguous(*a, false, s));
     }
   }
+  return inputs;
+}
+
+}  // namespace
+
+mx::array paged_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& block_table,
+                          const mx::array& start, const mx::array& n_valid, float scale, int block_size,
+                          const std::optional<mx::array>& k_scales, const std::optional<mx::array>& k_biases,
+                          const std::optional<mx::array>& v_scales, const std::optional<mx::array>& v_biases,
+                          int group_size, int bits, int threads) {
+  auto inputs = checked_inputs(q, k, v, block_table, start, n_valid, block_size, k_scales, k_biases, v_scales,
+                               v_biases, group_size, bits, threads);
+  const bool quantized = k_scales.has_value();
+  const auto s = mx::Device(mx::Device::cpu);
   return mx::array({q.shape(0), q.shape(2), q.shape(1), q.shape(3)}, mx::float32,
                    std::make_shared<PagedAttention>(mx::default_stream(s), scale, block_size, quantized ? group_size : 0,
-                                                    quantized ? bits : 0, threads),
+                                                    quantized ? bits : 0, threads, false),
                    std::move(inputs));
+}
+
+std::vector<mx::array> paged_attention_store(const mx::array& q, const mx::array& new_k, const mx::array& new_v,
+                                             const mx::array& rows, const mx::array& k, const mx::array& v,
+                                             const mx::array& block_table, const mx::array& start,
+                                             const mx::array& n_valid, float scale, int block_size,
+                                             const std::optional<mx::array>& k_scales,
+                                             const std::optional<mx::array>& k_biases,
+                                             const std::optional<mx::array>& v_scales,
+                                             const std::optional<mx::array>& v_biases, int group_size, int bits,
+                                             int threads) {
+  auto inputs = checked_inputs(q, k, v, block_table, start, n_valid, block_size, k_scales, k_biases, v_scales,
+                               v_biases, group_size, bits, threads);
+  const bool quantized = k_scales.has_value();
+  const int64_t hkv = k.shape(1), d = q.shape(3);
+  if (new_k.dtype() != mx::float32 || new_v.dtype() != mx::float32 || new_k.ndim() != 3 ||
+      new_k.shape() != new_v.shape() || new_k.shape(1) != hkv || new_k.shape(2) != d)
+    throw std::invalid_argument("paged_attention_store: new_k and new_v must be (N, Hkv, D) float32");
+  if (rows.dtype() != mx::int32 || rows.ndim() != 1 || rows.shape(0) != new_k.shape(0))
+    throw std::invalid_argument("paged_attention_store: rows must be (N,) int32");
+  if (quantized && (d & (d - 1)) != 0)
+    throw std::invalid_argument("paged_attention_store: a quantized cache needs a power-of-2 head_dim (its rotation)");
+  const auto s = mx::Device(mx::Device::cpu);
+  for (const auto* a : {&new_k, &new_v, &rows}) inputs.push_back(mx::contiguous(*a, false, s));
+  std::vector<mx::Shape> shapes = {{q.shape(0), q.shape(2), q.shape(1), q.shape(3)}};
+  std::vector<mx::Dtype> dtypes = {mx::float32};
+  for (size_t i : quantized ? std::vector<size_t>{1, 2, 6, 7, 8, 9} : std::vector<size_t>{1, 2}) {
+    shapes.push_back(inputs[i].shape());
+    dtypes.push_back(inputs[i].dtype());
+  }
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<PagedAttention>(mx::default_stream(s), scale, block_size,
+                                                                 quantized ? group_size : 0, quantized ? bits : 0,
+                                                                 threads, true),
+                                inputs);
 }
 
 }  // namespace mlx_serving
