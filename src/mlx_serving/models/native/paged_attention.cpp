@@ -177,6 +177,58 @@ __attribute__((target("avx2,fma"))) void transpose8_avx2(const float* const* row
   }
 }
 
+// r[j] = column j of the 8 x 8 matrix whose row i is r[i] (in place; its own inverse).
+__attribute__((target("avx2,fma"))) inline void transpose8x8(__m256* r) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {  // as transpose8_avx2: pair up the 128-bit halves
+    t[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
+    t[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
+  }
+  for (int j = 0; j < 8; ++j) r[j] = t[j];
+}
+
+constexpr int64_t kMaxRotated = 256;  // the widest head vector hadamard8 rotates (wider: one at a time)
+
+// hadamard (kv_store.cpp: mx.hadamard_transform's butterflies and scale) of the 8 vectors rows[0..8)
+// of d values in place (d a power of 2, 8 <= d <= kMaxRotated), the 8 side by side in the lanes:
+// each value goes through the same additions, subtractions and product as there, so the same bits.
+__attribute__((target("avx2,fma"))) void hadamard8(float* const* rows, int64_t d) {
+  const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(static_cast<int>(d)));  // as hadamard() computes it
+  __m256 x[kMaxRotated], r[8];
+  for (int64_t c0 = 0; c0 < d; c0 += 8) {
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + c0);
+    transpose8x8(r);
+    for (int j = 0; j < 8; ++j) x[c0 + j] = r[j];
+  }
+  const int64_t half = d / 2;
+  for (int64_t h = 1; h < d; h <<= 1)
+    for (int64_t i = 0; i < half; ++i) {
+      const int64_t k = i & (h - 1), j = ((i - k) << 1) + k;
+      const __m256 a = x[j], b = x[j + h];
+      x[j] = _mm256_add_ps(a, b);
+      x[j + h] = _mm256_sub_ps(a, b);
+      if (h == half) {
+        x[j] = _mm256_mul_ps(x[j], scale);
+        x[j + h] = _mm256_mul_ps(x[j + h], scale);
+      }
+    }
+  for (int64_t c0 = 0; c0 < d; c0 += 8) {
+    for (int j = 0; j < 8; ++j) r[j] = x[c0 + j];
+    transpose8x8(r);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(rows[i] + c0, r[i]);
+  }
+}
+
 // exp(x) for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial,
 // 2^n through the exponent bits; ~1 ulp), 0 below -87.3 (where float32's exp underflows).
 __attribute__((target("avx2,fma"))) __m256 exp_avx2(__m256 x) {
@@ -274,11 +326,24 @@ bool avx2_path(int64_t d) {
 #endif
 }
 
+// hadamard of each of the n head vectors rows[0..n) of d values in place: 8 at a time on the AVX2
+// path, the same bits.
+void rotate_all(float* const* rows, int64_t n, int64_t d, bool avx2) {
+  int64_t i = 0;
+#ifdef ATT_X86
+  if (avx2 && d <= kMaxRotated)
+    for (; i + 8 <= n; i += 8) hadamard8(rows + i, d);
+#endif
+  (void)avx2;
+  for (; i < n; ++i) hadamard(rows[i], d);
+}
+
 // ---- one work unit: up to kTq queries of every head of one KV head of one row ------------------
 
 struct Scratch {
   std::vector<float> q, o, m, l, kt, s, kd, vd;
   std::vector<const float*> k, v;
+  std::vector<float*> rotated;  // the head vectors a quantized cache's rotation turns
 };
 
 // The row pointers of one key or value block: into the float cache, or into ``buf`` where the
@@ -321,15 +386,14 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
   for (int64_t r = 0; r < group; ++r)
     for (int64_t j = j0; j < j1; ++j) {
       const float* src = q + (((b * ge.h + g * group + r) * ge.t) + j) * d;
-      float* dst = w.q.data() + (r * (j1 - j0) + (j - j0)) * d;
-      if (ge.rotate) {  // mx.hadamard_transform's order and rounding (kv_store.cpp), then the scale
-        std::copy(src, src + d, dst);
-        hadamard(dst, d);
-        for (int64_t c = 0; c < d; ++c) dst[c] *= ge.scale;
-      } else {
-        for (int64_t c = 0; c < d; ++c) dst[c] = src[c] * ge.scale;
-      }
+      std::copy(src, src + d, w.q.data() + (r * (j1 - j0) + (j - j0)) * d);
     }
+  if (ge.rotate) {  // into the cache's basis: mx.hadamard_transform's bits (kv_store.cpp), before the scale
+    w.rotated.resize(nq);
+    for (int64_t e = 0; e < nq; ++e) w.rotated[e] = w.q.data() + e * d;
+    rotate_all(w.rotated.data(), nq, d, avx2);
+  }
+  for (int64_t i = 0; i < nq * d; ++i) w.q[i] *= ge.scale;
   const int64_t last = start + j1 - 1;  // the furthest position any query here sees
   for (int64_t s0 = 0; s0 <= last; s0 += kSk) {
     const int ns = static_cast<int>(std::min<int64_t>(kSk, last + 1 - s0));
@@ -392,8 +456,9 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
     const float* o = w.o.data() + e * d;
     const float inv = 1.f / w.l[e];
     for (int64_t c = 0; c < d; ++c) dst[c] = o[c] * inv;
-    if (ge.rotate) hadamard(dst, d);  // back out of the cache's basis
+    if (ge.rotate) w.rotated[e] = dst;
   }
+  if (ge.rotate) rotate_all(w.rotated.data(), nq, d, avx2);  // back out of the cache's basis
 }
 
 // fn(0), ..., fn(count - 1): on the native prefill's pool (threads > 0), else on OpenMP's threads
