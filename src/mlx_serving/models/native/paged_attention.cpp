@@ -346,12 +346,11 @@ struct Scratch {
   std::vector<float*> rotated;  // the head vectors a quantized cache's rotation turns
 };
 
-// The row pointers of one key or value block: into the float cache, or into ``buf`` where the
-// quantized rows ``idx`` are dequantized.
-void dequantize_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, std::vector<float>& buf,
-                      std::vector<const float*>& rows) {
+// The row pointers of one key or value block: into the float cache, or into ``buf`` (kSk rows of d)
+// where the quantized or 16-bit rows ``idx`` are converted to float32.
+void convert_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, float* buf, const float** rows) {
   for (int s = 0; s < kSk; ++s) {
-    float* dst = buf.data() + s * d;
+    float* dst = buf + s * d;
 #ifdef ATT_X86
     if (avx2) {
       if (q.bits == 16) widen_avx2(q, idx[s], d, dst);
@@ -365,9 +364,52 @@ void dequantize_block(const Quant& q, const int64_t* idx, int64_t d, bool avx2, 
   }
 }
 
-void unit(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq, const int32_t* table,
-          int64_t b, int64_t g, int64_t j0, int64_t j1, int64_t start, const Geometry& ge, bool avx2, float* out,
-          Scratch& w) {
+// The cache: float32 rows (k, v) or converted ones (kq, vq).
+struct Cache {
+  const float *k, *v;
+  Quant kq, vq;
+};
+
+// Key block s0 of KV head g of row b (its first ns positions; the rest read the null block): the
+// key and value row pointers in ``krows`` / ``vrows`` (into the float32 cache, or into ``kd`` / ``vd``
+// where converted) and the keys transposed into ``kt`` (d, kSk).
+void load_block(const Cache& c, const int32_t* table, int64_t b, int64_t g, int64_t s0, int ns, const Geometry& ge,
+                bool avx2, float* kt, float* kd, float* vd, const float** krows, const float** vrows) {
+  const int64_t d = ge.d;
+  int64_t idx[kSk];
+  for (int s = 0; s < kSk; ++s) {
+    const int64_t pos = s0 + s;
+    int64_t row = pos / ge.bs < ge.w ? static_cast<int64_t>(table[b * ge.w + pos / ge.bs]) * ge.bs + pos % ge.bs : -1;
+    if (row < 0 || row >= ge.rows || s >= ns) row = 0;  // past the span, or a table that does not cover it: the null block
+    idx[s] = row * ge.hkv + g;
+    if (!c.kq.bits) {
+      krows[s] = c.k + idx[s] * d;
+      vrows[s] = c.v + idx[s] * d;
+    }
+  }
+  if (c.kq.bits) {
+    convert_block(c.kq, idx, d, avx2, kd, krows);
+    convert_block(c.vq, idx, d, avx2, vd, vrows);
+  }
+#ifdef ATT_X86
+  if (avx2) {
+    for (int s = 0; s < kSk; s += 8)
+      for (int64_t col = 0; col < d; col += 8) transpose8_avx2(krows + s, col, kt, s);
+    return;
+  }
+#endif
+  for (int s = 0; s < kSk; ++s)
+    for (int64_t col = 0; col < d; ++col) kt[col * kSk + s] = krows[s][col];
+}
+
+// A (row, KV head)'s prefix converted to float32 once for all its query tiles: block after block,
+// its keys transposed (d, kSk) then its values (kSk, d); null: each unit converts its own.
+struct Shared {
+  const float* blocks = nullptr;
+};
+
+void unit(const float* q, const Cache& c, const int32_t* table, int64_t b, int64_t g, int64_t j0, int64_t j1,
+          int64_t start, const Geometry& ge, bool avx2, const Shared& shared, float* out, Scratch& w) {
   const int64_t group = ge.h / ge.hkv, d = ge.d, nq = group * (j1 - j0);
   w.q.resize(nq * d);  // every buffer but the running o, m and l is written before it is read
   w.o.assign(nq * d, 0.f);
@@ -377,8 +419,7 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
   w.s.resize(2 * kSk);
   w.k.resize(kSk);
   w.v.resize(kSk);
-  int64_t idx[kSk];
-  if (kq.bits) {
+  if (c.kq.bits && !shared.blocks) {
     w.kd.resize(kSk * d);
     w.vd.resize(kSk * d);
   }
@@ -397,37 +438,22 @@ void unit(const float* q, const float* k, const float* v, const Quant& kq, const
   const int64_t last = start + j1 - 1;  // the furthest position any query here sees
   for (int64_t s0 = 0; s0 <= last; s0 += kSk) {
     const int ns = static_cast<int>(std::min<int64_t>(kSk, last + 1 - s0));
-    for (int s = 0; s < kSk; ++s) {
-      const int64_t pos = s0 + s;
-      int64_t row = pos / ge.bs < ge.w ? static_cast<int64_t>(table[b * ge.w + pos / ge.bs]) * ge.bs + pos % ge.bs : -1;
-      if (row < 0 || row >= ge.rows || s >= ns) row = 0;  // past the span, or a table that does not cover it: the null block
-      idx[s] = row * ge.hkv + g;
-      if (!kq.bits) {
-        w.k[s] = k + idx[s] * d;
-        w.v[s] = v + idx[s] * d;
-      }
+    const float* kt = w.kt.data();
+    if (shared.blocks) {  // converted before (its lanes past ns may hold real rows, not the null block: unread)
+      kt = shared.blocks + (s0 / kSk) * 2 * kSk * d;
+      for (int s = 0; s < kSk; ++s) w.v[s] = kt + (kSk + s) * d;
+    } else {
+      load_block(c, table, b, g, s0, ns, ge, avx2, w.kt.data(), w.kd.data(), w.vd.data(), w.k.data(), w.v.data());
     }
-    if (kq.bits) {
-      dequantize_block(kq, idx, d, avx2, w.kd, w.k);
-      dequantize_block(vq, idx, d, avx2, w.vd, w.v);
-    }
-#ifdef ATT_X86
-    if (avx2) {
-      for (int s = 0; s < kSk; s += 8)
-        for (int64_t c = 0; c < d; c += 8) transpose8_avx2(w.k.data() + s, c, w.kt.data(), s);
-    } else
-#endif
-      for (int s = 0; s < kSk; ++s)
-        for (int64_t c = 0; c < d; ++c) w.kt[c * kSk + s] = w.k[s][c];
     for (int64_t i = 0; i < nq; i += 2) {
       const int64_t i1 = std::min(i + 1, nq - 1);  // an odd last query is computed twice, kept once
       const float* q0 = w.q.data() + i * d;
       const float* q1 = w.q.data() + i1 * d;
 #ifdef ATT_X86
-      if (avx2) scores_avx2(q0, q1, w.kt.data(), d, w.s.data(), w.s.data() + kSk);
+      if (avx2) scores_avx2(q0, q1, kt, d, w.s.data(), w.s.data() + kSk);
       else
 #endif
-        scores_portable(q0, q1, w.kt.data(), d, w.s.data(), w.s.data() + kSk);
+        scores_portable(q0, q1, kt, d, w.s.data(), w.s.data() + kSk);
       for (int64_t e = i; e <= i1; ++e) {
         float* sc = w.s.data() + (e - i) * kSk;
         const int64_t pos = start + j0 + e % (j1 - j0);
@@ -472,9 +498,10 @@ void for_each(int threads, int64_t count, bool parallel, const std::function<voi
   for (int64_t u = 0; u < count; ++u) fn(u);
 }
 
-void attention(const float* q, const float* k, const float* v, const Quant& kq, const Quant& vq,
-               const int32_t* table, const int32_t* start, const int32_t* n_valid, float* out, const Geometry& ge,
-               int threads) {
+constexpr int64_t kSharedBytes = int64_t{1} << 26;  // the most converted prefixes one call holds (64 MiB)
+
+void attention(const float* q, const Cache& c, const int32_t* table, const int32_t* start, const int32_t* n_valid,
+               float* out, const Geometry& ge, int threads) {
   std::memset(out, 0, sizeof(float) * ge.b * ge.t * ge.h * ge.d);  // padding queries stay zero
   struct Work {
     int64_t b, g, j0, j1;
@@ -490,10 +517,43 @@ void attention(const float* q, const float* k, const float* v, const Quant& kq, 
     }
   }
   const bool avx2 = avx2_path(ge.d);
-  for_each(threads, static_cast<int64_t>(units.size()), cost >= (1 << 17), [&](int64_t u) {
+  const bool parallel = cost >= (1 << 17);
+  // A converted cache (16-bit or quantized): the prefix of each (row, KV head) with several query
+  // tiles converted once, before them, instead of by each tile (as many as kSharedBytes holds).
+  std::vector<Shared> shared(static_cast<size_t>(ge.b * ge.hkv));
+  std::vector<float> buf;
+  struct Block {
+    int64_t b, g, s0;
+    int ns;
+    size_t at;  // its keys (d, kSk) then its values (kSk, d) in buf
+  };
+  std::vector<Block> blocks;
+  if (c.kq.bits) {
+    const int64_t d = ge.d, per = 2 * kSk * d;  // floats per block
+    size_t total = 0;
+    for (int64_t b = 0; b < ge.b; ++b) {
+      const int64_t n = std::min<int64_t>(n_valid[b], ge.t), span = start[b] + n, nb = (span + kSk - 1) / kSk;
+      if (n <= kTq || static_cast<int64_t>(sizeof(float) * (total + ge.hkv * nb * per)) > kSharedBytes) continue;
+      for (int64_t g = 0; g < ge.hkv; ++g)
+        for (int64_t i = 0; i < nb; ++i, total += per)
+          blocks.push_back({b, g, i * kSk, static_cast<int>(std::min<int64_t>(kSk, span - i * kSk)), total});
+    }
+    buf.resize(total);
+    for (const Block& x : blocks)
+      if (x.s0 == 0) shared[x.b * ge.hkv + x.g] = {buf.data() + x.at};
+    for_each(threads, static_cast<int64_t>(blocks.size()), parallel, [&](int64_t u) {
+      thread_local std::vector<float> kd;
+      const float *krows[kSk], *vrows[kSk];
+      const Block& x = blocks[u];
+      kd.resize(kSk * d);
+      load_block(c, table, x.b, x.g, x.s0, x.ns, ge, avx2, buf.data() + x.at, kd.data(), buf.data() + x.at + kSk * d,
+                 krows, vrows);
+    });
+  }
+  for_each(threads, static_cast<int64_t>(units.size()), parallel, [&](int64_t u) {
     thread_local Scratch w;
     const Work& x = units[u];
-    unit(q, k, v, kq, vq, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, out, w);
+    unit(q, c, table, x.b, x.g, x.j0, x.j1, start[x.b], ge, avx2, shared[x.b * ge.hkv + x.g], out, w);
   });
 }
 
@@ -597,7 +657,7 @@ class PagedAttention : public mx::Primitive {
                       rows = store_ ? inputs[nk + 2].data<int32_t>() : nullptr,
                       n = store_ ? inputs[nk + 2].size() : size_t{0}]() {
       if (store) store_tokens(cache, newk, newv, rows, static_cast<int64_t>(n), ge.rows, threads);
-      attention(qp, kp, vp, kq, vq, tp, sp, np, yp, ge, threads);
+      attention(qp, {kp, vp, kq, vq}, tp, sp, np, yp, ge, threads);
     });
   }
 
