@@ -69,7 +69,7 @@ class PagedAttention(Protocol):
     to float32 as they are read. A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
     ``(R, Hkv, D * bits / 32)`` uint32 with ``k_scales`` / ``k_biases`` / ``v_scales`` / ``v_biases``
     ``(R, Hkv, D / group_size)`` float32, ``bits`` 4 or 8, ``group_size`` 32, 64 or 128: each block's
-    rows are dequantized in float32 once per work unit, as they are read. ``threads`` > 0: the work
+    rows are dequantized in float32 once per (row, KV head) and shared by its query tiles. ``threads`` > 0: the work
     runs on the native prefill's thread pool of that many threads (:mod:`models.decoder.cpu.prefill`)
     instead of OpenMP's (the same result). Raises ValueError for arguments of another dtype or shape."""
 

@@ -17,11 +17,21 @@
 // Quantized cache (kv_cache_dtype int8 / int4): k and v are MLX's affine layout (R, Hkv, D * bits / 32)
 // uint32 (value c of a head vector in bits [bits * (c % per), ...) of word c / per, per = 32 / bits)
 // with scales and biases (R, Hkv, D / group) float32; each block's key and value rows are
-// dequantized (scale * q + bias, in float32) into the work unit's scratch once and shared by all
-// its queries, so the read is bits / 32 of the float cache's bytes. The values a query sees depend
-// only on the stored rows: the invariance below holds unchanged. A 16-bit cache (kv_cache_dtype float16 /
-// bfloat16): k and v (R, Hkv, D) float16 or bfloat16, each block's rows widened to float32 (exact) the
-// same way.
+// dequantized (scale * q + bias, in float32) once per (row, KV head) and shared by all its query
+// tiles (a prefill's; up to kSharedBytes per call, past that each tile dequantizes its own, as a
+// one-tile row does), so the read is bits / 32 of the float cache's bytes. The values a query sees
+// depend only on the stored rows: the invariance below holds unchanged. A 16-bit cache
+// (kv_cache_dtype float16 / bfloat16): k and v (R, Hkv, D) float16 or bfloat16, each block's rows
+// widened to float32 (exact) the same way.
+//
+// Storing (paged_attention_store, the native prefill's): the call's new K/V (N, Hkv, D) float32 are
+// first stored at their cache rows by the CPU decode step's own store (kv_store.h: the dtype's
+// rounding, or the Hadamard rotation and mx.quantize's rounding, bit for bit PagedKVCache.write's),
+// on the same threads, the cache arrays written in place and returned; a quantized cache's queries
+// are rotated into its basis before they are scaled and each output rotated back (8 head vectors at
+// a time on the AVX2 path: hadamard8, the same bits as kv_store's hadamard, which is
+// mx.hadamard_transform's). One primitive per layer where the generic path runs the rotation, the
+// quantization and six scatters as MLX operations.
 //
 // Invariance: keys are visited in blocks of kSk at absolute positions (0, kSk, 2 kSk, ...), and
 // every query keeps its own running maximum, sum and accumulator; a query's result depends only on
