@@ -5,7 +5,7 @@ Every figure is process CPU time (``time.process_time``: all threads), the robus
 machine; the dtypes alternate ``--rounds`` times and each figure is the median over rounds of the
 per-round median. The load average is reported with each round.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/kv_prefill.py --tokens 128 512 --dtypes float16 int8 int4
+    OMP_NUM_THREADS=1 .venv/bin/python bench/kv_prefill.py --tokens 32 128 512 --dtypes float16 int8 int4
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from mlx_serving.models import loader, sources
 from mlx_serving.models.decoder import layers
 from mlx_serving.models.decoder.attention import Rows
-from mlx_serving.models.decoder.cpu import native_decode
+from mlx_serving.models.decoder.cpu import NativeDecode, native_decode
 from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache, row_blocks
 
 
@@ -33,7 +33,7 @@ def _rows(tokens: np.ndarray, start: int, width: int) -> Rows:
                 mx.array([n - 1], mx.int32), mx.array(row_blocks(1, width)))
 
 
-def _round(state: layers.State, native: object, dtype: str, prompt: np.ndarray, steps: int,
+def _round(state: layers.State, native: NativeDecode, dtype: str, prompt: np.ndarray, steps: int,
            repeats: int) -> tuple[float, float]:
     """(median CPU ms per prefill of ``prompt``, median CPU ms per decode step after it)."""
     n = prompt.shape[0]
@@ -42,16 +42,16 @@ def _round(state: layers.State, native: object, dtype: str, prompt: np.ndarray, 
     for _ in range(repeats):
         cache = init_paged_kv_cache(state, -(-width // 16), 16, dtype)
         c0 = time.process_time()
-        logits = layers.forward(native.prefill_state, cache, _rows(prompt, 0, width))  # type: ignore[attr-defined]
+        logits = layers.forward(native.prefill_state, cache, _rows(prompt, 0, width))
         mx.eval(logits, cache.arrays())
         pre.append(time.process_time() - c0)
-        tok = int(mx.argmax(logits[0]).item())
+        tok = int(np.argmax(np.array(logits[0])))
         for p in range(n, n + steps):
             c0 = time.process_time()
-            logits = layers.forward(state, cache, _rows(np.array([tok]), p, width), decode=native)  # type: ignore[arg-type]
+            logits = layers.forward(state, cache, _rows(np.array([tok]), p, width), decode=native)
             mx.eval(logits, cache.arrays())
             dec.append(time.process_time() - c0)
-            tok = int(mx.argmax(logits[0]).item())
+            tok = int(np.argmax(np.array(logits[0])))
     return statistics.median(pre) * 1e3, statistics.median(dec) * 1e3
 
 
