@@ -33,16 +33,18 @@ import mlx.core as mx
 
 from .._fetch import cache_dir
 
-__all__ = ["PagedAttention", "QuantizedMatmul", "StoringAttention", "cpu_decode_module", "paged_attention_cpu", "quantized_matmul_cpu",
-           "unavailable_reason"]
+__all__ = ["PagedAttention", "QuantizedMatmul", "StoringAttention", "cpu_decode_module", "paged_attention_cpu",
+           "quantized_matmul_cpu", "unavailable_reason"]
 
 _DIR = Path(__file__).parent
 _CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources, built into the same module
 _SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
-            _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp", _CPU_DECODER / "qgemm.cpp",
-            _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp", _CPU_DECODER / "kv_store.cpp")
-_HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h",
-            _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h", _CPU_DECODER / "kv_store.h")
+            _DIR / "attention_loops.cpp", _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp",
+            _CPU_DECODER / "qgemm.cpp", _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp",
+            _CPU_DECODER / "kv_store.cpp")
+_HEADERS = (_DIR / "kernels.h", _DIR / "attention_loops.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h",
+            _CPU_DECODER / "pool.h", _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h",
+            _CPU_DECODER / "kv_store.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
