@@ -8,6 +8,7 @@ one (each family), batched == solo and one chunk == two chunks."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +18,8 @@ from mlx_serving.models import native
 from mlx_serving.models.decoder import layers
 from mlx_serving.models.decoder.attention import Rows
 from mlx_serving.models.decoder.cpu import NativeDecode, native_decode
-from mlx_serving.models.decoder.kv_cache import init_paged_kv_cache, row_blocks
+from mlx_serving.models.decoder.cpu.prefill import PoolAttention
+from mlx_serving.models.decoder.kv_cache import PagedKVCache, init_paged_kv_cache, kv_quant, row_blocks
 from mlx_serving.models.loader import load
 from mlx_serving.models.seeded_checkpoint import write_checkpoint
 
@@ -192,6 +194,72 @@ def test_attention_on_the_prefill_pool_is_openmps_bit_for_bit(bits):
         attention(*args, **extra, threads=-1)
 
 
+def _bits(a: mx.array) -> np.ndarray:
+    """``a`` as numpy, 16-bit floats as their bit patterns (numpy has no bfloat16)."""
+    return np.array(a.view(mx.uint16) if a.dtype in (mx.float16, mx.bfloat16) else a)
+
+
+def _cache(dtype: str, rows: int, rng: np.random.Generator) -> PagedKVCache:
+    """A one-layer ``dtype`` cache of ``rows`` rows (2 KV heads of 64) holding random K/V, MLX-written."""
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=64)
+    cache = init_paged_kv_cache(SimpleNamespace(config=config, dtype=mx.float32), rows // 16 - 1, 16, dtype)
+    kv = [mx.array(rng.normal(size=(rows, 2, 64)).astype(np.float32)) for _ in range(2)]
+    cache.write(0, *kv, mx.arange(rows, dtype=mx.int32))
+    mx.eval(cache.arrays())
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8", "int4"])
+def test_storing_attention_is_the_mlx_write_then_the_attention_bit_for_bit(dtype):
+    """The native prefill's attention storing the new K/V itself (rows at different starts over a
+    cached prefix, padding tokens all landing in the null block) against PagedKVCache.write, the
+    rotation of a quantized cache's queries and output by MLX and the plain attention: every stored
+    row (the null block's included) and every output bit for bit, on the pool of 1 or 3 threads and on
+    OpenMP's; the cache arrays returned share the given ones' buffers."""
+    rng = np.random.default_rng(len(dtype))
+    table = mx.array(row_blocks(3, 96))
+    start, n_valid, t = mx.array([0, 37, 5], dtype=mx.int32), mx.array([40, 21, 33], dtype=mx.int32), 40
+    q = mx.array(rng.normal(size=(3, 6, t, 64)).astype(np.float32))
+    new = [mx.array(rng.normal(size=(3 * t, 2, 64)).astype(np.float32)) for _ in range(2)]
+    j = mx.arange(t)[None, :]
+    pos = start[:, None] + j
+    rows = mx.where(j < n_valid[:, None], mx.take_along_axis(table, pos // 16, axis=1) * 16 + pos % 16, 0).reshape(-1)
+    q8 = kv_quant(dtype, 64)
+    quant = {} if q8 is None else dict(group_size=q8.group_size, bits=q8.bits)
+    want = _cache(dtype, int(table.max()) * 16 + 16, np.random.default_rng(1))
+    want.write(0, *new, rows)
+    scales = {} if q8 is None else dict(k_scales=want.key_scales[0], k_biases=want.key_biases[0],
+                                        v_scales=want.value_scales[0], v_biases=want.value_biases[0], **quant)
+    ref = want.rotate(native.paged_attention_cpu()(want.rotate(q), want.keys[0], want.values[0], table, start, n_valid,
+                                                   0.125, 16, **scales))
+    assert np.abs(np.array(ref)).max() > 0
+    for threads in (0, 1, 3):  # 0: OpenMP's threads
+        given = _cache(dtype, int(table.max()) * 16 + 16, np.random.default_rng(1)).arrays()
+        y, *arrays = PoolAttention(module, threads).store_and_attend(q, *new, rows, given, table, start, n_valid,
+                                                                     0.125, 16, **quant)
+        mx.eval(y, arrays)
+        np.testing.assert_array_equal(np.array(y), np.array(ref))
+        for a, b, old in zip(arrays, want.arrays(), given, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+            np.testing.assert_array_equal(_bits(old), _bits(b))  # written in place
+
+
+def test_storing_attention_refuses_bad_new_kv():
+    rng = np.random.default_rng(0)
+    cache = _cache("int8", 64, rng)
+    q = mx.zeros((1, 2, 4, 64))
+    table, one = mx.array([[1, 2]], dtype=mx.int32), mx.array([4], dtype=mx.int32)
+    k = mx.zeros((4, 2, 64))
+    quant = dict(group_size=64, bits=8)
+    for new, rows, message in [((k[:, :1], k[:, :1]), mx.arange(4, dtype=mx.int32), "new_k and new_v"),
+                               ((k.astype(mx.float16), k), mx.arange(4, dtype=mx.int32), "new_k and new_v"),
+                               ((k, k), mx.arange(3, dtype=mx.int32), "rows must be"),
+                               ((k, k), mx.arange(4, dtype=mx.int64), "rows must be")]:
+        with pytest.raises(ValueError, match=message):
+            PoolAttention(module, 1).store_and_attend(q, *new, rows, cache.arrays(), table, one * 0, one, 0.125, 16,
+                                                      **quant)
+
+
 def test_native_prefill_state_runs_its_mlp_and_attention_natively(family_state):
     """Every layer's MLP is the fused native one, the attention runs on the prefill's pool, and the
     exact state is left as it was."""
@@ -199,7 +267,7 @@ def test_native_prefill_state_runs_its_mlp_and_attention_natively(family_state):
     assert all(ly.mlp is not None for ly in state.layers)
     assert all(ly.mlp is None for ly in family_state.layers)
     assert state.attention is not None and state.attention is not family_state.attention
-    assert state.attention.keywords["threads"] >= 1  # a functools.partial
+    assert state.attention.threads >= 1  # a PoolAttention
 
 
 # ---- the prefill forward ---------------------------------------------------------------------------

@@ -195,6 +195,31 @@ def test_paged_attention_is_batch_and_chunk_invariant() -> None:
         assert mx.array_equal(one[0, 0], batched[0, j]).item(), j
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "int4"])
+def test_a_converted_prefix_shared_by_query_tiles_equals_each_tile_alone(isa: str, dtype: str) -> None:
+    """A 16-bit or quantized cache: rows of 70 and 45 queries (their prefix converted to float32 once,
+    shared by their query tiles) equal, bit for bit, each tile of 16 queries attending alone (a
+    one-tile call converts its own blocks)."""
+    b, h, hkv, t, d, bs = 2, 6, 2, 70, 64, 16
+    q, k, v, table, start = _paged(b, h, hkv, t, d, bs, 8, seed=11)
+    extra: dict = {}
+    if dtype in ("int8", "int4"):
+        bits = 8 if dtype == "int8" else 4
+        (k, ks, kb), (v, vs, vb) = (mx.quantize(a, group_size=64, bits=bits) for a in (k, v))
+        extra = dict(k_scales=ks, k_biases=kb, v_scales=vs, v_biases=vb, group_size=64, bits=bits)
+    else:
+        k, v = k.astype(getattr(mx, dtype)), v.astype(getattr(mx, dtype))
+    n_valid = mx.array([70, 45], dtype=mx.int32)
+    full = attention(q, k, v, table, start, n_valid, 0.125, bs, **extra)
+    assert float(mx.abs(full).max()) > 0
+    for r in range(b):
+        for j0 in range(0, int(n_valid[r]), 16):
+            m = min(16, int(n_valid[r]) - j0)
+            tile = attention(q[r:r + 1, :, j0:j0 + 16], k, v, table[r:r + 1], start[r:r + 1] + j0,
+                             mx.array([m], dtype=mx.int32), 0.125, bs, **extra)
+            assert mx.array_equal(tile[0, :m], full[r, j0:j0 + m]).item(), (isa, dtype, r, j0)
+
+
 def test_paged_attention_inside_mx_compile() -> None:
     q, k, v, table, start = _paged(2, 4, 2, 3, 32, 8, 4, seed=5)
     n_valid = mx.array([3, 2], dtype=mx.int32)

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 import mlx.core as mx
 import numpy as np
 
-from ..native import PagedAttention
+from ..native import PagedAttention, StoringAttention
 from .kv_cache import PagedKVCache
 
 
@@ -188,6 +188,7 @@ class Step:
     read_idx: mx.array | None = None  # (B, kv_len) flat cache row of each attended position
     groups: list[tuple[int, int, mx.array]] | None = None  # causal groups: (lo, hi, read_idx (hi-lo, start+T))
     kernel: PagedAttention | None = None  # the native CPU attention reads the block table itself
+    storing: StoringAttention | None = None  # the kernel when it stores the new K/V itself (the native prefill's)
 
     def unpack(self, x: mx.array) -> mx.array:
         """Packed ``(N, F)`` activations laid out as ``(B * T, F)`` (identity when not packed)."""
@@ -204,7 +205,8 @@ def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False, kernel: Pa
     (the "sdpa" decode path) instead of :func:`_decode_attention` ("matmul"). ``kernel``: on a
     paged cache, every row attends through this native CPU attention
     (:func:`models.native.paged_attention_cpu`), which reads the block table itself: no mask, no
-    gathered K/V, prefill and decode one computation (the model state's ``attention``).
+    gathered K/V, prefill and decode one computation (the model state's ``attention``); a
+    :class:`~models.native.StoringAttention` (the native prefill's) also stores the new K/V.
 
     The block table becomes flat write and read indices once per forward, not per layer."""
     t = rows.tokens.shape[1]
@@ -213,7 +215,8 @@ def make_step(rows: Rows, cache: Cache, *, sdpa_decode: bool = False, kernel: Pa
     pos = rows.start[:, None] + offs
     blk = mx.take_along_axis(table, mx.minimum(pos // bs, table.shape[1] - 1), axis=1)
     write = mx.where(offs < rows.n_valid[:, None], blk * bs + pos % bs, 0)  # padding: null block
-    step = Step(rows=rows, pos=pos, write_idx=write.reshape(-1), sdpa_decode=sdpa_decode, kernel=kernel)
+    step = Step(rows=rows, pos=pos, write_idx=write.reshape(-1), sdpa_decode=sdpa_decode, kernel=kernel,
+                storing=kernel if isinstance(kernel, StoringAttention) else None)
     if kernel is not None:
         return step
     if rows.causal_groups is not None:
@@ -242,11 +245,15 @@ def attend(cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array, step: St
     are gathered into ``(B, Hkv, kv_len, D)`` before a masked attention, or per causal group
     (``Rows.causal_groups``) into ``(rows, Hkv, start + T, D)`` with the ``"causal"`` mask; with
     ``step.kernel`` the native CPU attention reads them (quantized or not) through the block table
-    instead."""
+    instead; with ``step.storing`` it also writes them (and rotates a quantized cache's queries and
+    output) itself: one primitive per layer, no MLX operation on the cache."""
     rows = step.rows
     b, h, t, d = q.shape
     hkv = k.shape[1]
-    cache.write(i, k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d), v.reshape(b * t, hkv, d), step.write_idx)
+    k, v = k.transpose(0, 2, 1, 3).reshape(b * t, hkv, d), v.reshape(b * t, hkv, d)
+    if step.storing is not None:
+        return _native_storing(step.storing, cache, i, q, k, v, step).reshape(b * t, h * d)
+    cache.write(i, k, v, step.write_idx)
     q = cache.rotate(q)  # a quantized cache's basis (identity for a float cache), rotated back below
     if step.kernel is not None:
         return cache.rotate(_native(step.kernel, cache, i, q, rows)).reshape(b * t, h * d)
@@ -268,6 +275,23 @@ def _gather(cache: Cache, i: int, read: mx.array, dtype: mx.Dtype) -> tuple[mx.a
     """:meth:`~.kv_cache.PagedKVCache.gather` in the activation ``dtype`` (a 16-bit cache widened)."""
     k, v = cache.gather(i, read)
     return (k, v) if k.dtype == dtype else (k.astype(dtype), v.astype(dtype))
+
+
+def _native_storing(kernel: StoringAttention, cache: Cache, i: int, q: mx.array, k: mx.array, v: mx.array,
+                    step: Step) -> mx.array:
+    """Layer ``i``'s new K/V ``(B * T, Hkv, D)`` stored at ``step.write_idx`` and the native CPU attention
+    over the float or quantized cache, one primitive: ``(B, T, H, D)``; the layer's cache arrays
+    replaced by the primitive's (written in place)."""
+    rows, c = step.rows, cache.quant
+    parts = [cache.keys, cache.values]
+    if c is not None:
+        parts += [cache.key_scales, cache.key_biases, cache.value_scales, cache.value_biases]
+    y, *arrays = kernel.store_and_attend(q, k, v, step.write_idx, [p[i] for p in parts], rows.block_table, rows.start,
+                                         rows.n_valid, q.shape[-1] ** -0.5, cache.block_size,
+                                         0 if c is None else c.group_size, 0 if c is None else c.bits)
+    for part, a in zip(parts, arrays, strict=True):
+        part[i] = a
+    return y
 
 
 def _native(kernel: PagedAttention, cache: Cache, i: int, q: mx.array, rows: Rows) -> mx.array:

@@ -27,22 +27,24 @@ import threading
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from .._fetch import cache_dir
 
-__all__ = ["PagedAttention", "QuantizedMatmul", "cpu_decode_module", "paged_attention_cpu", "quantized_matmul_cpu",
-           "unavailable_reason"]
+__all__ = ["PagedAttention", "QuantizedMatmul", "StoringAttention", "cpu_decode_module", "paged_attention_cpu",
+           "quantized_matmul_cpu", "unavailable_reason"]
 
 _DIR = Path(__file__).parent
 _CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources, built into the same module
 _SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
-            _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp", _CPU_DECODER / "qgemm.cpp",
-            _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp", _CPU_DECODER / "kv_store.cpp")
-_HEADERS = (_DIR / "kernels.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h", _CPU_DECODER / "pool.h",
-            _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h", _CPU_DECODER / "kv_store.h")
+            _DIR / "attention_loops.cpp", _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp",
+            _CPU_DECODER / "qgemm.cpp", _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp",
+            _CPU_DECODER / "kv_store.cpp")
+_HEADERS = (_DIR / "kernels.h", _DIR / "attention_loops.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h",
+            _CPU_DECODER / "pool.h", _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h",
+            _CPU_DECODER / "kv_store.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []
@@ -69,7 +71,7 @@ class PagedAttention(Protocol):
     to float32 as they are read. A quantized cache (``kv_cache_dtype`` int8 / int4): ``k`` and ``v`` in MLX's affine layout
     ``(R, Hkv, D * bits / 32)`` uint32 with ``k_scales`` / ``k_biases`` / ``v_scales`` / ``v_biases``
     ``(R, Hkv, D / group_size)`` float32, ``bits`` 4 or 8, ``group_size`` 32, 64 or 128: each block's
-    rows are dequantized in float32 once per work unit, as they are read. ``threads`` > 0: the work
+    rows are dequantized in float32 once per (row, KV head) and shared by its query tiles. ``threads`` > 0: the work
     runs on the native prefill's thread pool of that many threads (:mod:`models.decoder.cpu.prefill`)
     instead of OpenMP's (the same result). Raises ValueError for arguments of another dtype or shape."""
 
@@ -78,6 +80,25 @@ class PagedAttention(Protocol):
                  k_biases: mx.array | None = None, v_scales: mx.array | None = None,
                  v_biases: mx.array | None = None, group_size: int = 0, bits: int = 0,
                  threads: int = 0) -> mx.array: ...
+
+
+@runtime_checkable
+class StoringAttention(PagedAttention, Protocol):
+    """A :class:`PagedAttention` that also stores the new K/V itself (the native prefill's,
+    :mod:`models.decoder.cpu.prefill`): :meth:`store_and_attend`."""
+
+    def store_and_attend(self, q: mx.array, new_k: mx.array, new_v: mx.array, rows: mx.array, cache: list[mx.array],
+                         block_table: mx.array, start: mx.array, n_valid: mx.array, scale: float, block_size: int,
+                         group_size: int = 0, bits: int = 0) -> list[mx.array]:
+        """The new K/V ``new_k``, ``new_v`` ``(N, Hkv, D)`` float32 stored at the flat cache ``rows``
+        ``(N,)`` int32 as the CPU decode step stores them (``kv_store.cpp``: the dtype's rounding,
+        or Hadamard-rotated and quantized: bit for bit ``PagedKVCache.write``'s; a row given twice
+        keeps the later token's), then the attention of ``q`` ``(B, H, T, D)`` over ``cache`` (one
+        layer's ``[k, v]``, then ``[k scales, k biases, v scales, v biases]`` when quantized with
+        ``bits`` / ``group_size``), a quantized cache's queries rotated into its basis and the
+        output back out -> ``[(B, T, H, D) float32, *cache]``: the cache's arrays over the given
+        ones' buffers, written in place, to store back. Raises ValueError as the attention, and for
+        new K/V or rows of another shape or dtype."""
 
 
 def unavailable_reason() -> str | None:

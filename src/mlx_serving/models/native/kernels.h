@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <vector>
 
 #include "mlx/array.h"
 
@@ -26,5 +27,21 @@ mlx::core::array paged_attention(const mlx::core::array& q, const mlx::core::arr
                                  const std::optional<mlx::core::array>& v_scales,
                                  const std::optional<mlx::core::array>& v_biases, int group_size, int bits,
                                  int threads);
+
+// paged_attention after storing the new K/V ``new_k``, ``new_v`` (N, Hkv, D) float32 at the flat cache
+// rows ``rows`` (N,) int32 as the CPU decode step stores them (kv_store.h: the dtype's rounding, or
+// rotated and quantized; a row given twice keeps the later token's, one outside the cache is
+// skipped), the queries of a quantized cache rotated into its basis and the output back out
+// (kv_cache.PagedKVCache.rotate) -> [(B, T, H, D) float32, k, v, then the k scales, k biases,
+// v scales and v biases when quantized]: the cache arrays over the given arrays' buffers, written in
+// place (store them back as the cache). Raises std::invalid_argument as paged_attention, and for
+// new K/V or rows of another shape or dtype.
+std::vector<mlx::core::array> paged_attention_store(
+    const mlx::core::array& q, const mlx::core::array& new_k, const mlx::core::array& new_v,
+    const mlx::core::array& rows, const mlx::core::array& k, const mlx::core::array& v,
+    const mlx::core::array& block_table, const mlx::core::array& start, const mlx::core::array& n_valid, float scale,
+    int block_size, const std::optional<mlx::core::array>& k_scales, const std::optional<mlx::core::array>& k_biases,
+    const std::optional<mlx::core::array>& v_scales, const std::optional<mlx::core::array>& v_biases, int group_size,
+    int bits, int threads);
 
 }  // namespace mlx_serving

@@ -51,6 +51,15 @@ NB_MODULE(_kernels, m) {
         "Causal GQA attention of q (B, H, T, D) over the paged cache k, v (R, Hkv, D) -> (B, T, H, D) float32; "
         "with the scales and biases, k and v are MLX's affine layout (R, Hkv, D * bits / 32) uint32; threads > 0: "
         "on the native prefill's pool of that many threads (else OpenMP's).");
+  m.def("paged_attention_store", &ms::paged_attention_store, nb::arg("q"), nb::arg("new_k"), nb::arg("new_v"),
+        nb::arg("rows"), nb::arg("k"), nb::arg("v"), nb::arg("block_table"), nb::arg("start"), nb::arg("n_valid"),
+        nb::arg("scale"), nb::arg("block_size"), nb::arg("k_scales").none() = nb::none(),
+        nb::arg("k_biases").none() = nb::none(), nb::arg("v_scales").none() = nb::none(),
+        nb::arg("v_biases").none() = nb::none(), nb::arg("group_size") = 0, nb::arg("bits") = 0,
+        nb::arg("threads") = 0,
+        "paged_attention after storing new_k, new_v (N, Hkv, D) float32 at the cache rows (N,) int32 as the CPU "
+        "decode step stores them (a quantized cache's queries and output rotated here) -> [(B, T, H, D) float32, "
+        "then the cache arrays, written in place: k, v (and k/v scales and biases when quantized)].");
   m.def("isa", []() { return ms::cpu_has_avx2() ? "avx2+fma" : "portable"; },
         "The instruction set the kernels run with on this CPU: 'avx2+fma' or 'portable'.");
   m.def("force_portable", &ms::force_portable,

@@ -10,7 +10,10 @@ lie (AVX-512 VNNI, AVX2 or a portable loop, picked at run time), on a pool of th
 across calls. Each layer's MLP is :class:`NativeMlp` (``Layer.mlp``): the gate/up product, then one
 primitive that computes the SwiGLU row by row as the decode step does and quantizes it for the down
 product (``int8_swiglu_matmul``), instead of MLX's split, sigmoid and multiplies over strided views.
-The native paged attention runs on the same pool (its ``threads`` argument), not on OpenMP's threads.
+The native paged attention runs on the same pool (its ``threads`` argument), not on OpenMP's threads,
+and stores each layer's new K/V itself (:class:`PoolAttention`): the decode step's store
+(``kv_store.cpp``), so a quantized cache's rotation and rounding run natively in one pass, its
+queries rotated and its output rotated back inside the attention, with no MLX operation between.
 
 Numerics: each product is bit for bit the decode step's for the same row, so a row's result never
 depends on its batchmates or its place among the rows (batched == solo, prefix hit == miss); it
@@ -20,7 +23,6 @@ differs from the exact float path ("matmul") as the decode step does.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -28,7 +30,7 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["NativeMlp", "PackedLayer", "prefill_state"]
+__all__ = ["NativeMlp", "PackedLayer", "PoolAttention", "prefill_state"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,42 @@ class NativeMlp:
         return self.module.int8_swiglu_matmul(self.down, self.gate_up(x), self.threads)
 
 
+@dataclass(frozen=True)
+class PoolAttention:
+    """The native paged attention (``module.paged_attention``, :class:`models.native.PagedAttention`)
+    on the prefill's pool of ``threads``, which also stores the new K/V itself
+    (:meth:`store_and_attend`, :class:`models.native.StoringAttention`). The same bits as on
+    OpenMP's threads."""
+
+    module: Any
+    threads: int
+
+    def __call__(self, q: mx.array, k: mx.array, v: mx.array, block_table: mx.array, start: mx.array,
+                 n_valid: mx.array, scale: float, block_size: int, *, k_scales: mx.array | None = None,
+                 k_biases: mx.array | None = None, v_scales: mx.array | None = None,
+                 v_biases: mx.array | None = None, group_size: int = 0, bits: int = 0,
+                 threads: int = 0) -> mx.array:
+        """:class:`models.native.PagedAttention` on this pool (``threads`` is ignored: the pool's)."""
+        return self.module.paged_attention(q, k, v, block_table, start, n_valid, scale, block_size, k_scales, k_biases,
+                                           v_scales, v_biases, group_size, bits, self.threads)
+
+    def store_and_attend(self, q: mx.array, new_k: mx.array, new_v: mx.array, rows: mx.array, cache: list[mx.array],
+                         block_table: mx.array, start: mx.array, n_valid: mx.array, scale: float, block_size: int,
+                         group_size: int = 0, bits: int = 0) -> list[mx.array]:
+        """:meth:`models.native.StoringAttention.store_and_attend` on this pool."""
+        k, v, *quant = cache
+        ks, kb, vs, vb = quant or (None, None, None, None)
+        return list(self.module.paged_attention_store(q, new_k, new_v, rows, k, v, block_table, start, n_valid, scale,
+                                                      block_size, ks, kb, vs, vb, group_size, bits, self.threads))
+
+
 def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLayer], head: Any) -> State:
     """``state`` with each projection and the head computed by ``module``'s int8 GEMM over
     ``layers``' / ``head``'s packed matrices (the decode step's, one per fused q/k/v, o, fused
     gate/up, down and head: every one of ``state``'s is quantized as :func:`.native_decode`
     checks) on a pool of ``threads``, each layer's MLP a :class:`NativeMlp`, and the native
-    attention (``state.attention``, when set) on the same pool instead of OpenMP's. The packed
+    attention (``state.attention``, when set: a :class:`PoolAttention`) on the same pool instead of
+    OpenMP's, storing the new K/V itself. The packed
     matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none; it
     keeps its other arrays (the embedding lookup of a tied head reads them; a tied embedding stays
     tied)."""
@@ -93,6 +125,6 @@ def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLa
 
     lm_head = swap(state.lm_head, head)
     embed = lm_head if state.embed_tokens is state.lm_head else state.embed_tokens
-    attention = None if state.attention is None else partial(state.attention, threads=threads)
+    attention = None if state.attention is None else PoolAttention(module, threads)
     return replace(state, layers=[layer(ly, p) for ly, p in zip(state.layers, layers, strict=True)],
                    lm_head=lm_head, embed_tokens=embed, attention=attention)
