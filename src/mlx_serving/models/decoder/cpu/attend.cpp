@@ -18,8 +18,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
+#include "mlx/ops.h"
 #include "mlx/types/half_types.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -271,6 +274,16 @@ int lanes(Isa isa, int64_t d) {
   return 1;
 }
 
+// hadamard (kv_store.h) of x (d) with the kernel's instruction set (w lanes): the same result.
+void rotate(float* x, int64_t d, int64_t w) {
+#ifdef ATTEND_X86
+  if (w == 16) return avx512::rotate(x, d);
+  if (w == 8) return avx2::rotate(x, d);
+#endif
+  (void)w;
+  portable::rotate(x, d);
+}
+
 struct Scratch {
   std::vector<float> qs, sc, sums, o;
 };
@@ -289,7 +302,7 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
   t.o.resize(m * d);
   for (int64_t j = 0; j < m; ++j) {
     float* qj = t.qs.data() + j * d;
-    if (quant) hadamard(qj, d);
+    if (quant) rotate(qj, d, w);
     for (int64_t c = 0; c < d; ++c) qj[c] *= scale;
     std::fill(t.sc.begin() + j * ns + n, t.sc.begin() + (j + 1) * ns, -INFINITY);  // padding lanes: weight 0
   }
@@ -304,9 +317,68 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
     float* o = t.o.data() + j * d;
     const float inv = 1.f / t.sums[j];
     for (int64_t c = 0; c < d; ++c) o[c] *= inv;
-    if (quant) hadamard(o, d);
+    if (quant) rotate(o, d, w);
     std::copy(o, o + d, out + j * d);
   }
+}
+
+namespace {
+
+void need(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("attend: " + what);
+}
+
+mlx::core::array ready(const mlx::core::array& a) {
+  mlx::core::array c = mlx::core::contiguous(a, false, mlx::core::Device(mlx::core::Device::cpu));
+  c.eval();
+  return c;
+}
+
+KvKind kind_of(const mlx::core::array& k, int bits) {
+  if (bits == 8 || bits == 4) {
+    need(k.dtype() == mlx::core::uint32, "a quantized k / v must be uint32");
+    return bits == 8 ? KvKind::kQ8 : KvKind::kQ4;
+  }
+  need(bits == 0, "bits must be 0, 4 or 8");
+  const auto t = k.dtype();
+  need(t == mlx::core::float32 || t == mlx::core::float16 || t == mlx::core::bfloat16,
+       "k / v must be float32, float16 or bfloat16");
+  return t == mlx::core::float32 ? KvKind::kF32 : t == mlx::core::float16 ? KvKind::kF16 : KvKind::kBF16;
+}
+
+}  // namespace
+
+mlx::core::array attend(const mlx::core::array& q_, const mlx::core::array& k_, const mlx::core::array& v_,
+                        const mlx::core::array& rows_, int g, const std::vector<mlx::core::array>& scales_, int bits,
+                        int group) {
+  const KvKind kind = kind_of(k_, bits);
+  const mlx::core::array q = ready(mlx::core::astype(q_, mlx::core::float32)), k = ready(k_), v = ready(v_);
+  const mlx::core::array rows = ready(mlx::core::astype(rows_, mlx::core::int64));
+  need(q.ndim() == 2 && k.ndim() == 3 && k.shape() == v.shape() && k.dtype() == v.dtype() && rows.ndim() == 1 &&
+           rows.size() > 0,
+       "q (m, D), k and v (R, Hkv, D) of one dtype, rows (n,) with n > 0 expected");
+  const int64_t d = q.shape(1), hkv = k.shape(1), words = bits ? d * bits / 32 : d;
+  need(k.shape(2) == words && g >= 0 && g < hkv, "k / v's last axis must be D (D * bits / 32 quantized), 0 <= g < Hkv");
+  const int64_t* r = rows.data<int64_t>();
+  for (size_t i = 0; i < rows.size(); ++i) need(r[i] >= 0 && r[i] < k.shape(0), "a row is out of range");
+  std::vector<mlx::core::array> scales;
+  for (const auto& s : scales_) scales.push_back(ready(mlx::core::astype(s, mlx::core::float32)));
+  const bool quant = bits != 0;
+  need(quant ? (group == 32 || group == 64 || group == 128) && d % group == 0 && (d & (d - 1)) == 0 &&
+                   scales.size() == 4
+             : scales.empty(),
+       "a quantized cache needs a power-of-2 D, a group of 32, 64 or 128 dividing it and 4 scale arrays");
+  for (const auto& s : scales)
+    need(s.ndim() == 3 && s.shape(0) == k.shape(0) && s.shape(1) == hkv && s.shape(2) == d / group,
+         "scales and biases must be (R, Hkv, D / group)");
+  auto ptr = [&](size_t i) { return quant ? const_cast<float*>(scales[i].data<float>()) : nullptr; };
+  const KvCache kv{kind, hkv, d, quant ? group : 0, {}, {}};
+  const KvSide ks{const_cast<void*>(k.data<void>()), ptr(0), ptr(1)};
+  const KvSide vs{const_cast<void*>(v.data<void>()), ptr(2), ptr(3)};
+  std::vector<float> out(q.size());
+  attend_heads(kv, ks, vs, g, r, static_cast<int64_t>(rows.size()), q.data<float>(), q.shape(0), out.data(),
+               best_isa());
+  return mlx::core::array(out.begin(), q.shape(), mlx::core::float32);
 }
 
 }  // namespace mlx_serving

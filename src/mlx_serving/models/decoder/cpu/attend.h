@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "mlx/array.h"
 
 #include "kv_store.h"
 #include "qdot.h"
@@ -19,5 +22,14 @@ namespace mlx_serving {
 // head's result depends only on its query, its prefix and the instruction set.
 void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t g, const int64_t* rows, int64_t n,
                   const float* q, int64_t m, float* out, Isa isa);
+
+// attend_heads over arrays, for the tests: q (m, D) float32, the query heads of KV head ``g``; k / v
+// (R, Hkv, D) float32, float16 or bfloat16, or with ``bits`` 4 / 8 MLX's affine layout (R, Hkv, D * bits
+// / 32) uint32 with ``scales`` = [key scales, key biases, value scales, value biases] (R, Hkv, D / group)
+// float32; rows (n,) int32 cache rows -> (m, D) float32, with the decoder's instruction set
+// (set_isa_override). Raises std::invalid_argument on another layout or a row out of range.
+mlx::core::array attend(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                        const mlx::core::array& rows, int g, const std::vector<mlx::core::array>& scales, int bits,
+                        int group);
 
 }  // namespace mlx_serving

@@ -5,6 +5,20 @@
 // padding lanes of -inf add nothing) and widen<K>(Ref, c, shift): lanes [c * W, c * W + W) of a
 // stored head vector in float32.
 
+// mx.hadamard_transform of x (n, a power of 2) in place: kv_store.cpp's hadamard (the same butterflies,
+// each output the same sums, then the same scale), its stages' inner loops contiguous, in vectors.
+ATT_TARGET void rotate(float* x, int64_t n) {
+  for (int64_t h = 1; h < n; h <<= 1)
+    for (int64_t i = 0; i < n; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float scale = 1.0f / std::sqrt(static_cast<int>(n));
+  for (int64_t j = 0; j < n; ++j) x[j] *= scale;
+}
+
 // Scores of M heads (qs: M * d, scaled) against keys [0, n): sc[j * ns + p] = q_j . k_p, each key
 // widened once for the M heads; each dot summed lane-wise over d then reduced (S::sum).
 template <KvKind K, int M>
