@@ -55,11 +55,6 @@ struct Keys {
     if (scales == nullptr) return {data + i * row_bytes, nullptr, nullptr};
     return {data + i * row_bytes, scales + i * groups, biases + i * groups};
   }
-  // Key p's stored vector asked for ahead of its use (the keys of a long prefix come from memory).
-  void prefetch(int64_t p) const {
-    const char* at = data + (rows[p] * hkv + g) * row_bytes;
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(at + b);
-  }
 };
 
 int64_t stored_bytes(KvKind kind, int64_t d) {
@@ -77,8 +72,6 @@ Keys keys_of(const KvCache& kv, const KvSide& side, int64_t g, const int64_t* ro
   return {static_cast<const char*>(side.data), side.scales, side.biases, rows, kv.hkv, g, kv.d, shift,
           kv.d >> shift, stored_bytes(kv.kind, kv.d)};
 }
-
-constexpr int64_t kAhead = 8;  // how many keys ahead a key's vector is prefetched
 
 // Cephes' expf constants (range reduction by ln 2 in two parts, degree-5 polynomial).
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
@@ -157,7 +150,8 @@ struct S {
     const V lo = _mm256_set1_ps(kExpMin);
     const V under = _mm256_cmp_ps(a, lo, _CMP_LT_OQ);
     const V x = _mm256_max_ps(a, lo);
-    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
     V p = _mm256_set1_ps(kP0);
@@ -224,7 +218,8 @@ struct S {
   ATT_TARGET static V exp(V a) {
     const __mmask16 keep = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
     const V x = _mm512_max_ps(a, _mm512_set1_ps(kExpMin));
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
     V p = _mm512_set1_ps(kP0);
@@ -313,6 +308,8 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
   else
 #endif
     portable::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+  // summed in this thread's buffer, written out once: a neighbouring task's output may share a cache
+  // line with this one's, and another thread writing it would bounce the line per sum
   for (int64_t j = 0; j < m; ++j) {
     float* o = t.o.data() + j * d;
     const float inv = 1.f / t.sums[j];

@@ -25,7 +25,6 @@ template <KvKind K, int M>
 ATT_TARGET void scores(const Keys& keys, int64_t n, const float* qs, float* sc, int64_t ns) {
   const int64_t nv = keys.d / S::W;
   for (int64_t p = 0; p < n; ++p) {
-    if (p + kAhead < n) keys.prefetch(p + kAhead);
     const Ref r = keys.at(p);
     typename S::V acc[M];
     for (int j = 0; j < M; ++j) acc[j] = S::zero();
@@ -59,7 +58,6 @@ ATT_TARGET void values_part(const Keys& vals, int64_t n, const float* w, int64_t
   for (int j = 0; j < M; ++j)
     for (int u = 0; u < C; ++u) acc[j][u] = S::zero();
   for (int64_t p = 0; p < n; ++p) {
-    if (p + kAhead < n) vals.prefetch(p + kAhead);
     const Ref r = vals.at(p);
     typename S::V wp[M];
     for (int j = 0; j < M; ++j) wp[j] = S::set1(w[j * ns + p]);
