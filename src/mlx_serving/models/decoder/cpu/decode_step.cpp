@@ -5,10 +5,8 @@
 // RoPE, reshapes, K/V scatters) around the products and attention; here it is one primitive whose
 // work runs on a thread pool kept alive across regions and steps (pool.h), per layer: RMSNorm ->
 // int8 q/k/v product (+ bias) -> q/k RMSNorm (Qwen3) -> RoPE -> K/V written into the paged cache in
-// place (kv_store.cpp: float32, float16 / bfloat16, or rotated int8 / int4, as the cache stores them) ->
-// GQA attention over the row's prefix (attend.cpp: vectorized, a KV head's query heads together) ->
-// int8 o product + residual -> RMSNorm -> int8 gate/up product -> SwiGLU -> int8 down product +
-// residual; then the final norm and the head.
+// place (kv_store.cpp: float32, float16 / bfloat16, or rotated int8 / int4, as the cache stores them) -> GQA attention over the row's prefix -> int8 o product + residual -> RMSNorm -> int8
+// gate/up product -> SwiGLU -> int8 down product + residual; then the final norm and the head.
 // The per-row element-wise work (norms, q/k norm + RoPE + K/V write, residuals, SwiGLU) runs in
 // pool regions over rows too, not on the caller alone (at 32 rows it was ~5 ms serial per step).
 //
