@@ -8,6 +8,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "attend.h"
 #include "decode_step.h"
 #include "kernels.h"
 #include "kv_store.h"
@@ -94,6 +95,10 @@ NB_MODULE(_kernels, m) {
         nb::arg("scales") = std::vector<array>{}, nb::arg("bits") = 0, nb::arg("group") = 0,
         "One decode token per row -> [logits (B, vocab), keys..., values..., scales...] (the K/V written in place; "
         "float32/float16/bfloat16 K/V, or with bits 4 / 8 the quantized layout and its scales and biases).");
+  m.def("attend", &ms::attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("rows"), nb::arg("g"),
+        nb::arg("scales") = std::vector<array>{}, nb::arg("bits") = 0, nb::arg("group") = 0,
+        "The decode step's attention of q (m, D), the query heads of KV head g, over the cache rows ``rows`` of k / v "
+        "-> (m, D) float32 (tests).");
   m.def("kv_quantize", &ms::kv_quantize, nb::arg("x"), nb::arg("bits"), nb::arg("group"),
         "The decode step's quantized K/V store of x (N, D) float32 -> [w, scales, biases] (tests).");
   m.def("int8_matmul", &ms::int8_matmul, nb::arg("m"), nb::arg("x"),

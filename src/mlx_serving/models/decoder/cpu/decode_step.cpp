@@ -34,6 +34,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "attend.h"
 #include "kv_store.h"
 #include "pack.h"
 #include "pool.h"
@@ -147,59 +148,21 @@ void Decoder::mlp_product(const LayerWeights& lw, const float* x, int64_t rows, 
   qgemm(*lw.down.packed, act_rows_, y, isa_, pool_);
 }
 
-// Each row's heads attend over the row's prefix in layer ``l``'s cache, read as stored (float16 /
-// bfloat16 widened in the dot products; int8 / int4 dequantized per head vector, the query rotated
-// into the cache's Hadamard basis and the output back: kv_cache.PagedKVCache.rotate).
+// Each row's heads attend over the row's prefix in layer ``l``'s cache, read as stored (attend.h:
+// float16 / bfloat16 widened, int8 / int4 dequantized in the kernel's vectors, the query rotated into
+// the cache's Hadamard basis and the output back: kv_cache.PagedKVCache.rotate).
 void Decoder::attend_rows(int64_t l, const KvCache& kv) {
-  const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, hkv = d_.kv_heads, dd = d_.head_dim;
-  const int64_t width = (h + 2 * hkv) * dd, group = h / hkv;
-  const float scale = 1.f / std::sqrt(static_cast<float>(dd));
-  const bool vec = isa_ != Isa::portable && dd % 8 == 0, quant = kv.quantized();
-  const KvSide& ks = kv.keys[l];
-  const KvSide& vs = kv.values[l];
-  const KvKind kind = quant ? KvKind::kF32 : kv.kind;  // what the dot products read: a dequantized vector
-  // With enough rows, one task per (row, KV head): the query heads sharing a KV head run in turn on
-  // one thread, so its K/V are fetched into that core's cache once (split over threads, each fetched
-  // them again); with few rows, one task per (row, query head), for the threads' balance.
-  const int64_t per = a * hkv >= 8 * pool_.threads() ? group : 1, tasks = per == 1 ? a * h : a * hkv;
+  const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, dd = d_.head_dim;
+  const int64_t width = (h + 2 * d_.kv_heads) * dd, group = h / d_.kv_heads;
+  // One task per (row, KV head) when there are at least as many as threads: the query heads sharing
+  // a KV head run together, each key and value loaded once for all of them (~1.8x less work per head
+  // than alone); else one task per (row, query head), so that every thread has work. A head's result
+  // is the same either way (attend.h).
+  const int64_t per = a * d_.kv_heads >= pool_.threads() ? group : 1, tasks = a * h / per;
   pool_.run(tasks, [&](int64_t t) {
-    thread_local std::vector<float> sc, qs, buf, acc;
-    const int64_t r = t * per / h, first = t * per % h, g = first / group, n = pos_[r] + 1;
-    const int64_t* idx = idx_.data() + off_[r];
-    sc.resize(n);
-    qs.resize(dd);
-    buf.resize(dd);
-    acc.resize(dd);
-    auto row = [&](const KvSide& side, int64_t p) -> const void* {
-      if (!quant) return stored_row(side, kind, idx[p] * hkv + g, dd);
-      kv.load(side, idx[p], g, buf.data());
-      return buf.data();
-    };
-    for (int64_t head = first; head < first + per; ++head) {
-      const float* q = qkv_.data() + r * width + head * dd;
-      std::copy(q, q + dd, qs.begin());
-      if (quant) hadamard(qs.data(), dd);
-      for (int64_t c = 0; c < dd; ++c) qs[c] *= scale;
-      float top = -INFINITY;
-      for (int64_t p = 0; p < n; ++p) {
-        sc[p] = dot_stored(qs.data(), row(ks, p), kind, dd, vec);
-        top = std::max(top, sc[p]);
-      }
-      float sum = 0.f;
-      for (int64_t p = 0; p < n; ++p) {
-        sc[p] = std::exp(sc[p] - top);
-        sum += sc[p];
-      }
-      // summed in a buffer of this thread's, written out once: a neighbouring head's output may share
-      // a cache line with this one's, and another thread writing it would bounce the line per sum
-      float* o = acc.data();
-      std::fill(o, o + dd, 0.f);
-      for (int64_t p = 0; p < n; ++p) axpy_stored(sc[p], row(vs, p), kind, o, dd, vec);
-      const float inv = 1.f / sum;
-      for (int64_t c = 0; c < dd; ++c) o[c] *= inv;
-      if (quant) hadamard(o, dd);
-      std::copy(o, o + dd, att_.data() + (r * h + head) * dd);
-    }
+    const int64_t r = t * per / h, first = t * per % h;
+    attend_heads(kv, kv.keys[l], kv.values[l], first / group, idx_.data() + off_[r], pos_[r] + 1,
+                 qkv_.data() + r * width + first * dd, per, att_.data() + (r * h + first) * dd, isa_);
   });
 }
 

@@ -1,12 +1,12 @@
-// The CPU decode step's KV cache reads and writes (kv_store.h), in each layout kv_cache.py stores.
+// The CPU decode step's KV cache writes (kv_store.h), in each layout kv_cache.py stores (the reads:
+// attend.cpp).
 //
 // Writes are MLX's own, bit for bit, so a block written by the decode step equals one written by the
 // generic forward (prefill, the "matmul" path): float16 / bfloat16 through MLX's conversion types
 // (round to nearest even), int8 / int4 as PagedKVCache.write does, mx.hadamard_transform (MLX's CPU
 // butterfly order, hadamard.cpp) then, for int8, mx.quantize's affine rounding (quantized.cpp's
 // quantize: the group's edge value exact, scale and bias float32), for int4 kv_quantizer.fit_int4's
-// least-squares scale and bias (fit_group4). Reads widen exactly (float16 / bfloat16) or
-// dequantize to scale * q + bias in float32.
+// least-squares scale and bias (fit_group4).
 
 #include "kv_store.h"
 
@@ -19,11 +19,6 @@
 #include "mlx/ops.h"
 
 #include "mlx/types/half_types.h"
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define KV_X86 1
-#endif
 
 namespace mx = mlx::core;
 
@@ -155,38 +150,6 @@ void fit_group4(const float* w, int64_t group, uint32_t* out, float* scale_out, 
   *bias_out = bias;
 }
 
-size_t element_bytes(KvKind kind) { return kind == KvKind::kF32 ? 4 : 2; }
-
-#ifdef KV_X86
-__attribute__((target("avx2,fma,f16c"))) __m256 load8(const void* p, KvKind kind, int64_t i) {
-  if (kind == KvKind::kF32) return _mm256_loadu_ps(static_cast<const float*>(p) + i);
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
-  if (kind == KvKind::kF16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-__attribute__((target("avx2,fma,f16c"))) float dot_avx2(const float* q, const void* k, KvKind kind, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k, kind, i), acc);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma,f16c"))) void axpy_avx2(float a, const void* v, KvKind kind, float* y, int64_t d) {
-  const __m256 va = _mm256_set1_ps(a);
-  for (int64_t i = 0; i < d; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(v, kind, i), _mm256_loadu_ps(y + i)));
-}
-#endif
-
-float widen(const void* p, KvKind kind, int64_t i) {
-  if (kind == KvKind::kF32) return static_cast<const float*>(p)[i];
-  if (kind == KvKind::kF16) return static_cast<float>(static_cast<const mx::float16_t*>(p)[i]);
-  return static_cast<float>(static_cast<const mx::bfloat16_t*>(p)[i]);
-}
-
 }  // namespace
 
 void hadamard(float* x, int64_t n) {
@@ -239,48 +202,6 @@ void KvCache::store(const KvSide& side, int64_t row, float* x) const {
       }
     }
   }
-}
-
-void KvCache::load(const KvSide& side, int64_t row, int64_t head, float* out) const {
-  const int64_t at = row * hkv + head;
-  if (!quantized()) {
-    for (int64_t c = 0; c < d; ++c) out[c] = widen(side.data, kind, at * d + c);
-    return;
-  }
-  const int bits = bits_of(kind), per = 32 / bits;
-  const uint32_t mask = (1u << bits) - 1;
-  const uint32_t* w = static_cast<const uint32_t*>(side.data) + at * (d * bits / 32);
-  const float* s = side.scales + at * (d / group);
-  const float* b = side.biases + at * (d / group);
-  for (int64_t c = 0; c < d; ++c) {
-    const float q = static_cast<float>((w[c / per] >> (bits * (c % per))) & mask);
-    out[c] = s[c / group] * q + b[c / group];
-  }
-}
-
-float dot_stored(const float* q, const void* k, KvKind kind, int64_t d, bool vec) {
-#ifdef KV_X86
-  if (vec) return dot_avx2(q, k, kind, d);
-#endif
-  (void)vec;
-  float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += q[i] * widen(k, kind, i);
-  return s;
-}
-
-void axpy_stored(float a, const void* v, KvKind kind, float* y, int64_t d, bool vec) {
-#ifdef KV_X86
-  if (vec) {
-    axpy_avx2(a, v, kind, y, d);
-    return;
-  }
-#endif
-  (void)vec;
-  for (int64_t i = 0; i < d; ++i) y[i] += a * widen(v, kind, i);
-}
-
-const void* stored_row(const KvSide& side, KvKind kind, int64_t index, int64_t d) {
-  return static_cast<const char*>(side.data) + index * d * element_bytes(kind);
 }
 
 std::vector<mx::array> kv_quantize(const mx::array& x, int bits, int group) {

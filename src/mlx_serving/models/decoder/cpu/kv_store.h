@@ -32,20 +32,11 @@ struct KvCache {
   // them (kv_cache.PagedKVCache.write): the dtype's rounding, or mx.hadamard_transform then
   // mx.quantize's (int8) or kv_quantizer.fit_int4's (int4), bit for bit. ``x`` is rotated in place when quantized.
   void store(const KvSide& side, int64_t row, float* x) const;
-  // ``out`` (d float32) = the head vector at (row, head), widened or dequantized (scale * q + bias).
-  void load(const KvSide& side, int64_t row, int64_t head, float* out) const;
 };
 
 // mx.hadamard_transform of ``x`` (n float32, n a power of 2) in place, in MLX's CPU order (the
 // butterflies, then the scale 1 / sqrt(n) folded into the last stage).
 void hadamard(float* x, int64_t n);
-
-// q . k for k stored as ``kind`` (kF32 / kF16 / kBF16) at ``k``; ``vec``: the AVX2 loop (d % 8 == 0).
-float dot_stored(const float* q, const void* k, KvKind kind, int64_t d, bool vec);
-// y += a * v for v stored as ``kind`` (kF32 / kF16 / kBF16).
-void axpy_stored(float a, const void* v, KvKind kind, float* y, int64_t d, bool vec);
-// The stored head vector ``index`` (row * Hkv + head) of a float kind's side.
-const void* stored_row(const KvSide& side, KvKind kind, int64_t index, int64_t d);
 
 // The decode step's store of ``x`` (N, D) float32 head vectors as a ``bits`` (4 / 8) cache with groups of
 // ``group`` (for the tests: equal to mx.quantize (int8) or kv_quantizer.fit_int4 (int4) of mx.hadamard_transform(x),
