@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["NativeMlp", "PackedLayer", "prefill_state"]
+__all__ = ["RELEASED", "NativeMlp", "PackedLayer", "packed_matrix", "prefill_state"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class PackedLayer:
     o: Any
     gate_up: Any
     down: Any
+
+
+#: What a swapped Linear holds in place of MLX's arrays (weight, scales, biases): an empty array,
+#: never read (its product is the packed matrix's).
+RELEASED = mx.zeros((0,), mx.uint8)
 
 
 @dataclass(frozen=True)
@@ -71,18 +76,29 @@ class NativeMlp:
         return self.module.int8_swiglu_matmul(self.down, self.gate_up(x), self.threads)
 
 
+def packed_matrix(m: Linear) -> Any:
+    """The packed matrix (the native module's ``QMatrix``) that computes ``m`` when ``m`` is a
+    Linear :func:`prefill_state` swapped; else None."""
+    return m.kernel.matrix if isinstance(m.kernel, _Packed) else None
+
+
 def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLayer], head: Any) -> State:
     """``state`` with each projection and the head computed by ``module``'s int8 GEMM over
     ``layers``' / ``head``'s packed matrices (the decode step's, one per fused q/k/v, o, fused
     gate/up, down and head: every one of ``state``'s is quantized as :func:`.native_decode`
     checks) on a pool of ``threads``, each layer's MLP a :class:`NativeMlp`, and the native
     attention (``state.attention``, when set) on the same pool instead of OpenMP's. The packed
-    matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none; it
-    keeps its other arrays (the embedding lookup of a tied head reads them; a tied embedding stays
-    tied)."""
+    matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none, and
+    it does not keep MLX's arrays either (:data:`RELEASED` in their place: the packed copy is the
+    only one this model holds), except a tied head's, which the embedding lookup reads (a tied
+    embedding stays tied). A Linear already swapped (``state`` is a model this made) keeps its
+    packed matrix: :func:`packed_matrix`."""
 
     def swap(m: Linear, matrix: Any) -> Linear:
-        return replace(m, kernel=_Packed(module, matrix, threads), bias=None)  # the packed matrix adds it
+        kernel = _Packed(module, matrix, threads)
+        if m is state.embed_tokens:  # a tied head: the embedding lookup reads MLX's arrays
+            return replace(m, kernel=kernel, bias=None)  # the packed matrix adds the bias
+        return replace(m, kernel=kernel, bias=None, weight=RELEASED, scales=RELEASED, biases=RELEASED)
 
     def layer(ly: Layer, p: PackedLayer) -> Layer:
         gate_up = ly.gate_up.map(lambda m: swap(m, p.gate_up))
