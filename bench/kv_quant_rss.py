@@ -15,6 +15,12 @@ the end (VmHWM), with MLX's active, peak and buffer-cache memory.
 
     .venv/bin/python bench/kv_quant_rss.py               # N = 32, JSON to bench/results/kv_quant_rss.json
     .venv/bin/python bench/kv_quant_rss.py --breakdown --kv auto int8 float32
+
+``--cache-cost MIB ...``: what MLX's buffer cache bound costs in speed (:func:`cache_cost`): one
+process, the bounds in turn for ``--rounds`` rounds, CPU time per prefill token and per 1- and
+32-row step (``--decode-path``: the native step by default, or "matmul").
+
+    .venv/bin/python bench/kv_quant_rss.py --cache-cost 1024 16 0 --kv int8
 """
 
 from __future__ import annotations
