@@ -94,10 +94,12 @@ def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int
     backend = GenerationBackend(state, opts)  # as the serving: it keeps the model its engines run
     del state  # the server keeps no other reference
     gc.collect()
-    out["kept_model"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20, "mlx_buffer_cache": mx.get_cache_memory() >> 20}
+    out["kept_model"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20,
+                         "mlx_buffer_cache": mx.get_cache_memory() >> 20}
     engine = backend.init("", None, 1)
     out["engine"] = {**_mib(), "kv_pool": engine.runner.cache.nbytes >> 20, "decode_path": engine.decode_backend.name,
-                     "mlx_active": mx.get_active_memory() >> 20, "buffer_cache_limit_mib": None if opts.buffer_cache_bytes is None else opts.buffer_cache_bytes >> 20}
+                     "mlx_active": mx.get_active_memory() >> 20,
+                     "buffer_cache_limit_mib": None if opts.buffer_cache_bytes is None else opts.buffer_cache_bytes >> 20}
     rng = np.random.default_rng(0)
     for i in range(streams):
         engine.add(i, rng.integers(0, 49000, prompt).tolist(), SamplingParams(max_new_tokens=gen, eos_token_ids=()))
@@ -203,7 +205,8 @@ def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: s
                 samples[mib].setdefault(k, []).append(v)
             print(mib, json.dumps({k: round(v, 3) for k, v in got.items()}), flush=True)
     medians = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in samples.items()}
-    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds, "loadavg": os.getloadavg(), "medians": medians,
+    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds,
+            "loadavg": os.getloadavg(), "medians": medians,
             "samples": samples}
 
 

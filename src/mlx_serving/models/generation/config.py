@@ -25,8 +25,8 @@ from ..decoder.memory import on_cpu, on_cuda
 from .policy import Policy
 from .sampling import _show
 
-__all__ = ["BUFFER_CACHE_BYTES", "CPU_BUFFER_CACHE_BYTES", "POLICIES", "SPECULATIVE_METHODS", "CacheConfig", "DecodeConfig", "EngineConfig",
-           "SchedulerConfig", "SpeculativeConfig", "default_buffer_cache_bytes"]
+__all__ = ["BUFFER_CACHE_BYTES", "CPU_BUFFER_CACHE_BYTES", "POLICIES", "SPECULATIVE_METHODS", "CacheConfig",
+           "DecodeConfig", "EngineConfig", "SchedulerConfig", "SpeculativeConfig", "default_buffer_cache_bytes"]
 
 #: MLX's buffer cache bound an engine sets by default on a GPU (``mx.set_cache_limit``): freed
 #: buffers MLX keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of
@@ -44,6 +44,7 @@ def default_buffer_cache_bytes() -> int:
     """The default ``buffer_cache_bytes``: :data:`CPU_BUFFER_CACHE_BYTES` where MLX's default
     device is the CPU (when the config is built), else :data:`BUFFER_CACHE_BYTES`."""
     return CPU_BUFFER_CACHE_BYTES if on_cpu() else BUFFER_CACHE_BYTES
+
 
 #: The queue policies by name (:func:`~.policy.make_policy`).
 POLICIES = ("fcfs", "priority")
