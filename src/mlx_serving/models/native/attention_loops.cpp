@@ -103,27 +103,6 @@ __attribute__((target("avx2,fma"))) void accumulate_avx2(float* o, float corr, c
     for (int i = 0; i < lanes; ++i) _mm256_storeu_ps(o + c0 + 8 * i, acc[i]);
   }
 }
-// kt[c * kSk + s0 + i] = rows[i][c] for 8 key rows and c in [c0, c0 + 8): an 8 x 8 transpose.
-__attribute__((target("avx2,fma"))) void transpose8_avx2(const float* const* rows, int64_t c0, float* kt, int s0) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + c0);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  // For j < 4, r[j] holds column c0 + j of rows 0-3 in its low half and column c0 + j + 4 of
-  // rows 0-3 in its high half; r[j + 4] the same for rows 4-7: pair up the 128-bit halves.
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(kt + (c0 + j) * kSk + s0, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-    _mm256_storeu_ps(kt + (c0 + j + 4) * kSk + s0, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-  }
-}
 
 // r[j] = column j of the 8 x 8 matrix whose row i is r[i] (in place; its own inverse).
 __attribute__((target("avx2,fma"))) inline void transpose8x8(__m256* r) {
@@ -138,11 +117,21 @@ __attribute__((target("avx2,fma"))) inline void transpose8x8(__m256* r) {
     r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
     r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
   }
-  for (int j = 0; j < 4; ++j) {  // as transpose8_avx2: pair up the 128-bit halves
+  // For j < 4, r[j] holds column j of rows 0-3 in its low half and column j + 4 of rows 0-3 in
+  // its high half; r[j + 4] the same for rows 4-7: pair up the 128-bit halves.
+  for (int j = 0; j < 4; ++j) {
     t[j] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x20);
     t[j + 4] = _mm256_permute2f128_ps(r[j], r[j + 4], 0x31);
   }
   for (int j = 0; j < 8; ++j) r[j] = t[j];
+}
+
+// kt[c * kSk + s0 + i] = rows[i][c] for 8 key rows and c in [c0, c0 + 8): an 8 x 8 transpose.
+__attribute__((target("avx2,fma"))) void transpose8_avx2(const float* const* rows, int64_t c0, float* kt, int s0) {
+  __m256 r[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + c0);
+  transpose8x8(r);
+  for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (c0 + j) * kSk + s0, r[j]);
 }
 
 constexpr int64_t kMaxRotated = 256;  // the widest head vector hadamard8 rotates (wider: one at a time)
