@@ -28,7 +28,7 @@ from typing import IO, Any
 import mlx.core as mx
 
 from ._version import __version__
-from .serving import Serving
+from .serving import BackendError, Serving
 
 from .models import text_generation
 from .models.sources import DEFAULT_MODEL, resolve
@@ -302,6 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except (ValueError, OSError) as e:  # a bad option or input, a model that cannot be found or fetched
         print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except BackendError as e:  # an option the engine refused when it was built (e.g. a GPU-only decode path)
+        if not isinstance(e.__cause__, (ValueError, OSError)):
+            raise
+        print(f"{_PROG}: error: {e.__cause__}", file=sys.stderr)
         return 2
 
 

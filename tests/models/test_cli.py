@@ -534,3 +534,15 @@ def test_ctrl_c_while_generating_stops_the_reply_and_the_chat_goes_on(tiny_ckpt:
     finally:
         child.kill()
         child.wait()
+
+
+def test_an_option_the_engine_refuses_exits_2_with_one_line(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A GPU-only decode path on a machine without MLX's CUDA kernels: the engine refuses it when it
+    is built (a BackendError whose cause is the ValueError); the CLI prints the cause, no traceback."""
+    from mlx_serving.models.decoder.cuda_kernels import kernels_available
+    if kernels_available():
+        pytest.skip("the fused CUDA kernels run here")
+    assert cli.main(["generate", "x", "--decode-path", "fused", "--model", str(tiny_ckpt), *_SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "mlx-serving: error: decode_path 'fused'" in err and "Traceback" not in err
