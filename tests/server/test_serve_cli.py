@@ -106,6 +106,7 @@ def test_ctrl_c_stops_the_server(cli_server: tuple[str, subprocess.Popen]):
     assert process.wait(60) == 130  # the CLI's status for Ctrl-C, after a graceful shutdown
     stderr = process.stderr.read()
     assert "mlx-serving: interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert "ready: max_len 320, max_batch 8, KV cache " in stderr and " tokens (auto) per worker" in stderr, stderr
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health")
 

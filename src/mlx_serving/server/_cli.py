@@ -490,8 +490,12 @@ def _architecture(path: Path, options: dict[str, Any]) -> str:
 
 
 def _describe(client: Client, options: dict[str, Any], workers: int) -> str:
-    """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens per worker, in process``."""
+    """``max_len 2048, max_batch 32, KV cache 4096 blocks x 16 tokens (int8) per worker, in process``
+    (the cache's ``kv_cache_dtype`` as asked, ``auto`` included; the ``decode_path`` when one is asked)."""
     blocks = int(client.stats().backend.get("blocks_total", 0))
-    cache = f"KV cache {blocks} blocks x {options['block_size']} tokens" if blocks else "slot KV cache"
+    dtype = options.get("kv_cache_dtype") or "auto"
+    cache = f"KV cache {blocks} blocks x {options['block_size']} tokens ({dtype})" if blocks else "slot KV cache"
+    if options.get("decode_path"):
+        cache += f", decode_path {options['decode_path']}"
     where = f"{workers} worker processes" if workers > 1 else "in process"
     return f"max_len {options['max_len']}, max_batch {options['max_batch']}, {cache} per worker, {where}"
