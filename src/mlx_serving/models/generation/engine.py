@@ -347,7 +347,8 @@ def _runnable(backend: DecodeBackend) -> DecodeBackend:
     if (isinstance(backend, FusedDecode) and backend.attention is cuda_kernels.decode_attention
             and not cuda_kernels.kernels_available()):
         raise ValueError("decode_path 'fused' needs MLX's CUDA build and a GPU (the CUDA kernels); "
-                         "use 'matmul' or None here")
+                         "leave decode_path unset (--decode-path left out: the device's default) or use "
+                         "'native' (the CPU's) or 'matmul' here")
     return backend
 
 
