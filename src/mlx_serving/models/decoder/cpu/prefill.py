@@ -117,7 +117,7 @@ class PackedEmbedding(Linear):
     def rows(self, ids: mx.array) -> mx.array:
         """Embedding lookup: rows ``ids`` (any integer shape) -> ``ids.shape + (hidden,)`` float32."""
         assert isinstance(self.kernel, _Packed)  # prefill_state makes it with its packed matrix
-        return self.kernel.module.packed_rows(self.kernel.matrix, ids)  # type: ignore[no-any-return]  # nanobind module: Any
+        return self.kernel.module.packed_rows(self.kernel.matrix, ids)
 
 
 def packed_matrix(m: Linear) -> Any:
