@@ -5,6 +5,8 @@ table of a tied head, and its lookup equals the loaded model's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from mlx_serving.models import native
 from mlx_serving.models.decoder.cpu import native_decode
 from mlx_serving.models.decoder.cpu.prefill import PackedEmbedding
 from mlx_serving.models.decoder.layers import State
+from mlx_serving.models.loader import load
 
 pytestmark = pytest.mark.skipif(native.cpu_decode_module() is None or mx.default_device() != mx.cpu,
                                 reason=f"the native CPU kernels are not available: {native.unavailable_reason()}")
@@ -50,16 +53,27 @@ def test_packed_rows_refuses_ids_that_are_not_integers() -> None:
         module.packed_rows(module.QMatrix(w, s, b, None, 8, 32), mx.array([0.5]))
 
 
-def test_the_kept_model_looks_up_the_tied_table_in_the_packed_head(tiny: State) -> None:
-    """The native path's model: a tied head whose lookup is the packed head's rows (no MLX table),
-    every row of the vocabulary bit for bit the loaded model's lookup."""
-    assert tiny.embed_tokens is tiny.lm_head
-    backend = native_decode(tiny)
+def _check_kept_lookup(state: State) -> None:
+    """The native path's model of ``state``: a tied head whose lookup is the packed head's rows (no
+    MLX table), every row of the vocabulary bit for bit ``state``'s lookup."""
+    assert state.embed_tokens is state.lm_head
+    backend = native_decode(state)
     assert backend is not None
     kept = backend.prefill_state
     assert isinstance(kept.embed_tokens, PackedEmbedding) and kept.embed_tokens is kept.lm_head
     assert kept.lm_head.weight.size == kept.lm_head.scales.size == kept.lm_head.biases.size == 0
-    ids = mx.arange(tiny.config.vocab_size, dtype=mx.int32)
-    assert np.array_equal(_bits(kept.embed_tokens.rows(ids)), _bits(tiny.embed_tokens.rows(ids)))
+    ids = mx.arange(state.config.vocab_size, dtype=mx.int32)
+    assert np.array_equal(_bits(kept.embed_tokens.rows(ids)), _bits(state.embed_tokens.rows(ids)))
     again = native_decode(kept)  # a model this made: its packed matrices (and lookup) kept
     assert again is not None and isinstance(again.prefill_state.embed_tokens, PackedEmbedding)
+
+
+def test_the_kept_model_looks_up_the_tied_table_in_the_packed_head(tiny: State) -> None:
+    """The tiny 4-bit checkpoint (bfloat16 scales in the file)."""
+    _check_kept_lookup(tiny)
+
+
+def test_smollm2s_8_bit_table_is_looked_up_in_the_packed_head(smollm2_dir: Path) -> None:
+    """SmolLM2-135M's GGUF: an 8-bit tied table (Q8_0, float32 scales in MLX, float16 in the
+    packed head), all 49,152 rows."""
+    _check_kept_lookup(load(smollm2_dir))
