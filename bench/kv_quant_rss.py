@@ -11,7 +11,9 @@ engine the server builds (``--max-batch N --max-len 320``, 512 tokens a step, th
 runs the same N streams in-process, recording RSS (MiB) after the imports, after loading the
 weights, after the serving's backend keeps its model (on the native path the packed one; the loaded
 model dropped, as the server drops it), after building the engine (the KV pool: its bytes), and at
-the end (VmHWM), with MLX's active, peak and buffer-cache memory.
+the end (VmHWM), with MLX's active, peak and buffer-cache memory. ``--malloc``: glibc's malloc as
+``serve`` sets it ("server", the default: :mod:`mlx_serving.server._malloc`), its defaults ("glibc"),
+or serve's with an mmap threshold of that many KiB (e.g. "128").
 
     .venv/bin/python bench/kv_quant_rss.py               # N = 32, JSON to bench/results/kv_quant_rss.json
     .venv/bin/python bench/kv_quant_rss.py --breakdown --kv auto int8 float32
@@ -21,6 +23,12 @@ process, the bounds in turn for ``--rounds`` rounds, CPU time per prefill token 
 32-row step (``--decode-path``: the native step by default, or "matmul").
 
     .venv/bin/python bench/kv_quant_rss.py --cache-cost 1024 16 0 --kv int8
+
+``--malloc-cost MIB``: what an mmap threshold (``--malloc KIB``) costs in speed against glibc's
+dynamic one (:func:`malloc_cost`): ``--rounds`` rounds of a fresh process per setting in turn, each
+one round of ``--cache-cost MIB``; the per-round ratios and their medians.
+
+    .venv/bin/python bench/kv_quant_rss.py --malloc-cost 16 --malloc 128 --kv int8 --rounds 6
 """
 
 from __future__ import annotations
@@ -73,9 +81,21 @@ def _mib() -> dict[str, int]:
     return {k: int(v.split()[0]) >> 10 for k, v in rows}
 
 
-def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int | None) -> dict[str, Any]:
-    """The stages of one process (see the module docstring); ``cache_mib``: MLX's buffer cache bound."""
-    out: dict[str, Any] = {"kv_cache_dtype": kv, "imports": _mib()}
+def _set_malloc(malloc: str) -> None:
+    """glibc's malloc for ``malloc``: "server", as ``serve`` sets it (:mod:`mlx_serving.server._malloc`);
+    a number, ``serve``'s settings with that mmap threshold (KiB); "glibc", glibc's defaults."""
+    if malloc == "glibc":
+        return
+    from mlx_serving.server._malloc import tune_malloc
+
+    tune_malloc(None if malloc == "server" else int(malloc) << 10)
+
+
+def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int | None, malloc: str) -> dict[str, Any]:
+    """The stages of one process (see the module docstring); ``cache_mib``: MLX's buffer cache bound;
+    ``malloc``: :func:`_set_malloc`'s."""
+    out: dict[str, Any] = {"kv_cache_dtype": kv, "malloc": malloc, "imports": _mib()}
+    _set_malloc(malloc)
     import gc
 
     import mlx.core as mx
@@ -110,7 +130,8 @@ def breakdown_child(kv: str, streams: int, prompt: int, gen: int, cache_mib: int
     return out
 
 
-def breakdown(kvs: list[str], streams: int, prompt: int, gen: int, cache_mib: int | None) -> list[dict[str, Any]]:
+def breakdown(kvs: list[str], streams: int, prompt: int, gen: int, cache_mib: int | None,
+              malloc: str) -> list[dict[str, Any]]:
     """:func:`breakdown_child` for each of ``kvs``, each in a fresh process."""
     import subprocess
 
@@ -118,7 +139,7 @@ def breakdown(kvs: list[str], streams: int, prompt: int, gen: int, cache_mib: in
     for kv in kvs:
         extra = [] if cache_mib is None else ["--buffer-cache-mib", str(cache_mib)]
         done = subprocess.run([sys.executable, __file__, "--breakdown-child", kv, "--streams", str(streams),
-                               "--prompt", str(prompt), "--gen", str(gen), *extra],
+                               "--prompt", str(prompt), "--gen", str(gen), "--malloc", malloc, *extra],
                               capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
@@ -146,14 +167,17 @@ def _timed_steps(engine: Any, steps: int) -> tuple[float, float, int]:
     return c1 - c0, w1 - w0, f1 - f0
 
 
-def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: str | None) -> dict[str, Any]:
+def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: str | None,
+               malloc: str) -> dict[str, Any]:
     """MLX's buffer cache bound on a CPU decode path (``path``: None, the native step, or "matmul"),
     A/B in one process: ``rounds`` rounds, each
     running every bound of ``limits_mib`` in turn (``mx.set_cache_limit``, the cache emptied when it
     changes), each measuring the prefill (16 prompts of ``prompt`` tokens, 512 tokens a step: CPU
     seconds per 1,000 prompt tokens and prompt tokens per wall second) and decode steps at 1 and 32
     rows (CPU ms per step and page faults per step over 16 steps, after 2 untimed ones). CPU time
-    is the process's (every thread: the step's pool included). Medians per bound."""
+    is the process's (every thread: the step's pool included). Medians per bound. ``malloc``:
+    :func:`_set_malloc`'s, set first."""
+    _set_malloc(malloc)
     import gc
 
     import mlx.core as mx
@@ -205,9 +229,34 @@ def cache_cost(kv: str, limits_mib: list[int], rounds: int, prompt: int, path: s
                 samples[mib].setdefault(k, []).append(v)
             print(mib, json.dumps({k: round(v, 3) for k, v in got.items()}), flush=True)
     medians = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in samples.items()}
-    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds,
+    return {"kv_cache_dtype": kv, "decode_path": engine.decode_backend.name, "rounds": rounds, "malloc": malloc,
             "loadavg": os.getloadavg(), "medians": medians,
             "samples": samples}
+
+
+def malloc_cost(kv: str, cache_mib: int, rounds: int, prompt: int, path: str | None, malloc: str) -> dict[str, Any]:
+    """What an mmap threshold costs in speed (:func:`_set_malloc`'s ``malloc``, e.g. "128", against "server";
+    the threshold cannot be put back in a process, so each setting runs in its own): ``rounds``
+    rounds, each a fresh process per setting in turn, running :func:`cache_cost` once at
+    ``cache_mib`` with that setting. The per-round ratios ``malloc`` / server of each figure, and
+    their medians."""
+    import subprocess
+
+    samples: dict[str, list[dict[str, float]]] = {"server": [], malloc: []}
+    for _ in range(rounds):
+        for malloc in samples:
+            done = subprocess.run([sys.executable, __file__, "--cache-cost", str(cache_mib), "--rounds", "1",
+                                   "--kv", kv, "--prompt", str(prompt), "--malloc", malloc, "--cache-cost-child",
+                                   *([] if path is None else ["--decode-path", path])],
+                                  capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+            samples[malloc].append(json.loads(done.stdout.strip().splitlines()[-1])[str(cache_mib)])
+            print(malloc, json.dumps({k: round(v, 3) for k, v in samples[malloc][-1].items()}), flush=True)
+    ratios = {k: [s[k] / a[k] if a[k] else float("nan") for s, a in zip(samples[malloc], samples["server"])]
+              for k in samples["server"][0]}
+    return {"kv_cache_dtype": kv, "buffer_cache_mib": cache_mib, "rounds": rounds, "loadavg": os.getloadavg(),
+            "median_ratio_over_server": {k: statistics.median(v) for k, v in ratios.items()},
+            "medians": {m: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for m, rows in samples.items()},
+            "ratios": ratios, "samples": samples}
 
 
 def main() -> int:
@@ -223,14 +272,30 @@ def main() -> int:
     ap.add_argument("--kv", nargs="+", default=["auto", "int8"], help="KV cache dtypes (--breakdown)")
     ap.add_argument("--buffer-cache-mib", type=int, default=None, help="MLX's buffer cache bound (--breakdown)")
     ap.add_argument("--breakdown-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache-cost-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache-cost", type=int, nargs="+", default=None, metavar="MIB",
                     help="instead: the speed of each MLX buffer cache bound (MiB), A/B in one process")
     ap.add_argument("--rounds", type=int, default=7, help="A/B rounds (--cache-cost)")
     ap.add_argument("--decode-path", default=None, choices=("native", "matmul"), help="(--cache-cost)")
+    ap.add_argument("--malloc", default="server",
+                    help="glibc's malloc: server (as serve sets it), KiB (serve's, with this mmap threshold) or glibc "
+                         "(its defaults) (--breakdown, --cache-cost)")
+    ap.add_argument("--malloc-cost", type=int, default=None, metavar="MIB",
+                    help="instead: --malloc's mmap threshold against glibc's (both with serve's arenas), at this "
+                         "buffer cache bound, --rounds rounds of a fresh process each")
     args = ap.parse_args()
+    if args.malloc_cost is not None:
+        report = malloc_cost(args.kv[0], args.malloc_cost, args.rounds, args.prompt, args.decode_path, args.malloc)
+        args.out.with_name(f"{args.out.stem}_malloc_cost.json").write_text(
+            json.dumps({"settings": vars(args), **report}, indent=1, default=str) + "\n")
+        print(json.dumps(report["median_ratio_over_server"]))
+        return 0
     if args.cache_cost:
         os.environ.setdefault("OMP_NUM_THREADS", "2")  # read when the step's pool is made
-        report = cache_cost(args.kv[0], args.cache_cost, args.rounds, args.prompt, args.decode_path)
+        report = cache_cost(args.kv[0], args.cache_cost, args.rounds, args.prompt, args.decode_path, args.malloc)
+        if args.cache_cost_child:  # a malloc_cost child: its medians only
+            print(json.dumps(report["medians"]))
+            return 0
         out = args.out.with_name(f"{args.out.stem}_cache_cost_{report['decode_path']}.json")
         out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, **report}, indent=1,
                                   default=str) + "\n")
@@ -238,10 +303,10 @@ def main() -> int:
         return 0
     if args.breakdown_child:
         print(json.dumps(breakdown_child(args.breakdown_child, args.streams, args.prompt, args.gen,
-                                         args.buffer_cache_mib)))
+                                         args.buffer_cache_mib, args.malloc)))
         return 0
     if args.breakdown:
-        rows = breakdown(args.kv, args.streams, args.prompt, args.gen, args.buffer_cache_mib)
+        rows = breakdown(args.kv, args.streams, args.prompt, args.gen, args.buffer_cache_mib, args.malloc)
         out = args.out.with_name(args.out.stem + "_breakdown.json")
         out.write_text(json.dumps({"settings": vars(args) | {"out": str(out)}, "rows": rows}, indent=1,
                                   default=str) + "\n")

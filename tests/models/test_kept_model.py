@@ -40,14 +40,15 @@ def _projections(state: State) -> list:
     return [m for ly in state.layers for m in (ly.qkv.merged, ly.o_proj, ly.gate_up.merged, ly.down_proj)]
 
 
-def test_the_native_path_keeps_the_packed_model_and_frees_mlxs_projections(tiny_ckpt: Path) -> None:
+def test_the_native_path_keeps_the_packed_model_and_frees_mlxs_projections_and_table(tiny_ckpt: Path) -> None:
     state = load(tiny_ckpt)
     released = sum(a.nbytes for m in _projections(state) for a in (m.weight, m.scales, m.biases))
     backend = GenerationBackend(state, _options())
     kept = backend._model
     assert kept is not state and all(m.weight.size == 0 and m.scales.size == 0 and packed_matrix(m) is not None
                                      for m in _projections(kept))
-    assert kept.lm_head is kept.embed_tokens and kept.lm_head.weight.size > 0  # the tied head: the lookup's table
+    assert kept.lm_head is kept.embed_tokens and kept.lm_head.weight.size == 0  # the tied head: its lookup packed too
+    released += sum(a.nbytes for a in (state.lm_head.weight, state.lm_head.scales, state.lm_head.biases))
     before = mx.get_active_memory()
     del state
     gc.collect()

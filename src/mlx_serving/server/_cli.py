@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._keep_alive import NEVER, parse_keep_alive
+from ._malloc import tune_malloc
 
 if TYPE_CHECKING:
     from ..serving import Client, Serving
@@ -208,7 +209,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """Start the server and block until it stops (Ctrl-C or SIGTERM). Returns the exit status: 0,
     2 for a bad option, a missing extra or models that failed to load."""
-    _fewer_malloc_arenas()
+    tune_malloc()
     try:
         import uvicorn
 
@@ -289,21 +290,6 @@ def _on_demand(models: list[tuple[str, str | None]], load: Callable[..., dict[st
 def _load_one(load: Callable[..., dict[str, Any]], name: str, spec: str | None) -> Any:
     """``load([(name, spec)])``'s one model."""
     return load([(name, spec)])[name]
-
-
-def _fewer_malloc_arenas() -> None:
-    """Cap glibc's malloc at 2 arenas (``MALLOC_ARENA_MAX=2``, unless the environment sets it): the
-    server's ~20 threads (uvicorn, anyio's pool, the executor, MLX, OpenMP) otherwise each grow an
-    arena, and peak RSS of a 1-stream server on SmolLM2-135M was 244 MiB against 232 with 2 arenas
-    (/proc VmHWM after four 128-token completions, 2-core x86-64). No-op off glibc."""
-    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)  # M_ARENA_MAX (malloc.h)
-    except (OSError, AttributeError):  # musl or another libc: nothing to set
-        pass
 
 
 def _is_loopback(host: str) -> bool:

@@ -33,11 +33,12 @@ __all__ = ["BUFFER_CACHE_BYTES", "CPU_BUFFER_CACHE_BYTES", "POLICIES", "SPECULAT
 #: 25.7 GB in use on the H200 at the text-generation defaults, issue 26).
 BUFFER_CACHE_BYTES = 1 << 30
 
-#: The default bound on the CPU (16 MiB): freed buffers go back to the C allocator, which reuses
-#: them as cheaply. At 1 GiB the cache held ~200 MiB at 32 streams (the prefill's many shapes) for
-#: no speed measured (docs/benchmarks.md, issue 42: CPU time per prefill token and per 1- and
-#: 32-row native step within noise of 16 MiB's and 0's).
-CPU_BUFFER_CACHE_BYTES = 16 << 20
+#: The default bound on the CPU (0: no cache): freed buffers go back to the C allocator, which
+#: reuses them as cheaply. At 1 GiB the cache held ~200 MiB at 32 streams (the prefill's many
+#: shapes), at 16 MiB 15 MiB (22 MiB of a 32-stream server's peak RSS), for no speed measured
+#: (docs/benchmarks.md, issue 42: CPU time per prefill token and per 1- and 32-row native step
+#: within noise of 1 GiB's, 16 MiB's and 0's).
+CPU_BUFFER_CACHE_BYTES = 0
 
 
 def default_buffer_cache_bytes() -> int:
@@ -111,7 +112,7 @@ class CacheConfig:
       ``kv_cache_bytes`` is None; vLLM's ``gpu_memory_utilization`` covers the weights too).
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     buffer_cache_bytes: the bound set on MLX's buffer cache when the engine is built, process-wide
-      (:func:`default_buffer_cache_bytes`: 16 MiB on the CPU, 1 GiB on a GPU); None: left as it is.
+      (:func:`default_buffer_cache_bytes`: 0 on the CPU, 1 GiB on a GPU); None: left as it is.
     kv_cache_dtype: what the blocks hold (vLLM's name): "auto", the activation dtype (the exact
       float cache), but float16 under the native CPU decode step (llama.cpp's default f16 cache:
       :data:`..decoder.decode_backends.NATIVE_AUTO_KV`); "float16" / "bfloat16", K and V rounded

@@ -41,10 +41,10 @@ _CPU_DECODER = _DIR.parent / "decoder" / "cpu"  # the CPU decode step's sources,
 _SOURCES = (_DIR / "module.cpp", _DIR / "quantized_matmul.cpp", _DIR / "paged_attention.cpp",
             _DIR / "attention_loops.cpp", _CPU_DECODER / "qdot.cpp", _CPU_DECODER / "decode_step.cpp",
             _CPU_DECODER / "qgemm.cpp", _CPU_DECODER / "prefill.cpp", _CPU_DECODER / "pack.cpp",
-            _CPU_DECODER / "kv_store.cpp", _CPU_DECODER / "attend.cpp")
+            _CPU_DECODER / "kv_store.cpp", _CPU_DECODER / "attend.cpp", _CPU_DECODER / "embed_rows.cpp")
 _HEADERS = (_DIR / "kernels.h", _DIR / "attention_loops.h", _CPU_DECODER / "qdot.h", _CPU_DECODER / "decode_step.h",
             _CPU_DECODER / "pool.h", _CPU_DECODER / "qgemm.h", _CPU_DECODER / "prefill.h", _CPU_DECODER / "pack.h",
-            _CPU_DECODER / "kv_store.h", _CPU_DECODER / "attend.h", _CPU_DECODER / "attend_simd.h")
+            _CPU_DECODER / "kv_store.h", _CPU_DECODER / "attend.h", _CPU_DECODER / "attend_simd.h", _CPU_DECODER / "embed_rows.h")
 _MODULE = "_kernels"
 _lock = threading.Lock()
 _reason: list[str] = []

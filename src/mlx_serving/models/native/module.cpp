@@ -10,6 +10,7 @@
 
 #include "attend.h"
 #include "decode_step.h"
+#include "embed_rows.h"
 #include "kernels.h"
 #include "kv_store.h"
 #include "prefill.h"
@@ -113,6 +114,9 @@ NB_MODULE(_kernels, m) {
   m.def("int8_swiglu_matmul", &ms::int8_swiglu_matmul, nb::arg("m"), nb::arg("gate_up"), nb::arg("threads"),
         "gate_up (..., 2K) = [gate | up] float32 -> silu(gate) * up @ dequantize(m).T (+ bias) -> (..., N), the "
         "SwiGLU fused with the int8 product over m's packed weights (the native prefill's down projection).");
+  m.def("packed_rows", &ms::packed_rows, nb::arg("m"), nb::arg("ids"),
+        "Rows ids (any shape, integers) of dequantize(m) -> (*ids.shape, K) float32, read from m's packed copy: "
+        "bit for bit mx.dequantize of the table m was made from (a tied model's embedding lookup).");
   m.def("decoder_isa", &ms::decoder_isa, "The instruction set of the int8 products: avx512vnni, avx2 or portable.");
   m.def("set_decoder_isa", &ms::set_isa_override, nb::arg("isa"),
         "Force a lesser instruction set for the int8 products: 'auto', 'avx2' or 'portable' (tests).");

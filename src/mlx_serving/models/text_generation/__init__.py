@@ -51,7 +51,7 @@ def serving(tokenizer: Tokenizer, state: State, **options: Any) -> Serving:
     prefill_chunk=512, kv_cache_bytes=None, kv_cache_fraction=None, prefix_caching=True,
     policy="fcfs", max_step_tokens=None: 2,048 where shapes are bucketed, 512 on the CPU, bucket_shapes=None: on
     a GPU, and then every shape is built before ``Serving.start`` returns, block_size=16,
-    buffer_cache_bytes=16 MiB on the CPU, 1 GiB on a GPU, kv_cache_dtype="auto" ("int8", "int4": a quantized KV cache), decode_path=None (the native CPU decode step where it applies, int8-activation products;
+    buffer_cache_bytes=0 on the CPU, 1 GiB on a GPU, kv_cache_dtype="auto" ("int8", "int4": a quantized KV cache), decode_path=None (the native CPU decode step where it applies, int8-activation products;
     "matmul": the exact path), compile_decode=None, pack_prefill=None,
     max_causal_groups=4; the engine fields make its one ``EngineConfig``; typed Any: callers forward them by name at run time and
     :class:`GenerationOptions` checks each). ``Serving.start`` defaults to ``batch_size=max_batch``

@@ -82,7 +82,7 @@ class GenerationOptions:
       memory (when kv_cache_bytes is None); default budget: 1 GiB on the CPU, half on a GPU.
     prefix_caching: reuse the KV blocks of cached prompt prefixes (automatic prefix caching).
     block_size: tokens per KV block (16).
-    buffer_cache_bytes: the bound on MLX's buffer cache (16 MiB on the CPU, 1 GiB on a GPU; None:
+    buffer_cache_bytes: the bound on MLX's buffer cache (0 on the CPU, 1 GiB on a GPU; None:
       MLX's own).
     kv_cache_dtype: what the KV blocks hold: "auto" (the activation dtype, exact), "int8" or
       "int4" (quantized K and V, more blocks in the same budget; docs/generation.md).

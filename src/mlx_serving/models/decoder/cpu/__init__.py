@@ -9,9 +9,10 @@ The weights are packed once, when the decoder is made, in the order the products
 reads them (``pack.h``: 4-bit kept as nibbles, so a copy of MLX's size; the decoder keeps no
 reference to MLX's arrays). Prefill on this path is the generic forward over
 :attr:`NativeDecode.prefill_state`, whose products are the same int8 products over the same packed
-matrices (:mod:`.prefill`) and which holds no MLX copy of the projections (only the embedding
-table, a tied head's included): the model a caller keeps in place of the loaded one, so that the
-process holds the weights once. :func:`native_decode` over that model packs nothing again: its
+matrices (:mod:`.prefill`) and which holds no MLX copy of the projections, nor of a tied head's
+table (its embedding lookup gathers the packed head's rows: :class:`.prefill.PackedEmbedding`,
+``embed_rows.cpp``, bit for bit MLX's lookup; an untied embedding stays MLX's): the model a
+caller keeps in place of the loaded one, so that the process holds the weights once. :func:`native_decode` over that model packs nothing again: its
 decoder shares the packed matrices (a decoder per engine, each with its own thread pool).
 
 Numerics: the int8 activations make the logits differ from the exact float path (``"matmul"``) by

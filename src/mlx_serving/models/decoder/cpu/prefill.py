@@ -30,7 +30,7 @@ import mlx.core as mx
 from ..._weights import Linear
 from ..layers import Layer, State
 
-__all__ = ["RELEASED", "NativeMlp", "PackedLayer", "PoolAttention", "packed_matrix", "prefill_state"]
+__all__ = ["RELEASED", "NativeMlp", "PackedEmbedding", "PackedLayer", "PoolAttention", "packed_matrix", "prefill_state"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,19 @@ class PoolAttention:
                                                       block_size, ks, kb, vs, vb, group_size, bits, self.threads))
 
 
+class PackedEmbedding(Linear):
+    """A tied head on the native path: its product the int8 GEMM over its packed matrix (``kernel``,
+    as every swapped Linear) and its embedding lookup (:meth:`rows`) the packed matrix's rows,
+    dequantized by the native module's ``packed_rows`` (``embed_rows.cpp``: bit for bit MLX's
+    dequantized rows of the table it was packed from), so that MLX's table is not kept either
+    (:data:`RELEASED` in its arrays): the process holds the tied table once."""
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Embedding lookup: rows ``ids`` (any integer shape) -> ``ids.shape + (hidden,)`` float32."""
+        assert isinstance(self.kernel, _Packed)  # prefill_state makes it with its packed matrix
+        return self.kernel.module.packed_rows(self.kernel.matrix, ids)
+
+
 def packed_matrix(m: Linear) -> Any:
     """The packed matrix (the native module's ``QMatrix``) that computes ``m`` when ``m`` is a
     Linear :func:`prefill_state` swapped; else None."""
@@ -122,15 +135,14 @@ def prefill_state(state: State, module: Any, threads: int, layers: list[PackedLa
     OpenMP's, storing the new K/V itself. The packed
     matrix adds the Linear's bias (the same float32 addition), so the swapped Linear has none, and
     it does not keep MLX's arrays either (:data:`RELEASED` in their place: the packed copy is the
-    only one this model holds), except a tied head's, which the embedding lookup reads (a tied
-    embedding stays tied). A Linear already swapped (``state`` is a model this made) keeps its
-    packed matrix: :func:`packed_matrix`."""
+    only one this model holds). A tied head becomes a :class:`PackedEmbedding`, whose lookup reads
+    the packed matrix too (a tied embedding stays tied: one object, MLX's table not kept). A Linear
+    already swapped (``state`` is a model this made) keeps its packed matrix: :func:`packed_matrix`."""
 
     def swap(m: Linear, matrix: Any) -> Linear:
-        kernel = _Packed(module, matrix, threads)
-        if m is state.embed_tokens:  # a tied head: the embedding lookup reads MLX's arrays
-            return replace(m, kernel=kernel, bias=None)  # the packed matrix adds the bias
-        return replace(m, kernel=kernel, bias=None, weight=RELEASED, scales=RELEASED, biases=RELEASED)
+        kernel = _Packed(module, matrix, threads)  # the packed matrix adds the bias: the Linear has none
+        tied = m is state.embed_tokens  # a tied head: the embedding lookup reads the packed rows
+        return (PackedEmbedding if tied else Linear)(RELEASED, RELEASED, RELEASED, m.spec, kernel=kernel)
 
     def layer(ly: Layer, p: PackedLayer) -> Layer:
         gate_up = ly.gate_up.map(lambda m: swap(m, p.gate_up))
