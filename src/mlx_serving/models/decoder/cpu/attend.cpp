@@ -95,6 +95,7 @@ struct S {
   static V max(V a, V b) { return std::max(a, b); }
   static float sum(V a) { return a; }
   static float hmax(V a) { return a; }
+  static V transpose_sum(const V* a) { return a[0]; }
   static V exp(V a) { return std::exp(a); }
   template <KvKind K>
   static V widen(const Ref& r, int64_t c, int64_t shift) {
@@ -144,6 +145,19 @@ struct S {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
+  }
+  // Lane i of the result: a[i]'s 8 lanes summed (halves, then pairs within 128-bit lanes, then the
+  // lanes' order restored: after the tree lane 4L + e holds vector 2e + L).
+  ATT_TARGET static V transpose_sum(const V* a) {
+    V r[4], t[2];
+    for (int i = 0; i < 4; ++i)
+      r[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                           _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)
+      t[i] = _mm256_add_ps(_mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44),
+                           _mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
+    const V s = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
   // exp(a) for a <= 0 (the softmax's shifted scores); 0 below kExpMin (-inf included).
   ATT_TARGET static V exp(V a) {
@@ -214,6 +228,22 @@ struct S {
     const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     return avx2::S::hmax(h);
   }
+  // Lane i of the result: a[i]'s 16 lanes summed (256-bit halves, 128-bit lanes, then pairs within
+  // them; after the tree lane 4L + e holds vector 4e + L, put back in order).
+  ATT_TARGET static V transpose_sum(const V* a) {
+    V r[8], s[4], t[2];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+      s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+    const V u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), u);
+  }
   // exp(a) for a <= 0; 0 below kExpMin (-inf included).
   ATT_TARGET static V exp(V a) {
     const __mmask16 keep = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
@@ -280,34 +310,45 @@ void rotate(float* x, int64_t d, int64_t w) {
 }
 
 struct Scratch {
-  std::vector<float> qs, sc, sums, o;
+  std::vector<float> qs, sc, sums, o, kb;
+  std::vector<int64_t> lens;
 };
 
 }  // namespace
 
-void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t g, const int64_t* rows, int64_t n,
-                  const float* q, int64_t m, float* out, Isa isa) {
+void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t g, const int64_t* rows,
+                  const Query* heads, int64_t m, Isa isa) {
   thread_local Scratch t;
-  const int64_t d = kv.d, w = lanes(isa, d), ns = (n + w - 1) / w * w;
+  const int64_t d = kv.d, w = lanes(isa, d);
   const bool quant = kv.quantized();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  t.qs.assign(q, q + m * d);
+  int64_t n = 0;
+  t.lens.resize(m);
+  t.qs.resize(m * d);
+  for (int64_t j = 0; j < m; ++j) {
+    float* qj = t.qs.data() + j * d;
+    std::copy(heads[j].q, heads[j].q + d, qj);
+    if (quant) rotate(qj, d, w);
+    for (int64_t c = 0; c < d; ++c) qj[c] *= scale;
+    t.lens[j] = heads[j].n;
+    n = std::max(n, heads[j].n);
+  }
+  const int64_t ns = (n + w - 1) / w * w;
   t.sc.resize(m * ns);
   t.sums.resize(m);
   t.o.resize(m * d);
-  for (int64_t j = 0; j < m; ++j) {
-    float* qj = t.qs.data() + j * d;
-    if (quant) rotate(qj, d, w);
-    for (int64_t c = 0; c < d; ++c) qj[c] *= scale;
-    std::fill(t.sc.begin() + j * ns + n, t.sc.begin() + (j + 1) * ns, -INFINITY);  // padding lanes: weight 0
-  }
+  t.kb.resize(w * d);
   const Keys keys = keys_of(kv, ks, g, rows), vals = keys_of(kv, vs, g, rows);
+  auto go = [&](auto* run) {
+    run(kv.kind, keys, vals, t.lens.data(), n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data(),
+        t.kb.data());
+  };
 #ifdef ATTEND_X86
-  if (w == 16) avx512::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
-  else if (w == 8) avx2::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+  if (w == 16) go(avx512::run);
+  else if (w == 8) go(avx2::run);
   else
 #endif
-    portable::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+    go(portable::run);
   // summed in this thread's buffer, written out once: a neighbouring task's output may share a cache
   // line with this one's, and another thread writing it would bounce the line per sum
   for (int64_t j = 0; j < m; ++j) {
@@ -315,7 +356,7 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
     const float inv = 1.f / t.sums[j];
     for (int64_t c = 0; c < d; ++c) o[c] *= inv;
     if (quant) rotate(o, d, w);
-    std::copy(o, o + d, out + j * d);
+    std::copy(o, o + d, heads[j].out);
   }
 }
 
@@ -347,7 +388,7 @@ KvKind kind_of(const mlx::core::array& k, int bits) {
 
 mlx::core::array attend(const mlx::core::array& q_, const mlx::core::array& k_, const mlx::core::array& v_,
                         const mlx::core::array& rows_, int g, const std::vector<mlx::core::array>& scales_, int bits,
-                        int group) {
+                        int group, const std::vector<int>& lengths) {
   const KvKind kind = kind_of(k_, bits);
   const mlx::core::array q = ready(mlx::core::astype(q_, mlx::core::float32)), k = ready(k_), v = ready(v_);
   const mlx::core::array rows = ready(mlx::core::astype(rows_, mlx::core::int64));
@@ -372,9 +413,16 @@ mlx::core::array attend(const mlx::core::array& q_, const mlx::core::array& k_, 
   const KvCache kv{kind, hkv, d, quant ? group : 0, {}, {}};
   const KvSide ks{const_cast<void*>(k.data<void>()), ptr(0), ptr(1)};
   const KvSide vs{const_cast<void*>(v.data<void>()), ptr(2), ptr(3)};
+  const int64_t m = q.shape(0), n = static_cast<int64_t>(rows.size());
+  need(lengths.empty() || static_cast<int64_t>(lengths.size()) == m, "lengths must be empty or one per query head");
   std::vector<float> out(q.size());
-  attend_heads(kv, ks, vs, g, r, static_cast<int64_t>(rows.size()), q.data<float>(), q.shape(0), out.data(),
-               best_isa());
+  std::vector<Query> heads(m);
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t len = lengths.empty() ? n : lengths[j];
+    need(len >= 1 && len <= n, "a length must be in [1, len(rows)]");
+    heads[j] = {q.data<float>() + j * d, out.data() + j * d, len};
+  }
+  attend_heads(kv, ks, vs, g, r, heads.data(), m, best_isa());
   return mlx::core::array(out.begin(), q.shape(), mlx::core::float32);
 }
 
