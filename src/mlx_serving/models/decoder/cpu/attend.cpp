@@ -95,7 +95,6 @@ struct S {
   static V max(V a, V b) { return std::max(a, b); }
   static float sum(V a) { return a; }
   static float hmax(V a) { return a; }
-  static V transpose_sum(const V* a) { return a[0]; }
   static V exp(V a) { return std::exp(a); }
   template <KvKind K>
   static V widen(const Ref& r, int64_t c, int64_t shift) {
@@ -145,19 +144,6 @@ struct S {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps(s, s, 1)));
-  }
-  // Lane i of the result: a[i]'s 8 lanes summed (halves, then pairs within 128-bit lanes, then the
-  // lanes' order restored: after the tree lane 4L + e holds vector 2e + L).
-  ATT_TARGET static V transpose_sum(const V* a) {
-    V r[4], t[2];
-    for (int i = 0; i < 4; ++i)
-      r[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
-                           _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
-    for (int i = 0; i < 2; ++i)
-      t[i] = _mm256_add_ps(_mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0x44),
-                           _mm256_shuffle_ps(r[2 * i], r[2 * i + 1], 0xEE));
-    const V s = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x88), _mm256_shuffle_ps(t[0], t[1], 0xDD));
-    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
   // exp(a) for a <= 0 (the softmax's shifted scores); 0 below kExpMin (-inf included).
   ATT_TARGET static V exp(V a) {
@@ -228,22 +214,6 @@ struct S {
     const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
     return avx2::S::hmax(h);
   }
-  // Lane i of the result: a[i]'s 16 lanes summed (256-bit halves, 128-bit lanes, then pairs within
-  // them; after the tree lane 4L + e holds vector 4e + L, put back in order).
-  ATT_TARGET static V transpose_sum(const V* a) {
-    V r[8], s[4], t[2];
-    for (int i = 0; i < 8; ++i)
-      r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                           _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)
-      s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                           _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-      t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
-                           _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
-    const V u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), u);
-  }
   // exp(a) for a <= 0; 0 below kExpMin (-inf included).
   ATT_TARGET static V exp(V a) {
     const __mmask16 keep = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kExpMin), _CMP_GE_OQ);
@@ -310,7 +280,7 @@ void rotate(float* x, int64_t d, int64_t w) {
 }
 
 struct Scratch {
-  std::vector<float> qs, sc, sums, o, kb;
+  std::vector<float> qs, sc, sums, o;
   std::vector<int64_t> lens;
 };
 
@@ -337,11 +307,9 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
   t.sc.resize(m * ns);
   t.sums.resize(m);
   t.o.resize(m * d);
-  t.kb.resize(w * d);
   const Keys keys = keys_of(kv, ks, g, rows), vals = keys_of(kv, vs, g, rows);
   auto go = [&](auto* run) {
-    run(kv.kind, keys, vals, t.lens.data(), n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data(),
-        t.kb.data());
+    run(kv.kind, keys, vals, t.lens.data(), n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
   };
 #ifdef ATTEND_X86
   if (w == 16) go(avx512::run);

@@ -1,8 +1,7 @@
 // The attention kernel over one vector width (no include guard: attend.cpp includes it once per
 // instruction set, inside that set's namespace). Before inclusion: ATT_TARGET (the functions' target
 // attribute, or empty) and struct S: V (a vector of W float32 lanes), zero / set1 / load / store /
-// add / sub / fma / max, sum / hmax (the lanes reduced in one fixed order), transpose_sum (W vectors ->
-// one whose lane i is vector i's lanes summed, in one fixed tree), exp (0 below -87.3, so
+// add / sub / fma / max, sum / hmax (the lanes reduced in one fixed order), exp (0 below -87.3, so
 // padding lanes of -inf add nothing) and widen<K>(Ref, c, shift): lanes [c * W, c * W + W) of a
 // stored head vector in float32.
 
@@ -20,30 +19,20 @@ ATT_TARGET void rotate(float* x, int64_t n) {
   for (int64_t j = 0; j < n; ++j) x[j] *= scale;
 }
 
-// Scores of m heads (qs: m * d, scaled) against keys [0, n): sc[j * ns + p] = q_j . k_p (ns >= n rounded
-// up to W). W keys at a time: each key widened once into kb (W * d floats) for all the heads, then per
-// head W dots summed lane-wise over d and reduced together (S::transpose_sum: one fixed tree per key).
-// A head's scores depend only on its query and the keys (never on m or the other heads).
-template <KvKind K>
-ATT_TARGET void scores(const Keys& keys, int64_t n, const float* qs, int64_t m, float* sc, int64_t ns, float* kb) {
-  const int64_t d = keys.d, nv = d / S::W;
-  for (int64_t p0 = 0; p0 < n; p0 += S::W) {
-    const int64_t cnt = std::min<int64_t>(S::W, n - p0);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const Ref r = keys.at(p0 + i);
-      for (int64_t c = 0; c < nv; ++c) S::store(kb + i * d + c * S::W, S::template widen<K>(r, c, keys.shift));
+// Scores of M heads (qs: M * d, scaled) against keys [0, n): sc[j * ns + p] = q_j . k_p, each key
+// widened once for the M heads; each dot summed lane-wise over d then reduced (S::sum).
+template <KvKind K, int M>
+ATT_TARGET void scores(const Keys& keys, int64_t n, const float* qs, float* sc, int64_t ns) {
+  const int64_t nv = keys.d / S::W;
+  for (int64_t p = 0; p < n; ++p) {
+    const Ref r = keys.at(p);
+    typename S::V acc[M];
+    for (int j = 0; j < M; ++j) acc[j] = S::zero();
+    for (int64_t c = 0; c < nv; ++c) {
+      const typename S::V k = S::template widen<K>(r, c, keys.shift);
+      for (int j = 0; j < M; ++j) acc[j] = S::fma(S::load(qs + j * keys.d + c * S::W), k, acc[j]);
     }
-    std::fill(kb + cnt * d, kb + S::W * d, 0.f);  // past the last key (its scores are replaced by -inf)
-    for (int64_t j = 0; j < m; ++j) {
-      const float* q = qs + j * d;
-      typename S::V acc[S::W];
-      for (int i = 0; i < S::W; ++i) acc[i] = S::zero();
-      for (int64_t c = 0; c < nv; ++c) {
-        const typename S::V qv = S::load(q + c * S::W);
-        for (int i = 0; i < S::W; ++i) acc[i] = S::fma(qv, S::load(kb + i * d + c * S::W), acc[i]);
-      }
-      S::store(sc + j * ns + p0, S::transpose_sum(acc));
-    }
+    for (int j = 0; j < M; ++j) sc[j * ns + p] = S::sum(acc[j]);
   }
 }
 
@@ -81,51 +70,54 @@ ATT_TARGET void values_part(const Keys& vals, int64_t n, const float* w, int64_t
     for (int u = 0; u < C; ++u) S::store(o + j * vals.d + (c0 + u) * S::W, acc[j][u]);
 }
 
-// o (m * d) = the unnormalized outputs of m heads (weights w: m * ns, zero past each head's keys) over
-// values [0, n), up to 4 heads alongside: each value vector loaded once for them.
+// M heads' unnormalized outputs o (M * d) and their weights' sums, head j over keys [0, lens[j]) (n =
+// the most; scores in sc, M * ns): its scores over all n keys, those past its own replaced by -inf, its
+// softmax over its own keys' vectors of lanes, weights past them 0, then the values of all n keys (each
+// value vector loaded once for the M heads). A head's sums are those of the head alone over its keys
+// (its weights past them add exact zeros).
 template <KvKind K, int M>
-ATT_TARGET void values(const Keys& vals, int64_t n, const float* w, int64_t ns, float* o) {
-  const int64_t nv = vals.d / S::W;
-  constexpr int kC = S::W == 1 ? 8 : 4;  // vectors per pass: M * kC sums in registers
-  int64_t c = 0;
-  for (; c + kC <= nv; c += kC) values_part<K, M, kC>(vals, n, w, ns, c, o);
-  for (; c < nv; ++c) values_part<K, M, 1>(vals, n, w, ns, c, o);
-}
-
-// The m heads' unnormalized outputs o (m * d) and their weights' sums (m), head j over keys [0, lens[j])
-// (n = the most), scores in sc (m * ns). A head's weights past its own keys are exactly 0, so its sums
-// are those of the head alone over its keys (its softmax over its own ns; its value sums gain only +0).
-template <KvKind K>
-ATT_TARGET void run_kind(const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs,
-                         int64_t m, float* sc, int64_t ns, float* sums, float* o, float* kb) {
-  const int64_t d = keys.d;
-  scores<K>(keys, n, qs, m, sc, ns, kb);
-  for (int64_t j = 0; j < m; ++j) {
+ATT_TARGET void heads(const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs, float* sc,
+                      int64_t ns, float* sums, float* o) {
+  scores<K, M>(keys, n, qs, sc, ns);
+  for (int j = 0; j < M; ++j) {
     float* s = sc + j * ns;
     const int64_t own = (lens[j] + S::W - 1) / S::W * S::W;
     std::fill(s + lens[j], s + own, -INFINITY);  // padding lanes: weight 0
     sums[j] = softmax_weights(s, own);
     std::fill(s + own, s + ns, 0.f);
   }
+  const int64_t nv = keys.d / S::W;
+  constexpr int kC = S::W == 1 ? 8 : 4;  // vectors per pass: M * kC sums in registers
+  int64_t c = 0;
+  for (; c + kC <= nv; c += kC) values_part<K, M, kC>(vals, n, sc, ns, c, o);
+  for (; c < nv; ++c) values_part<K, M, 1>(vals, n, sc, ns, c, o);
+}
+
+// The m heads' unnormalized outputs o (m * d) and their weights' sums (m), up to 4 heads alongside.
+template <KvKind K>
+ATT_TARGET void run_kind(const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs,
+                         int64_t m, float* sc, int64_t ns, float* sums, float* o) {
+  const int64_t d = keys.d;
   for (int64_t j = 0; j < m; j += 4) {
-    const float* w = sc + j * ns;
+    const float* q = qs + j * d;
+    float* s = sc + j * ns;
     switch (std::min<int64_t>(4, m - j)) {
-      case 1: values<K, 1>(vals, n, w, ns, o + j * d); break;
-      case 2: values<K, 2>(vals, n, w, ns, o + j * d); break;
-      case 3: values<K, 3>(vals, n, w, ns, o + j * d); break;
-      default: values<K, 4>(vals, n, w, ns, o + j * d);
+      case 1: heads<K, 1>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      case 2: heads<K, 2>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      case 3: heads<K, 3>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      default: heads<K, 4>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d);
     }
   }
 }
 
 // run_kind of the cache's layout.
 void run(KvKind kind, const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs, int64_t m,
-         float* sc, int64_t ns, float* sums, float* o, float* kb) {
+         float* sc, int64_t ns, float* sums, float* o) {
   switch (kind) {
-    case KvKind::kF32: run_kind<KvKind::kF32>(keys, vals, lens, n, qs, m, sc, ns, sums, o, kb); break;
-    case KvKind::kF16: run_kind<KvKind::kF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o, kb); break;
-    case KvKind::kBF16: run_kind<KvKind::kBF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o, kb); break;
-    case KvKind::kQ8: run_kind<KvKind::kQ8>(keys, vals, lens, n, qs, m, sc, ns, sums, o, kb); break;
-    case KvKind::kQ4: run_kind<KvKind::kQ4>(keys, vals, lens, n, qs, m, sc, ns, sums, o, kb); break;
+    case KvKind::kF32: run_kind<KvKind::kF32>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kF16: run_kind<KvKind::kF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kBF16: run_kind<KvKind::kBF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kQ8: run_kind<KvKind::kQ8>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kQ4: run_kind<KvKind::kQ4>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
   }
 }
