@@ -20,9 +20,9 @@ them little.
 
 Where the step's CPU goes (products, attention, ...): ``perf record -F 999`` over this script's
 ``step`` part with one n (``--rows N``), ``perf report --no-children --sort sym``: the
-``micro_vnni<MR, 4|8, ...>`` symbols are the 4-bit layer / 8-bit head products, ``attend_rows``
-/ ``dot_avx2`` / ``axpy_avx2`` / ``__expf`` the attention, ``QuantRow`` the activations' int8
-rounding (docs/benchmarks.md, "Speculative decoding: where a verify row's cost goes").
+``micro_vnni<MR, 4|8, ...>`` symbols are the 4-bit layer / 8-bit head products, ``run_kind`` /
+``heads`` / ``values_part`` / ``softmax_weights`` (attend_simd.h, per instruction set) the
+attention, ``quantize_*`` the activations' int8 rounding (docs/benchmarks.md, "Speculative decoding: where a verify row's cost goes").
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/spec_step_costs.py`` (writes
 bench/results/spec_step_costs.json or ``--out``).

@@ -157,10 +157,13 @@ void Decoder::mlp_product(const LayerWeights& lw, const float* x, int64_t rows, 
 void Decoder::attend_rows(int64_t l, const KvCache& kv) {
   const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, dd = d_.head_dim, hkv = d_.kv_heads;
   const int64_t width = (h + 2 * hkv) * dd, group = h / hkv, groups = static_cast<int64_t>(grp_.size()) - 1;
-  // One task per (group of rows, KV head) when there are at least as many as threads, else per (row,
-  // KV head), else per (row, query head), so that every thread has work; the query heads of a task run
-  // together (~1.8x less work per head than alone). A head's result is the same either way (attend.h).
-  const bool grouped = groups * hkv >= pool_.threads();
+  // One task per (group of rows, KV head) while that still spreads the work (the largest group's task
+  // at most half a thread's share), else per (row, KV head) when there are at least as many as threads,
+  // else per (row, query head), so that every thread has work; the query heads of a task run together
+  // (~1.8x less work per head than alone). A head's result is the same either way (attend.h).
+  int64_t largest = 0;
+  for (int64_t i = 0; i < groups; ++i) largest = std::max(largest, grp_[i + 1] - grp_[i]);
+  const bool grouped = 2 * largest * pool_.threads() <= a * hkv;
   const int64_t per = grouped || a * hkv >= pool_.threads() ? group : 1;
   const int64_t tasks = grouped ? groups * hkv : a * h / per;
   pool_.run(tasks, [&](int64_t t) {
