@@ -14,15 +14,16 @@ them little.
   (every step a verify whose drafts always exist; host time not counted).
 - ``host``: the engine's main-thread CPU per step (``time.thread_time``: the Python and MLX graph
   work that a verify step, which lands before the next is planned, adds to its wall time) and the
-  process CPU per step, bench/spec_decode.py's grounded prompts one at a time, ``--max-new``
-  tokens, speculation off and on (n-gram, its default config); the second of two passes (the
-  first measures the step costs the speculator chooses by).
+  process CPU per step, bench/spec_decode.py's grounded prompts one at a time and its chat prompts
+  as 8 streams, ``--max-new`` tokens, speculation off and on (n-gram, its default config); the
+  second of two passes (the first measures the step costs the speculator chooses by).
 
 Where the step's CPU goes (products, attention, ...): ``perf record -F 999`` over this script's
 ``step`` part with one n (``--rows N``), ``perf report --no-children --sort sym``: the
-``micro_vnni<MR, 4|8, ...>`` symbols are the 4-bit layer / 8-bit head products, ``attend_rows``
-/ ``dot_avx2`` / ``axpy_avx2`` / ``__expf`` the attention, ``QuantRow`` the activations' int8
-rounding (docs/benchmarks.md, "Speculative decoding: where a verify row's cost goes").
+``micro_vnni<MR, 4|8, ...>`` symbols are the 4-bit layer / 8-bit head products, ``run_kind`` /
+``heads`` / ``values_part`` / ``softmax_weights`` (attend_simd.h, per instruction set) the
+attention, ``quantize_*`` the activations' int8 rounding (docs/benchmarks.md, "Speculative
+decoding: where a verify row's cost goes").
 
 Run: ``OMP_NUM_THREADS=1 PYTHONPATH=src .venv/bin/python bench/spec_step_costs.py`` (writes
 bench/results/spec_step_costs.json or ``--out``).
@@ -94,26 +95,31 @@ def cap(cost: dict[int, float], alpha: float) -> tuple[float, int]:
 
 
 def host_costs(state, tok: Tokenizer, max_new: int) -> dict[str, dict[str, float]]:
-    """Main-thread and process CPU ms per engine step, the grounded prompts one at a time, speculation off / on."""
+    """Main-thread and process CPU ms per engine step, speculation off / on: the grounded prompts one
+    at a time (``grounded1``) and the chat prompts as 8 streams (``chat8``: drafts fail, so what
+    speculation costs there is its own host work: shadow drafts, the choice)."""
     def encode(text: str) -> list[int]:
         assert tok.chat_template is not None
         return tok.encode(tok.chat_template.apply([{"role": "user", "content": text}]), parse_special=True)
 
     params = SamplingParams(max_new_tokens=max_new, eos_token_ids=tuple(sorted(tok.eos_token_ids)))
-    prompts = [encode(t) for t in spec_decode.GROUNDED[:4]]
+    workloads = {"grounded1": [[encode(t)] for t in spec_decode.GROUNDED[:4]],
+                 "chat8": [[encode(t) for t in spec_decode.CHAT]]}
     out = {}
-    for regime, spec in (("off", None), ("on", NGRAM)):
-        engine = Engine(state, EngineConfig.of(max_batch=8, max_len=1024, speculative_config=spec))
-        for p in prompts:  # first pass: the speculator's step costs
-            spec_decode._run(engine, [p], params)
-        steps0, th, pr = spec_decode._steps(engine), time.thread_time(), time.process_time()
-        tokens = sum(len(spec_decode._run(engine, [p], params)[0][0]) for p in prompts)
-        steps = spec_decode._steps(engine) - steps0
-        out[regime] = {"steps": steps, "tokens": tokens,
-                       "main_thread_cpu_ms_per_step": round((time.thread_time() - th) * 1e3 / steps, 3),
-                       "process_cpu_ms_per_step": round((time.process_time() - pr) * 1e3 / steps, 3),
-                       "process_cpu_ms_per_token": round((time.process_time() - pr) * 1e3 / tokens, 3)}
-        engine.close()
+    for name, batches in workloads.items():
+        for regime, spec in (("off", None), ("on", NGRAM)):
+            engine = Engine(state, EngineConfig.of(max_batch=8, max_len=1024, speculative_config=spec))
+            for batch in batches:  # first pass: the speculator's step costs
+                spec_decode._run(engine, batch, params)
+            steps0, th, pr = spec_decode._steps(engine), time.thread_time(), time.process_time()
+            tokens = sum(len(t) for batch in batches for t in spec_decode._run(engine, batch, params)[0])
+            steps = spec_decode._steps(engine) - steps0
+            out[f"{name}_{regime}"] = {
+                "steps": steps, "tokens": tokens,
+                "main_thread_cpu_ms_per_step": round((time.thread_time() - th) * 1e3 / steps, 3),
+                "process_cpu_ms_per_step": round((time.process_time() - pr) * 1e3 / steps, 3),
+                "process_cpu_ms_per_token": round((time.process_time() - pr) * 1e3 / tokens, 3)}
+            engine.close()
     return out
 
 

@@ -2,7 +2,8 @@
 cache of each layout (float32, float16, bfloat16; int8 / int4 of Hadamard-rotated vectors, with one
 group per head vector as kv_cache.py stores them and with smaller groups): equal to a float64
 reference on every instruction set, and the query heads of a KV head run together equal each run
-alone, bit for bit (the decode step runs them together once it has a task per thread)."""
+alone, bit for bit (the decode step runs them together once it has a task per thread), heads over
+prefixes of one set of keys (a verify's rows) included."""
 
 from __future__ import annotations
 
@@ -74,12 +75,31 @@ def test_attention_equals_the_reference_and_heads_together_equal_each_alone(isa,
         np.testing.assert_array_equal(alone[0], got[j])
 
 
+@pytest.mark.parametrize("name,bits,group", LAYOUTS)
+def test_heads_over_prefixes_of_shared_keys_equal_each_alone(isa, name, bits, group):
+    """A verify's k + 1 rows at consecutive positions attend as one call, each head over its own
+    prefix of the longest row's keys: every head's output is its solo call's, bit for bit."""
+    rng = np.random.default_rng(7 + bits + group)
+    k, k_scales, _ = _cache(rng, name, bits, group)
+    v, v_scales, _ = _cache(rng, name, bits, group)
+    scales = k_scales + v_scales
+    rows = rng.permutation(R)[:261].astype(np.int32)
+    lengths = [n for n in (257, 258, 259, 260, 261, 1, 16, 17) for _ in range(G)]  # rows x their query heads
+    q = rng.standard_normal((len(lengths), D)).astype(np.float32) * 2
+    got = np.array(module.attend(mx.array(q), k, v, mx.array(rows), 1, scales, bits, group, lengths))
+    for j, n in enumerate(lengths):
+        alone = np.array(module.attend(mx.array(q[j:j + 1]), k, v, mx.array(rows[:n]), 1, scales, bits, group))
+        np.testing.assert_array_equal(alone[0], got[j])
+
+
 def test_attention_refuses_a_layout_it_does_not_take():
     k = mx.zeros((4, HKV, D), mx.float16)
     with pytest.raises(ValueError, match="row is out of range"):
         module.attend(mx.zeros((1, D)), k, k, mx.array([4], mx.int32), 0)
     with pytest.raises(ValueError, match="one dtype"):
         module.attend(mx.zeros((1, D)), k, k.astype(mx.float32), mx.array([0], mx.int32), 0)
+    with pytest.raises(ValueError, match="length must be in"):
+        module.attend(mx.zeros((1, D)), k, k, mx.array([0], mx.int32), 0, [], 0, 0, [2])
     with pytest.raises(ValueError, match="4 scale arrays"):
         module.attend(mx.zeros((1, D)), mx.zeros((4, HKV, D // 4), mx.uint32), mx.zeros((4, HKV, D // 4), mx.uint32),
                       mx.array([0], mx.int32), 0, [], 8, 64)

@@ -140,6 +140,31 @@ def test_a_row_batched_equals_the_row_alone_bit_for_bit(family_state):
             np.testing.assert_array_equal(np.array(k[mx.array(rows)]), np.array(ks[mx.array(rows)]))
 
 
+@pytest.mark.parametrize("threads", ["1", "64"])
+def test_a_streams_consecutive_rows_in_one_step_equal_its_steps(family_state, monkeypatch, threads):
+    """A verify's rows: one stream's tokens at consecutive positions over one block table in one
+    step (their attention one call per KV head on one thread, ``threads`` 1, else per row and
+    head), next to another stream's row: each row's logits equal the stream's one-token steps'."""
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    backend = decode_backend(family_state, "native")
+    ids = np.random.default_rng(4).integers(0, family_state.config.vocab_size, 8).tolist()
+    other = ids[5]
+    table = row_blocks(2, 64)
+    steps, _ = _decode(family_state, backend, [ids], table[:1])
+    state, cache = family_state, init_paged_kv_cache(family_state, int(table.max()))
+    for j in range(3):  # the stream's first tokens, one step each
+        rows = Rows(mx.array([[ids[j]]]), mx.array([j], mx.int32), mx.ones((1,), mx.int32), j + 1,
+                    mx.zeros((1,), mx.int32), mx.array(table[:1]), dense=True)
+        mx.eval(layers.forward(state, cache, rows, backend), cache.keys, cache.values)
+    pos = [3, 4, 5, 6, 7, 0]
+    rows = Rows(mx.array([[t] for t in ids[3:]] + [[other]], dtype=mx.int32), mx.array(pos, mx.int32),
+                mx.ones((6,), mx.int32), 8, mx.zeros((6,), mx.int32), mx.array(table[[0] * 5 + [1]]))
+    logits = np.array(layers.forward(state, cache, rows, backend))
+    np.testing.assert_array_equal(logits[:5], steps[3:, 0])
+    alone, _ = _decode(family_state, backend, [[other]], table[1:2])
+    np.testing.assert_array_equal(logits[5], alone[0, 0])
+
+
 def test_a_cache_of_strided_arrays_gets_the_same_step(tiny):
     """The step takes the cache arrays without a copy node and writes in place; arrays that are
     not row-contiguous (transposed views here, holding three steps' K/V) are copied first: the

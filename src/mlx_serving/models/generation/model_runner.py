@@ -157,9 +157,11 @@ class ModelRunner:
         verify row's emitted tokens (its outcome in ``flight.verdicts``). A flight with verify rows
         must land before the next step is enqueued (their last tokens enter the row token array
         here)."""
-        host = np.array(flight.tokens)
-        logprobs = {r: lp for reqs, out in flight.logprobs for r, lp in zip(reqs, out.to_host())}
-        out = [Landed(r, int(host[row]), *logprobs.get(r, (None, None))) for r, row in flight.produced]
+        out: list[Landed] = []
+        if flight.produced:  # (a step of verify rows only reads its samples alone)
+            host = np.array(flight.tokens)
+            logprobs = {r: lp for reqs, lps in flight.logprobs for r, lp in zip(reqs, lps.to_host())}
+            out = [Landed(r, int(host[row]), *logprobs.get(r, (None, None))) for r, row in flight.produced]
         if flight.spec_tokens is not None:
             out += self._land_verifies(flight, np.array(flight.spec_tokens))
         return out

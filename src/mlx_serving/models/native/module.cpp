@@ -98,8 +98,9 @@ NB_MODULE(_kernels, m) {
         "float32/float16/bfloat16 K/V, or with bits 4 / 8 the quantized layout and its scales and biases).");
   m.def("attend", &ms::attend, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("rows"), nb::arg("g"),
         nb::arg("scales") = std::vector<array>{}, nb::arg("bits") = 0, nb::arg("group") = 0,
+        nb::arg("lengths") = std::vector<int>{},
         "The decode step's attention of q (m, D), the query heads of KV head g, over the cache rows ``rows`` of k / v "
-        "-> (m, D) float32 (tests).");
+        "(head j over the first lengths[j]; empty: all) -> (m, D) float32 (tests).");
   m.def("kv_quantize", &ms::kv_quantize, nb::arg("x"), nb::arg("bits"), nb::arg("group"),
         "The decode step's quantized K/V store of x (N, D) float32 -> [w, scales, biases] (tests).");
   m.def("int8_matmul", &ms::int8_matmul, nb::arg("m"), nb::arg("x"),

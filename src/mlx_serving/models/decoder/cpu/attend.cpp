@@ -281,33 +281,42 @@ void rotate(float* x, int64_t d, int64_t w) {
 
 struct Scratch {
   std::vector<float> qs, sc, sums, o;
+  std::vector<int64_t> lens;
 };
 
 }  // namespace
 
-void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t g, const int64_t* rows, int64_t n,
-                  const float* q, int64_t m, float* out, Isa isa) {
+void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t g, const int64_t* rows,
+                  const Query* heads, int64_t m, Isa isa) {
   thread_local Scratch t;
-  const int64_t d = kv.d, w = lanes(isa, d), ns = (n + w - 1) / w * w;
+  const int64_t d = kv.d, w = lanes(isa, d);
   const bool quant = kv.quantized();
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  t.qs.assign(q, q + m * d);
+  int64_t n = 0;
+  t.lens.resize(m);
+  t.qs.resize(m * d);
+  for (int64_t j = 0; j < m; ++j) {
+    float* qj = t.qs.data() + j * d;
+    std::copy(heads[j].q, heads[j].q + d, qj);
+    if (quant) rotate(qj, d, w);
+    for (int64_t c = 0; c < d; ++c) qj[c] *= scale;
+    t.lens[j] = heads[j].n;
+    n = std::max(n, heads[j].n);
+  }
+  const int64_t ns = (n + w - 1) / w * w;
   t.sc.resize(m * ns);
   t.sums.resize(m);
   t.o.resize(m * d);
-  for (int64_t j = 0; j < m; ++j) {
-    float* qj = t.qs.data() + j * d;
-    if (quant) rotate(qj, d, w);
-    for (int64_t c = 0; c < d; ++c) qj[c] *= scale;
-    std::fill(t.sc.begin() + j * ns + n, t.sc.begin() + (j + 1) * ns, -INFINITY);  // padding lanes: weight 0
-  }
   const Keys keys = keys_of(kv, ks, g, rows), vals = keys_of(kv, vs, g, rows);
+  auto go = [&](auto* run) {
+    run(kv.kind, keys, vals, t.lens.data(), n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+  };
 #ifdef ATTEND_X86
-  if (w == 16) avx512::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
-  else if (w == 8) avx2::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+  if (w == 16) go(avx512::run);
+  else if (w == 8) go(avx2::run);
   else
 #endif
-    portable::run(kv.kind, keys, vals, n, t.qs.data(), m, t.sc.data(), ns, t.sums.data(), t.o.data());
+    go(portable::run);
   // summed in this thread's buffer, written out once: a neighbouring task's output may share a cache
   // line with this one's, and another thread writing it would bounce the line per sum
   for (int64_t j = 0; j < m; ++j) {
@@ -315,7 +324,7 @@ void attend_heads(const KvCache& kv, const KvSide& ks, const KvSide& vs, int64_t
     const float inv = 1.f / t.sums[j];
     for (int64_t c = 0; c < d; ++c) o[c] *= inv;
     if (quant) rotate(o, d, w);
-    std::copy(o, o + d, out + j * d);
+    std::copy(o, o + d, heads[j].out);
   }
 }
 
@@ -347,7 +356,7 @@ KvKind kind_of(const mlx::core::array& k, int bits) {
 
 mlx::core::array attend(const mlx::core::array& q_, const mlx::core::array& k_, const mlx::core::array& v_,
                         const mlx::core::array& rows_, int g, const std::vector<mlx::core::array>& scales_, int bits,
-                        int group) {
+                        int group, const std::vector<int>& lengths) {
   const KvKind kind = kind_of(k_, bits);
   const mlx::core::array q = ready(mlx::core::astype(q_, mlx::core::float32)), k = ready(k_), v = ready(v_);
   const mlx::core::array rows = ready(mlx::core::astype(rows_, mlx::core::int64));
@@ -372,9 +381,16 @@ mlx::core::array attend(const mlx::core::array& q_, const mlx::core::array& k_, 
   const KvCache kv{kind, hkv, d, quant ? group : 0, {}, {}};
   const KvSide ks{const_cast<void*>(k.data<void>()), ptr(0), ptr(1)};
   const KvSide vs{const_cast<void*>(v.data<void>()), ptr(2), ptr(3)};
+  const int64_t m = q.shape(0), n = static_cast<int64_t>(rows.size());
+  need(lengths.empty() || static_cast<int64_t>(lengths.size()) == m, "lengths must be empty or one per query head");
   std::vector<float> out(q.size());
-  attend_heads(kv, ks, vs, g, r, static_cast<int64_t>(rows.size()), q.data<float>(), q.shape(0), out.data(),
-               best_isa());
+  std::vector<Query> heads(m);
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t len = lengths.empty() ? n : lengths[j];
+    need(len >= 1 && len <= n, "a length must be in [1, len(rows)]");
+    heads[j] = {q.data<float>() + j * d, out.data() + j * d, len};
+  }
+  attend_heads(kv, ks, vs, g, r, heads.data(), m, best_isa());
   return mlx::core::array(out.begin(), q.shape(), mlx::core::float32);
 }
 

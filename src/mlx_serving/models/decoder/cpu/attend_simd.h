@@ -70,11 +70,22 @@ ATT_TARGET void values_part(const Keys& vals, int64_t n, const float* w, int64_t
     for (int u = 0; u < C; ++u) S::store(o + j * vals.d + (c0 + u) * S::W, acc[j][u]);
 }
 
+// M heads' unnormalized outputs o (M * d) and their weights' sums, head j over keys [0, lens[j]) (n =
+// the most; scores in sc, M * ns): its scores over all n keys, those past its own replaced by -inf, its
+// softmax over its own keys' vectors of lanes, weights past them 0, then the values of all n keys (each
+// value vector loaded once for the M heads). A head's sums are those of the head alone over its keys
+// (its weights past them add exact zeros).
 template <KvKind K, int M>
-ATT_TARGET void heads(const Keys& keys, const Keys& vals, int64_t n, const float* qs, float* sc, int64_t ns,
-                      float* sums, float* o) {
+ATT_TARGET void heads(const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs, float* sc,
+                      int64_t ns, float* sums, float* o) {
   scores<K, M>(keys, n, qs, sc, ns);
-  for (int j = 0; j < M; ++j) sums[j] = softmax_weights(sc + j * ns, ns);
+  for (int j = 0; j < M; ++j) {
+    float* s = sc + j * ns;
+    const int64_t own = (lens[j] + S::W - 1) / S::W * S::W;
+    std::fill(s + lens[j], s + own, -INFINITY);  // padding lanes: weight 0
+    sums[j] = softmax_weights(s, own);
+    std::fill(s + own, s + ns, 0.f);
+  }
   const int64_t nv = keys.d / S::W;
   constexpr int kC = S::W == 1 ? 8 : 4;  // vectors per pass: M * kC sums in registers
   int64_t c = 0;
@@ -82,30 +93,31 @@ ATT_TARGET void heads(const Keys& keys, const Keys& vals, int64_t n, const float
   for (; c < nv; ++c) values_part<K, M, 1>(vals, n, sc, ns, c, o);
 }
 
+// The m heads' unnormalized outputs o (m * d) and their weights' sums (m), up to 4 heads alongside.
 template <KvKind K>
-ATT_TARGET void run_kind(const Keys& keys, const Keys& vals, int64_t n, const float* qs, int64_t m, float* sc,
-                         int64_t ns, float* sums, float* o) {
+ATT_TARGET void run_kind(const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs,
+                         int64_t m, float* sc, int64_t ns, float* sums, float* o) {
   const int64_t d = keys.d;
-  for (int64_t j = 0; j < m; j += 4) {  // up to 4 heads alongside
+  for (int64_t j = 0; j < m; j += 4) {
     const float* q = qs + j * d;
     float* s = sc + j * ns;
     switch (std::min<int64_t>(4, m - j)) {
-      case 1: heads<K, 1>(keys, vals, n, q, s, ns, sums + j, o + j * d); break;
-      case 2: heads<K, 2>(keys, vals, n, q, s, ns, sums + j, o + j * d); break;
-      case 3: heads<K, 3>(keys, vals, n, q, s, ns, sums + j, o + j * d); break;
-      default: heads<K, 4>(keys, vals, n, q, s, ns, sums + j, o + j * d);
+      case 1: heads<K, 1>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      case 2: heads<K, 2>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      case 3: heads<K, 3>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d); break;
+      default: heads<K, 4>(keys, vals, lens + j, n, q, s, ns, sums + j, o + j * d);
     }
   }
 }
 
-// The m heads' unnormalized outputs o (m * d) and their weights' sums (m), scores in sc (m * ns).
-void run(KvKind kind, const Keys& keys, const Keys& vals, int64_t n, const float* qs, int64_t m, float* sc,
-         int64_t ns, float* sums, float* o) {
+// run_kind of the cache's layout.
+void run(KvKind kind, const Keys& keys, const Keys& vals, const int64_t* lens, int64_t n, const float* qs, int64_t m,
+         float* sc, int64_t ns, float* sums, float* o) {
   switch (kind) {
-    case KvKind::kF32: run_kind<KvKind::kF32>(keys, vals, n, qs, m, sc, ns, sums, o); break;
-    case KvKind::kF16: run_kind<KvKind::kF16>(keys, vals, n, qs, m, sc, ns, sums, o); break;
-    case KvKind::kBF16: run_kind<KvKind::kBF16>(keys, vals, n, qs, m, sc, ns, sums, o); break;
-    case KvKind::kQ8: run_kind<KvKind::kQ8>(keys, vals, n, qs, m, sc, ns, sums, o); break;
-    case KvKind::kQ4: run_kind<KvKind::kQ4>(keys, vals, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kF32: run_kind<KvKind::kF32>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kF16: run_kind<KvKind::kF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kBF16: run_kind<KvKind::kBF16>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kQ8: run_kind<KvKind::kQ8>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
+    case KvKind::kQ4: run_kind<KvKind::kQ4>(keys, vals, lens, n, qs, m, sc, ns, sums, o); break;
   }
 }

@@ -125,6 +125,7 @@ class Decoder {
   Isa isa_ = Isa::portable;
   // per-step buffers (compacted real rows)
   std::vector<int64_t> rows_, pos_, off_, idx_;  // idx_[off_[r] + p]: cache row of row r's position p
+  std::vector<int64_t> grp_;  // row groups [grp_[i], grp_[i + 1]): one block table, consecutive positions
   std::vector<float> h_, x_, qkv_, att_, tmp_, out_;
   QuantRows qrows_, act_rows_;  // a product's activations, in the packed weights' layout; the SwiGLU's
 };
@@ -150,19 +151,31 @@ void Decoder::mlp_product(const LayerWeights& lw, const float* x, int64_t rows, 
 
 // Each row's heads attend over the row's prefix in layer ``l``'s cache, read as stored (attend.h:
 // float16 / bfloat16 widened, int8 / int4 dequantized in the kernel's vectors, the query rotated into
-// the cache's Hadamard basis and the output back: kv_cache.PagedKVCache.rotate).
+// the cache's Hadamard basis and the output back: kv_cache.PagedKVCache.rotate). The rows of a group
+// (``grp_``: one stream's rows at consecutive positions, a verify's k + 1) share their prefix: a
+// group's query heads of one KV head run as one call, each key and value read once for all of them.
 void Decoder::attend_rows(int64_t l, const KvCache& kv) {
-  const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, dd = d_.head_dim;
-  const int64_t width = (h + 2 * d_.kv_heads) * dd, group = h / d_.kv_heads;
-  // One task per (row, KV head) when there are at least as many as threads: the query heads sharing
-  // a KV head run together, each key and value loaded once for all of them (~1.8x less work per head
-  // than alone); else one task per (row, query head), so that every thread has work. A head's result
-  // is the same either way (attend.h).
-  const int64_t per = a * d_.kv_heads >= pool_.threads() ? group : 1, tasks = a * h / per;
+  const int64_t a = static_cast<int64_t>(rows_.size()), h = d_.heads, dd = d_.head_dim, hkv = d_.kv_heads;
+  const int64_t width = (h + 2 * hkv) * dd, group = h / hkv, groups = static_cast<int64_t>(grp_.size()) - 1;
+  // One task per (group of rows, KV head) while that still spreads the work (the largest group's task
+  // at most half a thread's share), else per (row, KV head) when there are at least as many as threads,
+  // else per (row, query head), so that every thread has work; the query heads of a task run together
+  // (~1.8x less work per head than alone). A head's result is the same either way (attend.h).
+  int64_t largest = 0;
+  for (int64_t i = 0; i < groups; ++i) largest = std::max(largest, grp_[i + 1] - grp_[i]);
+  const bool grouped = 2 * largest * pool_.threads() <= a * hkv;
+  const int64_t per = grouped || a * hkv >= pool_.threads() ? group : 1;
+  const int64_t tasks = grouped ? groups * hkv : a * h / per;
   pool_.run(tasks, [&](int64_t t) {
-    const int64_t r = t * per / h, first = t * per % h;
-    attend_heads(kv, kv.keys[l], kv.values[l], first / group, idx_.data() + off_[r], pos_[r] + 1,
-                 qkv_.data() + r * width + first * dd, per, att_.data() + (r * h + first) * dd, isa_);
+    thread_local std::vector<Query> heads;
+    heads.clear();
+    const int64_t lo = grouped ? grp_[t / hkv] : t * per / h, hi = grouped ? grp_[t / hkv + 1] : lo + 1;
+    const int64_t first = grouped ? t % hkv * group : t * per % h;
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t j = first; j < first + per; ++j)
+        heads.push_back({qkv_.data() + r * width + j * dd, att_.data() + (r * h + j) * dd, pos_[r] + 1});
+    attend_heads(kv, kv.keys[l], kv.values[l], first / group, idx_.data() + off_[hi - 1], heads.data(),
+                 static_cast<int64_t>(heads.size()), isa_);
   });
 }
 
@@ -187,6 +200,12 @@ void Decoder::step(const float* h_in, const int32_t* start, const int32_t* n_val
   idx_.resize(off_[a]);
   for (int64_t r = 0; r < a; ++r)
     for (int64_t p = 0; p <= pos_[r]; ++p) idx_[off_[r] + p] = cache_row(table, w, r, p, cache_rows, block_size);
+  grp_.assign(1, 0);
+  for (int64_t r = 1; r < a; ++r)
+    if (pos_[r] != pos_[r - 1] + 1 ||
+        std::memcmp(table + rows_[r] * w, table + rows_[r - 1] * w, sizeof(int32_t) * w) != 0)
+      grp_.push_back(r);
+  grp_.push_back(a);
   h_.resize(a * hid);
   x_.resize(a * hid);
   qkv_.resize(a * width);

@@ -10,6 +10,7 @@ through :class:`StepTimer`) and estimates the cost of a step not measured yet
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,26 +53,34 @@ class StepCosts:
         above; below all of them proportional to the smallest (``t * rows / n``); above all of
         them the largest plus, per extra row, the slope from the smallest to the largest, at
         least :data:`ROW_PRIOR` of the largest's cost per row."""
-        exact = self.table.get((verifying, rows))
-        if exact is not None:
-            return exact
+        return self.curve(verifying)(rows)
+
+    def curve(self, verifying: bool) -> Callable[[int], float | None]:
+        """:meth:`estimate` of steps of one kind as a function of their rows, over the table as it
+        is now (sorted once: a step's choice asks for many row counts)."""
         points = self._points(verifying) or self._points(False)
-        if not points:
-            return None
-        below = [p for p in points if p[0] < rows]
-        above = [p for p in points if p[0] > rows]
-        if below and above:
-            (n0, t0), (n1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (rows - n0) / (n1 - n0)
-        if above:
-            n1, t1 = above[0]
-            return t1 * rows / n1
-        (n0, t0), (n1, t1) = points[0], points[-1]
-        slope = ROW_PRIOR * t1 / n1 if n1 == n0 else max(ROW_PRIOR * t1 / n1, (t1 - t0) / (n1 - n0))
-        return t1 + slope * (rows - n1)
+        exact = {n: t for (v, n), t in self.table.items() if v == verifying}
+        return lambda rows: exact[rows] if rows in exact else _between(points, rows)
 
     def _points(self, verifying: bool) -> list[tuple[int, float]]:
         return sorted((n, t) for (v, n), t in self.table.items() if v == verifying)
+
+
+def _between(points: list[tuple[int, float]], rows: int) -> float | None:
+    """The estimate at ``rows`` from measured ``points`` (sorted ``(rows, seconds)``; none: None)."""
+    if not points:
+        return None
+    i = bisect.bisect_left(points, (rows,))  # points[:i] below rows, points[j:] above
+    j = i + (i < len(points) and points[i][0] == rows)
+    if 0 < i and j < len(points):
+        (n0, t0), (n1, t1) = points[i - 1], points[j]
+        return t0 + (t1 - t0) * (rows - n0) / (n1 - n0)
+    if j < len(points):
+        n1, t1 = points[j]
+        return t1 * rows / n1
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    slope = ROW_PRIOR * t1 / n1 if n1 == n0 else max(ROW_PRIOR * t1 / n1, (t1 - t0) / (n1 - n0))
+    return t1 + slope * (rows - n1)
 
 
 class StepTimer:

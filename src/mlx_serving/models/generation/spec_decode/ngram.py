@@ -25,22 +25,22 @@ class NgramProposer:
         ``tokens`` ``(L,) int32`` occurs earlier in it, or ``k`` < 1): the tokens after the latest
         earlier occurrence of the longest matching tail that has ``k`` after it (else after the
         earliest one). One pass over ``tokens`` (this runs for a row's drafts and shadow drafts at
-        its steps), then work on the earlier occurrences of its last token only."""
+        its steps: at every landed token of a row whose drafts fail), then one vectorized pass over
+        the earlier occurrences of its last token (each one's matching tail length, all n at once)."""
         size, top = len(tokens), min(self.max_n, len(tokens) - 1)
         if k < 1 or top < self.min_n:
             return _EMPTY
         ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])  # where an occurrence may end
-        match = np.zeros(ends.size, dtype=np.int64)  # each one's matching tail length, up to top
-        alive = np.ones(ends.size, dtype=bool)
-        for i in range(top):
-            at = ends - i
-            alive &= at >= 0
-            alive[alive] = tokens[at[alive]] == tokens[size - 1 - i]
-            match += alive
-        for n in range(top, self.min_n - 1, -1):
-            hits = ends[match >= n] - (n - 1)  # the occurrences' starts, in order
-            if hits.size:
-                full = hits[hits + n + k <= size]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return np.asarray(tokens[start : start + k], dtype=np.int32)
-        return _EMPTY
+        if not ends.size:
+            return _EMPTY
+        back = np.arange(top)
+        at = ends[None, :] - back[:, None]  # (top, E): where each occurrence's tail token i lies
+        same = (at >= 0) & (tokens[np.maximum(at, 0)] == tokens[size - 1 - back, None])
+        match = same.cumprod(axis=0).sum(axis=0)  # each occurrence's matching tail length, up to top
+        n = int(match.max())
+        if n < self.min_n:
+            return _EMPTY
+        hits = ends[match >= n] - (n - 1)  # the longest matches' starts, in order
+        full = hits[hits + n + k <= size]
+        start = int(full[-1] if full.size else hits[0]) + n
+        return np.asarray(tokens[start : start + k], dtype=np.int32)
