@@ -32,12 +32,14 @@ void unpack_column(const QMatrixView& m, int64_t c, const BlockLayout& at, uint8
   }
 }
 
-// Group g of an unpacked column (``group``) into column ``col`` of ``tile``: 8-bit as it is, 4-bit
-// vector v | vector v + C/2 << 4, each stored byte where byte_at puts it.
-void place_group(const PackedMatrix& p, const uint8_t* group, int64_t g, int64_t col, uint8_t* tile) {
-  const int64_t bytes = p.at.group_bytes(g), half = bytes / 2;
-  for (int64_t e = 0; e < p.column_bytes(g); ++e)
-    tile[p.byte_at(g, col, e)] = p.bits == 8 ? group[e] : static_cast<uint8_t>(group[e] | (group[half + e] << 4));
+// Group g of an unpacked column into its place: 8-bit as it is, 4-bit vector v | vector v + C/2 << 4.
+void place_group(const uint8_t* group, int64_t bytes, int bits, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, group, bytes);
+    return;
+  }
+  const int64_t half = bytes / 2;
+  for (int64_t e = 0; e < half; ++e) out[e] = static_cast<uint8_t>(group[e] | (group[half + e] << 4));
 }
 
 template <typename T>
@@ -51,10 +53,10 @@ void place_params(const QMatrixView& m, const void* src, int64_t c, const Packed
 
 int PackedMatrix::value(int64_t c, int64_t i, int j) const {
   const int64_t g = i / 8, u = at.offset(i, j / 4) - g * 256 + j % 4;  // within the group, unpacked
-  const uint8_t* tile = q.data() + (c / kTileCols) * tile_bytes();
-  const int64_t col = c % kTileCols, half = at.group_bytes(g) / 2;
-  if (bits == 8) return tile[byte_at(g, col, u)];
-  return u < half ? tile[byte_at(g, col, u)] & 0xF : tile[byte_at(g, col, u - half)] >> 4;
+  const uint8_t* col = q.data() + (c / kTileCols) * tile_bytes() + group_offset(g) + (c % kTileCols) * column_bytes(g);
+  if (bits == 8) return col[u];
+  const int64_t half = at.group_bytes(g) / 2;
+  return u < half ? col[u] & 0xF : col[u - half] >> 4;
 }
 
 namespace {
@@ -90,7 +92,9 @@ PackedMatrix pack(const QMatrixView& m) {
     std::vector<uint8_t> row(p.at.row_bytes, 0);
     unpack_column(m, c, p.at, row.data());
     uint8_t* tile = p.q.data() + (c / kTileCols) * p.tile_bytes();
-    for (int64_t g = 0; g < p.at.groups; ++g) place_group(p, row.data() + g * 256, g, c % kTileCols, tile);
+    for (int64_t g = 0; g < p.at.groups; ++g)
+      place_group(row.data() + g * 256, p.at.group_bytes(g), p.bits,
+                  tile + p.group_offset(g) + (c % kTileCols) * p.column_bytes(g));
     if (p.half) {
       place_params(m, m.scales, c, p, p.s16);
       place_params(m, m.biases, c, p, p.b16);

@@ -33,14 +33,12 @@ struct BlockLayout {
 constexpr int64_t kTileCols = 4;
 
 // An affine-quantized (N, K) matrix in the micro kernel's order. Columns in tiles of kTileCols
-// (the last padded with zero columns); a tile holds, group of 8 blocks by group, its columns'
-// values of the group in BlockLayout's order, a column's ``column_bytes`` stored as 32-byte
-// vectors: 8-bit values as they are (256 bytes, 128 for a last ``pairs`` group); 4-bit values two
-// vectors to a byte, vector v of the group's C (8, or 4 for ``pairs``) in the low nibbles and
-// vector v + C / 2 in the high nibbles of 32 bytes (128, or 64, bytes a column: the size of MLX's
-// nibbles), so one 32-byte load and an and / a shift give two vectors. Columns 2p and 2p + 1 of a
-// tile (a pair) take turns vector by vector (``byte_at``), so one 64-byte load gives both columns'
-// vector v (the AVX-512 kernel's two halves); a tile's groups lie in the order the kernels read them. Scales and offsets one per block (a group of 64 or
+// (the last padded with zero columns); a tile holds, group of 8 blocks by group, its 4 columns'
+// values of the group one after another, each in BlockLayout's order: 8-bit values as they are
+// (256 bytes, 128 for a last ``pairs`` group); 4-bit values two vectors to a byte, vector v of
+// the group's C (8, or 4 for ``pairs``) in the low nibbles and vector v + C / 2 in the high
+// nibbles of 32 bytes (128, or 64, bytes a column: the size of MLX's nibbles), so one 32-byte
+// load and an and / a shift give two vectors. Scales and offsets one per block (a group of 64 or
 // 128 repeats its own), 8 per (tile, group, column) (padding 0), in their own dtype (``half``:
 // float16 bits; float32 otherwise). ``bias`` (N,) float32 or empty.
 struct PackedMatrix {
@@ -56,12 +54,6 @@ struct PackedMatrix {
   int64_t tile_bytes() const { return kTileCols * at.row_bytes * bits / 8; }
   int64_t group_offset(int64_t g) const { return kTileCols * g * 256 * bits / 8; }  // within a tile
   int64_t column_bytes(int64_t g) const { return at.group_bytes(g) * bits / 8; }    // of group g
-  // Where stored byte e (0 .. column_bytes(g)) of group g of the tile's column ``col`` lies in the
-  // tile: in the group's bytes, its pair's (pair 0's, then pair 1's), the pair's two columns taking
-  // turns by 32 bytes.
-  int64_t byte_at(int64_t g, int64_t col, int64_t e) const {
-    return group_offset(g) + (col / 2) * 2 * column_bytes(g) + 64 * (e / 32) + 32 * (col % 2) + e % 32;
-  }
   int64_t param(int64_t tile, int64_t g, int64_t col) const { return ((tile * at.groups + g) * kTileCols + col) * 8; }
   // Weight value j (0..31, unsigned) of block i of column c (the portable loop's read).
   int value(int64_t c, int64_t i, int j) const;

@@ -9,8 +9,11 @@
 // sums; a last group of 1-4 blocks (SmolLM2's K = 576 is 18 blocks) takes two lanes per block, 4
 // steps and one pairwise sum. 4-bit weights are read as they are stored: one 32-byte load, an and
 // and a shift give two vectors' values. A micro tile keeps MR rows x 4 columns of these sums in
-// registers (MR up to 4 with VNNI's 32 vector registers, 2 on AVX2's 16; fewer for the last rows:
-// a one-row decode step computes no padding rows).
+// registers: ymm tiles of up to 4 rows with VNNI's 32 vector registers, 2 on AVX2's 16; on VNNI, 5
+// or 6 rows a zmm tile (a column pair per register, issue 41: a verify of 4-5 drafts in one pass
+// over the weights). A range runs tile by tile, its rows in tiles of 4 and a last one of 1-6 (1-2
+// on AVX2): a one-row decode step computes no padding rows, and a tile's weights are read from
+// memory once, then from L1, whatever the rows.
 //
 // Numerics: the integer sums are exact; each block's float scaling and accumulation take one order
 // per ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets' term beside it, one
@@ -106,10 +109,6 @@ QG_AVX2 inline __m256 params8(const void* base, int64_t slot) {
 
 QG_AVX2 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Where stored vector v of the tile's column n lies in its group (PackedMatrix::byte_at; cb: a
-// column's bytes in the group).
-constexpr int64_t vec_at(int n, int64_t cb, int v) { return (n / 2) * 2 * cb + 64 * v + 32 * (n % 2); }
-
 // a + the int32 sums of 4 products each (8 lanes) of unsigned weights by signed activations.
 template <int Bits>
 QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
@@ -135,7 +134,7 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
     _Pragma("GCC unroll 4") for (int v = 0; v < (VECS) / 2; ++v) {                                            \
       __m256i lo[kTileCols], hi[kTileCols];                                                                   \
       for (int n = 0; n < kTileCols; ++n) {                                                                   \
-        const __m256i raw = load32(wg + vec_at(n, cb, v));                                                    \
+        const __m256i raw = load32(wg + n * cb + 32 * v);                                                    \
         lo[n] = _mm256_and_si256(raw, m4);                                                                    \
         hi[n] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                                              \
       }                                                                                                       \
@@ -147,7 +146,7 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
   } else {                                                                                                    \
     _Pragma("GCC unroll 8") for (int v = 0; v < (VECS); ++v) {                                                \
       __m256i wv[kTileCols];                                                                                  \
-      for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + vec_at(n, cb, v));                              \
+      for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                              \
       for (int m = 0; m < MR; ++m) {                                                                          \
         const __m256i xv = load32(xr + m * rb + 32 * v);                                                      \
         for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                              \
@@ -217,6 +216,14 @@ QG_AVX2 void micro_avx2(QG_MICRO_ARGS) {
   QG_MICRO(acc_avx2<Bits>)
 }
 
+// 1-4 rows on VNNI: the AVX2 kernel's ymm tiles with VNNI's multiply-add.
+QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
+
+template <int MR, int Bits, bool Half>
+QG_VNNI void micro_vnni_ymm(QG_MICRO_ARGS) {
+  QG_MICRO(acc_vnni)
+}
+
 using MicroFn = void (*)(QG_MICRO_ARGS);
 
 // The micro kernels of one ISA and weight format: fn[mr] for mr = 1..most rows.
@@ -230,14 +237,17 @@ Micros avx2_of() {
   return {{nullptr, micro_avx2<1, Bits, Half>, micro_avx2<2, Bits, Half>}, 2};
 }
 
-// AVX-512 VNNI: a column pair (columns 2p, 2p + 1 of a tile) per zmm register, lanes 0-7 the first
-// column's 8 blocks and 8-15 the second's, each lane the same operations in the same order as the
-// AVX2 kernel's ymm lane (so the same results bit for bit). A micro tile is MR rows x the tile's 4
-// columns: 2 MR int32 sums and 2 MR float accumulators in registers (no spills up to kVnniRows
-// rows), each activation vector loaded once (broadcast to both halves) for 2 multiply-adds, each
-// weight vector (its 4-bit unpacking) once for MR rows. Half the instructions of ymm products (Zen
-// 4 runs a zmm op on two 256-bit halves: the same multiply-adds per cycle).
-constexpr int kVnniRows = 6;
+// AVX-512 VNNI, 5 or 6 rows (issue 41: a verify of 4-5 drafts): a column pair (columns 2p, 2p + 1
+// of a tile) per zmm register, lanes 0-7 the first column's 8 blocks and 8-15 the second's, each
+// lane the same operations in the same order as the ymm kernel's lane (so the same results bit for
+// bit). A micro tile is MR rows x the tile's 4 columns: 2 MR int32 sums and 2 MR float
+// accumulators, in registers up to 6 rows (the ymm kernel's 4 x 4 sums fill AVX-512's 32 registers
+// from 4 rows), so 5 and 6 rows are one pass over the weights instead of a 4-row and a 1- or 2-row
+// pass. Each activation vector is loaded once (broadcast to both halves) for 2 multiply-adds, each
+// weight vector (its 4-bit unpacking) once for MR rows. Zen 4 runs a zmm op on two 256-bit halves:
+// the same multiply-adds per cycle as ymm, half the instructions. Fewer rows run the ymm kernel
+// (as fast at 2-4 rows, measured; faster at one row, which streams the weights from memory).
+constexpr int kWideRows = 6;
 
 // 32 bytes (a vector of int8 activations) or 8 floats, the same in both 256-bit halves.
 QG_VNNI QG_INLINE __m512i bcast_bytes(const int8_t* p) {
@@ -245,6 +255,12 @@ QG_VNNI QG_INLINE __m512i bcast_bytes(const int8_t* p) {
 }
 QG_VNNI QG_INLINE __m512 bcast_floats(const float* p) {
   return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// Stored vector v of the columns at ``col`` and ``col`` + cb (a pair's: cb, a column's bytes in the
+// group), side by side.
+QG_VNNI QG_INLINE __m512i pair_vector(const uint8_t* col, int64_t cb, int v) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(col + 32 * v)), load32(col + cb + 32 * v), 1);
 }
 
 // A pair's 16 scales or offsets (8 per column, the columns' slots side by side) as float32.
@@ -257,49 +273,36 @@ QG_VNNI QG_INLINE __m512 params16(const void* base, int64_t slot) {
 }
 
 // One group's exact integer block sums of the tile's two pairs for MR rows, ia[m][pair], from Vecs
-// vectors of 32 activation bytes (8, or 4 in a last ``pairs`` group); ``wp``: pair 0's vectors of
-// the group (64 bytes each, the columns side by side), pair 1's ``pb`` further (right after). One or two rows
-// keep two sums a pair (even and odd vectors: shorter dependency chains; their integer sum is exact).
+// vectors of 32 activation bytes (8, or 4 in a last ``pairs`` group); ``wp``: the tile's group,
+// column n's vectors at n * cb.
 template <int MR, int Bits, int Vecs>
-QG_VNNI QG_INLINE void tile_sums(const uint8_t* wp, int64_t pb, const int8_t* xr, int64_t rb, __m512i (&ia)[MR][2]) {
-  constexpr bool split = MR <= 2;
-  __m512i ib[MR][2];
-  for (int m = 0; m < MR; ++m)
-    for (int q = 0; q < 2; ++q) ia[m][q] = ib[m][q] = _mm512_setzero_si512();
+QG_VNNI QG_INLINE void tile_sums(const uint8_t* wp, int64_t cb, const int8_t* xr, int64_t rb, __m512i (&ia)[MR][2]) {
+  for (int m = 0; m < MR; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
   if constexpr (Bits == 4) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int v = 0; v < Vecs / 2; ++v) {
       __m512i lo[2], hi[2];
       for (int q = 0; q < 2; ++q) {
-        const __m512i raw = _mm512_loadu_si512(wp + q * pb + 64 * v);
+        const __m512i raw = pair_vector(wp + 2 * q * cb, cb, v);
         lo[q] = _mm512_and_si512(raw, m4);
         hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
       }
       for (int m = 0; m < MR; ++m) {
         const __m512i xl = bcast_bytes(xr + m * rb + 32 * v), xh = bcast_bytes(xr + m * rb + 32 * (v + Vecs / 2));
-        for (int q = 0; q < 2; ++q) {
-          ia[m][q] = _mm512_dpbusd_epi32(ia[m][q], lo[q], xl);
-          __m512i& h = split ? ib[m][q] : ia[m][q];
-          h = _mm512_dpbusd_epi32(h, hi[q], xh);
-        }
+        for (int q = 0; q < 2; ++q) ia[m][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ia[m][q], lo[q], xl), hi[q], xh);
       }
     }
   } else {
 #pragma GCC unroll 8
     for (int v = 0; v < Vecs; ++v) {
-      const __m512i w0 = _mm512_loadu_si512(wp + 64 * v), w1 = _mm512_loadu_si512(wp + pb + 64 * v);
+      const __m512i w[2] = {pair_vector(wp, cb, v), pair_vector(wp + 2 * cb, cb, v)};
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = bcast_bytes(xr + m * rb + 32 * v);
-        __m512i(&a)[2] = split && v % 2 == 1 ? ib[m] : ia[m];
-        a[0] = _mm512_dpbusd_epi32(a[0], w0, xv);
-        a[1] = _mm512_dpbusd_epi32(a[1], w1, xv);
+        for (int q = 0; q < 2; ++q) ia[m][q] = _mm512_dpbusd_epi32(ia[m][q], w[q], xv);
       }
     }
   }
-  if constexpr (split)
-    for (int m = 0; m < MR; ++m)
-      for (int q = 0; q < 2; ++q) ia[m][q] = _mm512_add_epi32(ia[m][q], ib[m][q]);
 }
 
 // A last ``pairs`` group's sums: lanes 2j, 2j + 1 of each column summed into its lane j (4-7: 0).
@@ -353,12 +356,12 @@ QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
   __m512i ia[MR][2];
   for (int m = 0; m < MR; ++m) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < whole; ++k) {
-    tile_sums<MR, Bits, 8>(wt + p.group_offset(k), 2 * p.column_bytes(k), xq + k * 256, rb, ia);
+    tile_sums<MR, Bits, 8>(wt + p.group_offset(k), p.column_bytes(k), xq + k * 256, rb, ia);
     scale_group<MR, Half>(sp, p.param(tile, k, 0), dx + k * 8, g * 8, ia, fa);
   }
   if (at.pairs) {
     const int64_t k = at.full;
-    tile_sums<MR, Bits, 4>(wt + p.group_offset(k), 2 * p.column_bytes(k), xq + k * 256, rb, ia);
+    tile_sums<MR, Bits, 4>(wt + p.group_offset(k), p.column_bytes(k), xq + k * 256, rb, ia);
     for (int m = 0; m < MR; ++m)
       for (int q = 0; q < 2; ++q) ia[m][q] = pairs_to_blocks(ia[m][q]);
     scale_group<MR, Half>(sp, p.param(tile, k, 0), dx + k * 8, g * 8, ia, fa);
@@ -380,9 +383,9 @@ QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
 
 template <int Bits, bool Half>
 Micros vnni_of() {
-  return {{nullptr, micro_vnni<1, Bits, Half>, micro_vnni<2, Bits, Half>, micro_vnni<3, Bits, Half>,
-           micro_vnni<4, Bits, Half>, micro_vnni<5, Bits, Half>, micro_vnni<6, Bits, Half>},
-          kVnniRows};
+  return {{nullptr, micro_vnni_ymm<1, Bits, Half>, micro_vnni_ymm<2, Bits, Half>, micro_vnni_ymm<3, Bits, Half>,
+           micro_vnni_ymm<4, Bits, Half>, micro_vnni<5, Bits, Half>, micro_vnni<6, Bits, Half>},
+          kWideRows};
 }
 
 Micros micros(Isa isa, int bits, bool half) {
@@ -393,6 +396,10 @@ Micros micros(Isa isa, int bits, bool half) {
   if (bits == 4) return half ? avx2_of<4, true>() : avx2_of<4, false>();
   return half ? avx2_of<8, true>() : avx2_of<8, false>();
 }
+
+// The rows of the next micro tile with ``left`` rows to go: all of them when a kernel takes them,
+// else 4 (the ymm kernel's most; AVX2: 2), so that the last tile has 1-6 rows.
+int64_t tile_rows(const Micros& mi, int64_t left) { return left <= mi.most ? left : std::min<int64_t>(mi.most, 4); }
 #endif
 
 // Activation rounding (QuantRows): for a weight group with scale s and offset b (w = s q + b, q
@@ -486,8 +493,10 @@ void range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, in
     // Tile by tile, the rows a micro tile at a time: a tile's weights read from memory once, then from L1.
     const Micros mi = micros(isa, m.bits, m.half);
     for (int64_t tile = c0 / kTileCols; tile * kTileCols < c1; ++tile)
-      for (int64_t r = r0; r < r1; r += mi.most)
-        mi.fn[std::min<int64_t>(mi.most, r1 - r)](x, r, m, tile, std::min<int64_t>(kTileCols, c1 - tile * kTileCols), y);
+      for (int64_t r = r0, mr = 0; r < r1; r += mr) {
+        mr = tile_rows(mi, r1 - r);
+        mi.fn[mr](x, r, m, tile, std::min<int64_t>(kTileCols, c1 - tile * kTileCols), y);
+      }
     return;
   }
 #endif
