@@ -11,9 +11,8 @@
 // and a shift give two vectors' values. A micro tile keeps MR rows x 4 columns of these sums in
 // registers: ymm tiles of up to 4 rows with VNNI's 32 vector registers, 2 on AVX2's 16; on VNNI, 5
 // or 6 rows a zmm tile (a column pair per register, issue 41: a verify of 4-5 drafts in one pass
-// over the weights). A range runs tile by tile, its rows in tiles of 4 and a last one of 1-6 (1-2
-// on AVX2): a one-row decode step computes no padding rows, and a tile's weights are read from
-// memory once, then from L1, whatever the rows.
+// over the weights). A range's rows run in tiles of 4 and a last one of 1-6 (1-2 on AVX2), each
+// over all its columns: a one-row decode step computes no padding rows.
 //
 // Numerics: the integer sums are exact; each block's float scaling and accumulation take one order
 // per ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets' term beside it, one
@@ -490,13 +489,14 @@ void range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, in
            Isa isa) {
 #ifdef QG_X86
   if (isa != Isa::portable) {
-    // Tile by tile, the rows a micro tile at a time: a tile's weights read from memory once, then from L1.
+    // Rows a micro tile at a time, each over all the columns: one long stream of the weights for
+    // the hardware prefetcher (a second tile of rows then reads them from L2).
     const Micros mi = micros(isa, m.bits, m.half);
-    for (int64_t tile = c0 / kTileCols; tile * kTileCols < c1; ++tile)
-      for (int64_t r = r0, mr = 0; r < r1; r += mr) {
-        mr = tile_rows(mi, r1 - r);
+    for (int64_t r = r0, mr = 0; r < r1; r += mr) {
+      mr = tile_rows(mi, r1 - r);
+      for (int64_t tile = c0 / kTileCols; tile * kTileCols < c1; ++tile)
         mi.fn[mr](x, r, m, tile, std::min<int64_t>(kTileCols, c1 - tile * kTileCols), y);
-      }
+    }
     return;
   }
 #endif
