@@ -133,7 +133,7 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
     _Pragma("GCC unroll 4") for (int v = 0; v < (VECS) / 2; ++v) {                                            \
       __m256i lo[kTileCols], hi[kTileCols];                                                                   \
       for (int n = 0; n < kTileCols; ++n) {                                                                   \
-        const __m256i raw = load32(wg + n * cb + 32 * v);                                                    \
+        const __m256i raw = load32(wg + n * cb + 32 * v);                                                     \
         lo[n] = _mm256_and_si256(raw, m4);                                                                    \
         hi[n] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);                                              \
       }                                                                                                       \
@@ -145,7 +145,7 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
   } else {                                                                                                    \
     _Pragma("GCC unroll 8") for (int v = 0; v < (VECS); ++v) {                                                \
       __m256i wv[kTileCols];                                                                                  \
-      for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                              \
+      for (int n = 0; n < kTileCols; ++n) wv[n] = load32(wg + n * cb + 32 * v);                               \
       for (int m = 0; m < MR; ++m) {                                                                          \
         const __m256i xv = load32(xr + m * rb + 32 * v);                                                      \
         for (int n = 0; n < kTileCols; ++n) ia[m][n] = ACC(ia[m][n], wv[n], xv);                              \
@@ -244,8 +244,9 @@ Micros avx2_of() {
 // from 4 rows), so 5 and 6 rows are one pass over the weights instead of a 4-row and a 1- or 2-row
 // pass. Each activation vector is loaded once (broadcast to both halves) for 2 multiply-adds, each
 // weight vector (its 4-bit unpacking) once for MR rows. Zen 4 runs a zmm op on two 256-bit halves:
-// the same multiply-adds per cycle as ymm, half the instructions. Fewer rows run the ymm kernel
-// (as fast at 2-4 rows, measured; faster at one row, which streams the weights from memory).
+// the same multiply-adds per cycle as ymm, half the instructions. Fewer rows run the ymm kernel:
+// zmm tiles of 1-4 rows measured no faster at 2-4 rows and slower at one row, whose product streams
+// the weights from memory (docs/benchmarks.md, "Multi-row products").
 constexpr int kWideRows = 6;
 
 // 32 bytes (a vector of int8 activations) or 8 floats, the same in both 256-bit halves.
@@ -275,7 +276,8 @@ QG_VNNI QG_INLINE __m512 params16(const void* base, int64_t slot) {
 // vectors of 32 activation bytes (8, or 4 in a last ``pairs`` group); ``wp``: the tile's group,
 // column n's vectors at n * cb.
 template <int MR, int Bits, int Vecs>
-QG_VNNI QG_INLINE void tile_sums(const uint8_t* wp, int64_t cb, const int8_t* xr, int64_t rb, __m512i (&ia)[MR][2]) {
+QG_VNNI QG_INLINE void tile_sums(const uint8_t* wp, int64_t cb, const int8_t* xr, int64_t rb,
+                                 __m512i (&ia)[MR][2]) {
   for (int m = 0; m < MR; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
   if constexpr (Bits == 4) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -366,7 +368,8 @@ QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
     scale_group<MR, Half>(sp, p.param(tile, k, 0), dx + k * 8, g * 8, ia, fa);
   }
   const int64_t c0 = tile * kTileCols;
-  const __m128 bias01 = bias_of(p, c0, std::min<int64_t>(cols, 2)), bias23 = bias_of(p, c0 + 2, std::max<int64_t>(cols - 2, 0));
+  const __m128 bias01 = bias_of(p, c0, std::min<int64_t>(cols, 2));
+  const __m128 bias23 = bias_of(p, c0 + 2, std::max<int64_t>(cols - 2, 0));
   for (int m = 0; m < MR; ++m) {
     __m512 fb[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t k = 0; k < g; ++k) {
