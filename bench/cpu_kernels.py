@@ -15,7 +15,8 @@ portable) on one thread (``int8_ms``, the rounding and the output copy included)
 difference from the float product relative to the output's largest value (``int8_rel_diff``).
 ``--rows 1`` times the decode shapes only.
 
-``--gemm-only``: the int8 GEMM alone, a row per M (1, 2, 4, 8, 16, 32, 64, 512: ``--gemm-rows``) and
+``--gemm-only``: the int8 GEMM alone, a row per M (1, 2, 3, 4, 5, 8, 16, 24, 32, 40, 64, 512: ``--gemm-rows``;
+2-40 rows are speculative verify steps, issue 41) and
 shape, GMAC/s (rows x out x in multiply-accumulates per second) on the pool's threads. Where the
 module has ``int8_packed_matmul`` (issue 39: the weights packed once, when the QMatrix is made) it
 times that (``kernel: packed``); an older build's module has only ``int8_quantized_matmul``, whose
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="calls per kernel and shape (the median is kept)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512], help="the row counts timed")
     ap.add_argument("--gemm-only", action="store_true", help="time the int8 GEMM alone, a row per M (--gemm-rows)")
-    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 512],
+    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8, 16, 24, 32, 40, 64, 512],
                     help="the row counts of --gemm-only")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_kernels.json",
                     help="the JSON report")

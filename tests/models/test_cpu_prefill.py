@@ -97,7 +97,8 @@ def test_a_row_is_the_same_whatever_its_batchmates_and_place(isa, threads):
 @pytest.mark.parametrize("bits,half", [(4, True), (8, False)], ids=["q4-f16", "q8-f32"])
 def test_packed_gemm_is_the_one_row_product_for_every_row_count_and_order(isa, bits, half):
     """The matrix packed once (QMatrix, with a bias; 45 columns: a last tile of 1; K = 576: a last
-    group of 2 blocks) run for M = 1..40 rows on 2 threads (micro tiles of 4, 3, 2 and 1 rows):
+    group of 2 blocks) run for M = 1..40 rows on 2 threads (micro tiles of 1-4 rows, and on AVX-512
+    the zmm tiles of 5 and 6):
     each row bit for bit its one-row product (int8_matmul, row by row), the rows in reverse and
     shuffled order too."""
     rng = np.random.default_rng(bits)

@@ -9,8 +9,10 @@
 // sums; a last group of 1-4 blocks (SmolLM2's K = 576 is 18 blocks) takes two lanes per block, 4
 // steps and one pairwise sum. 4-bit weights are read as they are stored: one 32-byte load, an and
 // and a shift give two vectors' values. A micro tile keeps MR rows x 4 columns of these sums in
-// registers (MR up to 4 with VNNI's 32 vector registers, 2 on AVX2's 16; fewer for the last rows:
-// a one-row decode step computes no padding rows).
+// registers: ymm tiles of up to 4 rows with VNNI's 32 vector registers, 2 on AVX2's 16; on VNNI, 5
+// or 6 rows a zmm tile (a column pair per register, issue 41: a verify of 4-5 drafts in one pass
+// over the weights). A range's rows run in tiles of 4 and a last one of 1-6 (1-2 on AVX2), each
+// over all its columns: a one-row decode step computes no padding rows.
 //
 // Numerics: the integer sums are exact; each block's float scaling and accumulation take one order
 // per ISA (s * dx per lane, one fused multiply-add per 8 blocks, the offsets' term beside it, one
@@ -29,6 +31,7 @@
 #define QG_X86 1
 #define QG_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define QG_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")))
+#define QG_INLINE inline __attribute__((always_inline))
 #endif
 
 namespace mlx_serving {
@@ -118,8 +121,6 @@ QG_AVX2 inline __m256i acc_avx2(__m256i a, __m256i w, __m256i x) {
     return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo));
   }
 }
-
-QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
 
 // One group's exact integer block sums, ia[m][n], for VECS (8, or 4 in a last ``pairs`` group)
 // vectors of 32 activation bytes: the vector loop's count known when compiled, so it unrolls and
@@ -214,32 +215,193 @@ QG_AVX2 void micro_avx2(QG_MICRO_ARGS) {
   QG_MICRO(acc_avx2<Bits>)
 }
 
+// 1-4 rows on VNNI: the AVX2 kernel's ymm tiles with VNNI's multiply-add.
+QG_VNNI inline __m256i acc_vnni(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
+
 template <int MR, int Bits, bool Half>
-QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
+QG_VNNI void micro_vnni_ymm(QG_MICRO_ARGS) {
   QG_MICRO(acc_vnni)
 }
 
 using MicroFn = void (*)(QG_MICRO_ARGS);
 
-// The micro kernels of one ISA, weight format: fn[mr] for mr = 1..most rows.
+// The micro kernels of one ISA and weight format: fn[mr] for mr = 1..most rows.
 struct Micros {
-  MicroFn fn[5];
+  MicroFn fn[7];
   int most;
 };
 
 template <int Bits, bool Half>
-Micros micros_of(Isa isa) {
-  if (isa == Isa::avx512vnni)
-    return {{nullptr, micro_vnni<1, Bits, Half>, micro_vnni<2, Bits, Half>, micro_vnni<3, Bits, Half>,
-             micro_vnni<4, Bits, Half>},
-            4};
-  return {{nullptr, micro_avx2<1, Bits, Half>, micro_avx2<2, Bits, Half>, nullptr, nullptr}, 2};
+Micros avx2_of() {
+  return {{nullptr, micro_avx2<1, Bits, Half>, micro_avx2<2, Bits, Half>}, 2};
+}
+
+// AVX-512 VNNI, 5 or 6 rows (issue 41: a verify of 4-5 drafts): a column pair (columns 2p, 2p + 1
+// of a tile) per zmm register, lanes 0-7 the first column's 8 blocks and 8-15 the second's, each
+// lane the same operations in the same order as the ymm kernel's lane (so the same results bit for
+// bit). A micro tile is MR rows x the tile's 4 columns: 2 MR int32 sums and 2 MR float
+// accumulators, in registers up to 6 rows (the ymm kernel's 4 x 4 sums fill AVX-512's 32 registers
+// from 4 rows), so 5 and 6 rows are one pass over the weights instead of a 4-row and a 1- or 2-row
+// pass. Each activation vector is loaded once (broadcast to both halves) for 2 multiply-adds, each
+// weight vector (its 4-bit unpacking) once for MR rows. Zen 4 runs a zmm op on two 256-bit halves:
+// the same multiply-adds per cycle as ymm, half the instructions. Fewer rows run the ymm kernel:
+// zmm tiles of 1-4 rows measured no faster at 2-4 rows and slower at one row, whose product streams
+// the weights from memory (docs/benchmarks.md, "Multi-row products").
+constexpr int kWideRows = 6;
+
+// 32 bytes (a vector of int8 activations) or 8 floats, the same in both 256-bit halves.
+QG_VNNI QG_INLINE __m512i bcast_bytes(const int8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+QG_VNNI QG_INLINE __m512 bcast_floats(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// Stored vector v of the columns at ``col`` and ``col`` + cb (a pair's: cb, a column's bytes in the
+// group), side by side.
+QG_VNNI QG_INLINE __m512i pair_vector(const uint8_t* col, int64_t cb, int v) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(col + 32 * v)), load32(col + cb + 32 * v), 1);
+}
+
+// A pair's 16 scales or offsets (8 per column, the columns' slots side by side) as float32.
+template <bool Half>
+QG_VNNI QG_INLINE __m512 params16(const void* base, int64_t slot) {
+  if constexpr (Half)
+    return _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + slot)));
+  else return _mm512_loadu_ps(static_cast<const float*>(base) + slot);
+}
+
+// One group's exact integer block sums of the tile's two pairs for MR rows, ia[m][pair], from Vecs
+// vectors of 32 activation bytes (8, or 4 in a last ``pairs`` group); ``wp``: the tile's group,
+// column n's vectors at n * cb.
+template <int MR, int Bits, int Vecs>
+QG_VNNI QG_INLINE void tile_sums(const uint8_t* wp, int64_t cb, const int8_t* xr, int64_t rb,
+                                 __m512i (&ia)[MR][2]) {
+  for (int m = 0; m < MR; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+  if constexpr (Bits == 4) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int v = 0; v < Vecs / 2; ++v) {
+      __m512i lo[2], hi[2];
+      for (int q = 0; q < 2; ++q) {
+        const __m512i raw = pair_vector(wp + 2 * q * cb, cb, v);
+        lo[q] = _mm512_and_si512(raw, m4);
+        hi[q] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xl = bcast_bytes(xr + m * rb + 32 * v), xh = bcast_bytes(xr + m * rb + 32 * (v + Vecs / 2));
+        for (int q = 0; q < 2; ++q) ia[m][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(ia[m][q], lo[q], xl), hi[q], xh);
+      }
+    }
+  } else {
+#pragma GCC unroll 8
+    for (int v = 0; v < Vecs; ++v) {
+      const __m512i w[2] = {pair_vector(wp, cb, v), pair_vector(wp + 2 * cb, cb, v)};
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = bcast_bytes(xr + m * rb + 32 * v);
+        for (int q = 0; q < 2; ++q) ia[m][q] = _mm512_dpbusd_epi32(ia[m][q], w[q], xv);
+      }
+    }
+  }
+}
+
+// A last ``pairs`` group's sums: lanes 2j, 2j + 1 of each column summed into its lane j (4-7: 0).
+QG_VNNI QG_INLINE __m512i pairs_to_blocks(__m512i a) {
+  const __m512i s = _mm512_add_epi32(a, _mm512_srli_epi64(a, 32));
+  return _mm512_maskz_permutexvar_epi32(0x0F0F, _mm512_setr_epi32(0, 2, 4, 6, 0, 0, 0, 0, 8, 10, 12, 14, 0, 0, 0, 0),
+                                        s);
+}
+
+// Group k's sums scaled into fa, lane by lane: fa += float(ia) * (s * dx) (``slot``: pair 0's
+// scales of the group, pair 1's 16 further; ``dx``: the first row's 8 of the group, the next
+// rows ``ld`` further).
+template <int MR, bool Half>
+QG_VNNI QG_INLINE void scale_group(const void* sp, int64_t slot, const float* dx, int64_t ld,
+                                   const __m512i (&ia)[MR][2], __m512 (&fa)[MR][2]) {
+  const __m512 s[2] = {params16<Half>(sp, slot), params16<Half>(sp, slot + 16)};
+  for (int m = 0; m < MR; ++m) {
+    const __m512 d = bcast_floats(dx + m * ld);
+    for (int q = 0; q < 2; ++q)
+      fa[m][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m][q]), _mm512_mul_ps(s[q], d), fa[m][q]);
+  }
+}
+
+// One row's pair of results (its first ``cols``, 0-2), fa + fb summed over each column's 8 lanes,
+// plus the bias: per column ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) + bias, store_row's order.
+QG_VNNI QG_INLINE void store_pair(__m512 fa, __m512 fb, __m128 bias, int64_t cols, float* y) {
+  const __m512 v = _mm512_add_ps(fa, fb);
+  const __m128 h0 = _mm_add_ps(_mm512_castps512_ps128(v), _mm512_extractf32x4_ps(v, 1));
+  const __m128 h1 = _mm_add_ps(_mm512_extractf32x4_ps(v, 2), _mm512_extractf32x4_ps(v, 3));
+  const __m128 s = _mm_add_ps(_mm_unpacklo_ps(h0, h1), _mm_unpackhi_ps(h0, h1));  // a + c, b + d per column
+  const __m128 r = _mm_add_ps(_mm_add_ps(s, _mm_movehl_ps(s, s)), bias);
+  if (cols >= 2) _mm_storel_pi(reinterpret_cast<__m64*>(y), r);
+  else if (cols == 1) _mm_store_ss(y, r);
+}
+
+// One micro tile: rows r0..r0+MR x the 4 columns of ``tile`` (results stored for its first
+// ``cols``; the rest is padding). Per group: the exact integer block sums, then their scaling
+// (fa); the offsets' term (fb: b * the block's quantized sum) in a loop of its own, row by row,
+// in the same group order (lane by lane the AVX2 kernel's operations and order).
+template <int MR, int Bits, bool Half>
+QG_VNNI void micro_vnni(QG_MICRO_ARGS) {
+  const BlockLayout& at = x.at;
+  const int64_t g = at.groups, rb = at.row_bytes, whole = at.pairs ? at.full : g;
+  const uint8_t* wt = p.q.data() + tile * p.tile_bytes();
+  const void* sp = Half ? static_cast<const void*>(p.s16.data()) : static_cast<const void*>(p.s32.data());
+  const void* bp = Half ? static_cast<const void*>(p.b16.data()) : static_cast<const void*>(p.b32.data());
+  const int8_t* xq = x.q.data() + r0 * rb;
+  const float* dx = x.dx.data() + r0 * g * 8;
+  const float* sum = x.sum.data() + r0 * g * 8;
+  __m512 fa[MR][2];
+  __m512i ia[MR][2];
+  for (int m = 0; m < MR; ++m) fa[m][0] = fa[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < whole; ++k) {
+    tile_sums<MR, Bits, 8>(wt + p.group_offset(k), p.column_bytes(k), xq + k * 256, rb, ia);
+    scale_group<MR, Half>(sp, p.param(tile, k, 0), dx + k * 8, g * 8, ia, fa);
+  }
+  if (at.pairs) {
+    const int64_t k = at.full;
+    tile_sums<MR, Bits, 4>(wt + p.group_offset(k), p.column_bytes(k), xq + k * 256, rb, ia);
+    for (int m = 0; m < MR; ++m)
+      for (int q = 0; q < 2; ++q) ia[m][q] = pairs_to_blocks(ia[m][q]);
+    scale_group<MR, Half>(sp, p.param(tile, k, 0), dx + k * 8, g * 8, ia, fa);
+  }
+  const int64_t c0 = tile * kTileCols;
+  const __m128 bias01 = bias_of(p, c0, std::min<int64_t>(cols, 2));
+  const __m128 bias23 = bias_of(p, c0 + 2, std::max<int64_t>(cols - 2, 0));
+  for (int m = 0; m < MR; ++m) {
+    __m512 fb[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < g; ++k) {
+      const __m512 sm = bcast_floats(sum + (m * g + k) * 8);
+      const int64_t slot = p.param(tile, k, 0);
+      for (int q = 0; q < 2; ++q) fb[q] = _mm512_fmadd_ps(params16<Half>(bp, slot + 16 * q), sm, fb[q]);
+    }
+    float* ym = &y.at(r0 + m, c0);
+    store_pair(fa[m][0], fb[0], bias01, std::min<int64_t>(cols, 2), ym);
+    store_pair(fa[m][1], fb[1], bias23, cols - 2, ym + 2);
+  }
+}
+
+template <int Bits, bool Half>
+Micros vnni_of() {
+  return {{nullptr, micro_vnni_ymm<1, Bits, Half>, micro_vnni_ymm<2, Bits, Half>, micro_vnni_ymm<3, Bits, Half>,
+           micro_vnni_ymm<4, Bits, Half>, micro_vnni<5, Bits, Half>, micro_vnni<6, Bits, Half>},
+          kWideRows};
 }
 
 Micros micros(Isa isa, int bits, bool half) {
-  if (bits == 4) return half ? micros_of<4, true>(isa) : micros_of<4, false>(isa);
-  return half ? micros_of<8, true>(isa) : micros_of<8, false>(isa);
+  if (isa == Isa::avx512vnni) {
+    if (bits == 4) return half ? vnni_of<4, true>() : vnni_of<4, false>();
+    return half ? vnni_of<8, true>() : vnni_of<8, false>();
+  }
+  if (bits == 4) return half ? avx2_of<4, true>() : avx2_of<4, false>();
+  return half ? avx2_of<8, true>() : avx2_of<8, false>();
 }
+
+// The rows of the next micro tile with ``left`` rows to go: all of them when a kernel takes them,
+// else 4 (the ymm kernel's most; AVX2: 2), so that the last tile has 1-6 rows.
+int64_t tile_rows(const Micros& mi, int64_t left) { return left <= mi.most ? left : std::min<int64_t>(mi.most, 4); }
 #endif
 
 // Activation rounding (QuantRows): for a weight group with scale s and offset b (w = s q + b, q
@@ -330,12 +492,13 @@ void range(const PackedMatrix& m, const QuantRows& x, int64_t r0, int64_t r1, in
            Isa isa) {
 #ifdef QG_X86
   if (isa != Isa::portable) {
+    // Rows a micro tile at a time, each over all the columns: one long stream of the weights for
+    // the hardware prefetcher (a second tile of rows then reads them from L2).
     const Micros mi = micros(isa, m.bits, m.half);
-    for (int64_t r = r0; r < r1;) {
-      const int mr = static_cast<int>(std::min<int64_t>(mi.most, r1 - r));
+    for (int64_t r = r0, mr = 0; r < r1; r += mr) {
+      mr = tile_rows(mi, r1 - r);
       for (int64_t tile = c0 / kTileCols; tile * kTileCols < c1; ++tile)
         mi.fn[mr](x, r, m, tile, std::min<int64_t>(kTileCols, c1 - tile * kTileCols), y);
-      r += mr;
     }
     return;
   }
