@@ -349,6 +349,7 @@ def variants() -> dict[str, Variant]:
         "NF4 g32, scale grid + LS": Variant(36, nf4, nf4),
         "lsq K5 / V3 g64": Variant(36, affine_lsq(5, 64), affine_lsq(3, 64)),
         "lsq K3 / V5 g64": Variant(36, affine_lsq(3, 64), affine_lsq(5, 64)),
+        "lsq K5 / V4 g64 (40 bytes, 3.2x, over budget)": Variant(40, affine_lsq(5, 64), lsq),
         "centred lsq64 (K and V means)": Variant(36, lsq, lsq, True, True),
         "centred-K lsq64": Variant(36, lsq, lsq, True, False),
         "centred gauss-LM g32": Variant(36, cb32, cb32, True, True),
@@ -372,6 +373,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", help="a name prefix (repeatable; default: all)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=2)
+    ap.add_argument("--greedy", action="append", help="a name prefix whose greedy agreement is measured "
+                    "(repeatable; default: none, '' for all)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--calibration", type=Path, default=Path("/usr/share/common-licenses/GPL-3"),
@@ -393,7 +396,7 @@ def main() -> None:
     ref = scored(state, chunks, all_v["float"])
     ref_nll = -np.take_along_axis(ref, chunks[:, 1:, None], -1)[..., 0]
     ref_top = ref.argmax(-1)
-    ref_greedy = greedy(state, prompts, args.new, all_v["float"])
+    ref_greedy = greedy(state, prompts, args.new, all_v["float"]) if args.greedy is not None else None
     results = {"model": resolved.name, "calibration": str(args.calibration), "tokens_scored": int(ref_nll.size), "loadavg_start": os.getloadavg(),
                "ppl_float": float(np.exp(ref_nll.mean())), "variants": {}}
     print(json.dumps({k: results[k] for k in ("tokens_scored", "ppl_float", "loadavg_start")}), flush=True)
@@ -403,9 +406,10 @@ def main() -> None:
         lp = scored(state, chunks, var)
         nll = -np.take_along_axis(lp, chunks[:, 1:, None], -1)[..., 0]
         kl = float((np.exp(ref) * (ref - lp)).sum(-1).mean())
-        g = None if var.ppl_only else greedy(state, prompts, args.new, var)
+        wanted = args.greedy is not None and any(name.startswith(p) for p in args.greedy)
+        g = greedy(state, prompts, args.new, var) if wanted and not var.ppl_only else None
         before = None if g is None else [next((j for j in range(args.new) if a[j] != b[j]), args.new)
-                                         for a, b in zip(ref_greedy, g)]
+                                         for a, b in zip(ref_greedy if ref_greedy is not None else g, g)]
         r = {"bytes_per_64": var.nbytes, "ratio_vs_float16": 128 / var.nbytes, "ppl": float(np.exp(nll.mean())),
              "ppl_ratio": float(np.exp(nll.mean() - ref_nll.mean())),
              "ppl_ratio_second_half": float(np.exp(nll[:, n // 2:].mean() - ref_nll[:, n // 2:].mean())),
