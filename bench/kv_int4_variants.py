@@ -335,6 +335,8 @@ def variants() -> dict[str, Variant]:
     lsq, g16 = fit_int4_g(64), gauss16()
     cb32 = codebook(g16, 32, bias=False, init="rms")
     nf4 = codebook(NF4, 32, bias=False, init="absmax")
+    nf4_plain = codebook(NF4, 32, bias=False, init="absmax", refits=0, grid=(1.0,))
+    cb64 = codebook(g16, 64, bias=True, init="rms")
     return {
         "float": Variant(128, float_kv, float_kv),
         "mx_affine64 (mx.quantize, the first int4)": Variant(36, mx_affine(64), mx_affine(64)),
@@ -343,9 +345,8 @@ def variants() -> dict[str, Variant]:
         "lsq64 V only (K float)": Variant(82, float_kv, lsq),
         "q4_0 g32 (llama.cpp's)": Variant(36, q4_0(32), q4_0(32)),
         "gauss-LM codebook g32, scale only (rms grid + LS)": Variant(36, cb32, cb32),
-        "gauss-LM codebook g64, scale+bias": Variant(36, *[codebook(g16, 64, bias=True, init="rms")] * 2),
-        "NF4 g32, absmax scale (QLoRA's)": Variant(36, *[codebook(NF4, 32, bias=False, init="absmax", refits=0,
-                                                                   grid=(1.0,))] * 2),
+        "gauss-LM codebook g64, scale+bias": Variant(36, cb64, cb64),
+        "NF4 g32, absmax scale (QLoRA's)": Variant(36, nf4_plain, nf4_plain),
         "NF4 g32, scale grid + LS": Variant(36, nf4, nf4),
         "lsq K5 / V3 g64": Variant(36, affine_lsq(5, 64), affine_lsq(3, 64)),
         "lsq K3 / V5 g64": Variant(36, affine_lsq(3, 64), affine_lsq(5, 64)),
