@@ -13,8 +13,12 @@ agreement; then greedy agreement over ``--prompts`` prompts of 64 corpus tokens 
 part, ``--new`` greedy tokens each (prefill and decode steps through the generic path): the share
 of sequences identical to the float cache's and the share of tokens before the first divergence.
 
-    .venv/bin/python bench/kv_int4_variants.py                 # every variant
-    .venv/bin/python bench/kv_int4_variants.py --variant lsq64 --variant sym32
+The calibrated variants' per-layer K/V means and key channel scales come from one forward over
+``--calibration`` (default /usr/share/common-licenses/GPL-3's first 1,024 tokens).
+bench/results/kv_int4_variants.json merges the runs docs/benchmarks.md quotes.
+
+    .venv/bin/python bench/kv_int4_variants.py                 # every variant, perplexity only
+    .venv/bin/python bench/kv_int4_variants.py --variant lsq64 --variant q4_0 --greedy ""
 """
 
 from __future__ import annotations
@@ -125,49 +129,34 @@ def q4_0(g: int = 32) -> Quant:
     return q
 
 
-def codebook(levels: tuple[float, ...], g: int, bias: bool, init: str, refits: int = 3,
+def codebook(levels: tuple[float, ...], g: int, init: str, refits: int = 3,
              grid: tuple[float, ...] = (0.8, 0.85, 0.9, 0.95, 1.0, 1.05, 1.1, 1.15, 1.2)) -> Quant:
-    """Non-uniform 4-bit levels ``c_j`` (16, a table the readers would look up): ``x ~ s * c + b``
-    per group of ``g`` (float16 ``s`` and, with ``bias``, ``b``; else ``b = 0``). ``s`` starts at
-    the group's RMS (``init`` "rms", around its mean with a bias) or absmax / max|c| ("absmax") times the
-    ``grid`` factor of least error, then ``refits`` Lloyd steps (nearest level, least-squares s, b)."""
+    """Non-uniform 4-bit levels ``c_j`` (16, a table the readers would look up): ``x ~ s * c`` per
+    group of ``g`` (one float16 ``s``). ``s`` starts at the group's RMS (``init`` "rms") or
+    absmax / max|c| ("absmax") times the ``grid`` factor of least error, then ``refits`` Lloyd
+    steps (nearest level, least-squares ``s``)."""
     table = mx.array(sorted(levels), dtype=mx.float32)
     mids = (table[1:] + table[:-1]) / 2
 
     def nearest(y: mx.array) -> mx.array:
-        return (y[..., None] > mids).sum(-1)
+        return table[(y[..., None] > mids).sum(-1)]
 
     def q(x: mx.array) -> mx.array:
         xg = _groups(x, g)
-        b = xg.mean(-1, keepdims=True) if bias else mx.zeros(xg.shape[:-1] + (1,))
         if init == "rms":
-            base = mx.sqrt(((xg - b) ** 2).mean(-1, keepdims=True))
+            base = mx.sqrt((xg * xg).mean(-1, keepdims=True))
         else:
-            base = mx.abs(xg - b).max(-1, keepdims=True) / float(max(abs(v) for v in levels))
-        base = mx.maximum(base, 1e-7)
-        f = mx.array(grid)
+            base = mx.abs(xg).max(-1, keepdims=True) / float(max(abs(v) for v in levels))
+        s_all = (mx.maximum(base, 1e-7) * mx.array(grid))[..., None]  # (..., n, A, 1)
         xs = xg[..., None, :]
-        s_all = (base * f)[..., None]  # (..., n, A, 1)
-        c = table[nearest((xs - b[..., None]) / s_all)]
-        err = ((c * s_all + b[..., None] - xs) ** 2).sum(-1, keepdims=True)
-        best = mx.argmin(err, axis=-2, keepdims=True)
-        s = mx.take_along_axis(s_all, best, -2)[..., 0, :]
+        err = ((nearest(xs / s_all) * s_all - xs) ** 2).sum(-1, keepdims=True)
+        s = mx.take_along_axis(s_all, mx.argmin(err, axis=-2, keepdims=True), -2)[..., 0, :]
         for _ in range(refits):
-            c = table[nearest((xg - b) / s)]
-            if bias:
-                n = float(g)
-                sc, sx, scc, scx = c.sum(-1, keepdims=True), xg.sum(-1, keepdims=True), (c * c).sum(
-                    -1, keepdims=True), (c * xg).sum(-1, keepdims=True)
-                den = n * scc - sc * sc
-                s_new = mx.where(den > 1e-9, (n * scx - sc * sx) / mx.where(den > 1e-9, den, 1.0), s)
-                b = mx.where(den > 1e-9, (sx - s_new * sc) / n, b)
-                s = mx.where(mx.abs(s_new) >= 1e-7, s_new, s)
-            else:
-                cc = (c * c).sum(-1, keepdims=True)
-                s_new = (c * xg).sum(-1, keepdims=True) / mx.maximum(cc, 1e-12)
-                s = mx.where(mx.abs(s_new) >= 1e-7, s_new, s)
-        s, b = _f16(s), _f16(b)
-        return (table[nearest((xg - b) / s)] * s + b).reshape(x.shape)
+            c = nearest(xg / s)
+            s_new = (c * xg).sum(-1, keepdims=True) / mx.maximum((c * c).sum(-1, keepdims=True), 1e-12)
+            s = mx.where(mx.abs(s_new) >= 1e-7, s_new, s)
+        s = _f16(s)
+        return (nearest(xg / s) * s).reshape(x.shape)
 
     return q
 
@@ -333,10 +322,8 @@ def greedy(state: layers.State, prompts: np.ndarray, new: int, var: Variant) -> 
 def variants() -> dict[str, Variant]:
     """The variants by name (:class:`Variant`)."""
     lsq, g16 = fit_int4_g(64), gauss16()
-    cb32 = codebook(g16, 32, bias=False, init="rms")
-    nf4 = codebook(NF4, 32, bias=False, init="absmax")
-    nf4_plain = codebook(NF4, 32, bias=False, init="absmax", refits=0, grid=(1.0,))
-    cb64 = codebook(g16, 64, bias=True, init="rms")
+    cb32 = codebook(g16, 32, init="rms")
+    nf4 = codebook(NF4, 32, init="absmax")
     return {
         "float": Variant(128, float_kv, float_kv),
         "mx_affine64 (mx.quantize, the first int4)": Variant(36, mx_affine(64), mx_affine(64)),
@@ -345,21 +332,15 @@ def variants() -> dict[str, Variant]:
         "lsq64 V only (K float)": Variant(82, float_kv, lsq),
         "q4_0 g32 (llama.cpp's)": Variant(36, q4_0(32), q4_0(32)),
         "gauss-LM codebook g32, scale only (rms grid + LS)": Variant(36, cb32, cb32),
-        "gauss-LM codebook g64, scale+bias": Variant(36, cb64, cb64),
-        "NF4 g32, absmax scale (QLoRA's)": Variant(36, nf4_plain, nf4_plain),
         "NF4 g32, scale grid + LS": Variant(36, nf4, nf4),
         "lsq K5 / V3 g64": Variant(36, affine_lsq(5, 64), affine_lsq(3, 64)),
-        "lsq K3 / V5 g64": Variant(36, affine_lsq(3, 64), affine_lsq(5, 64)),
         "lsq K5 / V4 g64 (40 bytes, 3.2x, over budget)": Variant(40, affine_lsq(5, 64), lsq),
         "centred lsq64 (K and V means)": Variant(36, lsq, lsq, True, True),
         "centred-K lsq64": Variant(36, lsq, lsq, True, False),
-        "centred gauss-LM g32": Variant(36, cb32, cb32, True, True),
         "centred NF4 g32": Variant(36, nf4, nf4, True, True),
-        "centred lsq K5 / V3 g64": Variant(36, affine_lsq(5, 64), affine_lsq(3, 64), True, True),
         "query-scaled centred-K lsq64": Variant(36, lsq, lsq, True, False, True),
         "query-scaled centred lsq64": Variant(36, lsq, lsq, True, True, True),
         "query-scaled centred NF4 g32": Variant(36, nf4, nf4, True, True, True),
-        "query-scaled lsq64 (no centring)": Variant(36, lsq, lsq, False, False, True),
         "KIVI K per channel over 64 tokens (lsq), V lsq64 (prefill only)": Variant(
             36, per_channel(64, affine_lsq(4, 64)), lsq, k_model_basis=True, ppl_only=True),
         "KIVI K per channel over 64 tokens, rotated basis, V lsq64 (prefill only)": Variant(
