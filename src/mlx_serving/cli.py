@@ -90,7 +90,8 @@ _EPILOG = "\n".join(textwrap.fill(p, 78) for p in (
     "(~98 MB) and converted into $MLX_SERVING_CACHE, else $XDG_CACHE_HOME/mlx-serving, else "
     "~/.cache/mlx-serving; converted .gguf files are cached there too.",
     "The timing line (stderr) after each generation: prompt tokens and tok/s (prefill), generated "
-    "tokens and decode tok/s, peak memory, finish reason ('-' where a number cannot be computed). "
+    "tokens and decode tok/s, peak memory, with --speculative-config the draft tokens accepted (the "
+    "acceptance rate), finish reason ('-' where a number cannot be computed). "
     "Exit status: 0; 2 for a bad option, input or checkpoint; 130 on Ctrl-C."))
 
 
@@ -195,8 +196,9 @@ def _generate(args: argparse.Namespace) -> int:
         request: dict[str, Any] = {**text, **_sampling(args)}
         if args.seed is not None:
             request["seed"] = args.seed
+        before = _spec_counts(serving)
         _, final = _stream_reply(serving, request, sys.stdout)
-        print(_timing_line(final), file=sys.stderr)
+        print(_timing_line(final, _spec_delta(before, _spec_counts(serving))), file=sys.stderr)
         return 0
     finally:
         serving.close()
@@ -251,6 +253,7 @@ def _chat_loop(serving: Serving, args: argparse.Namespace) -> None:
             request["enable_thinking"] = False
         if args.seed is not None:
             request["seed"] = args.seed + turn  # reproducible session, distinct draws per turn
+        before = _spec_counts(serving)
         try:
             reply, final = _stream_reply(serving, request, sys.stdout)
         except ValueError as e:  # e.g. the conversation outgrew --max-len: this turn is dropped
@@ -261,7 +264,7 @@ def _chat_loop(serving: Serving, args: argparse.Namespace) -> None:
             continue
         history += [user, {"role": "assistant", "content": reply}]
         turn += 1
-        print(_timing_line(final), file=sys.stderr, flush=True)
+        print(_timing_line(final, _spec_delta(before, _spec_counts(serving))), file=sys.stderr, flush=True)
 
 
 def _rate(count: float, ms: float | None) -> str:
@@ -271,19 +274,45 @@ def _rate(count: float, ms: float | None) -> str:
     return f"{count / ms * 1e3:.2f}"
 
 
-def _timing_line(final: dict[str, Any]) -> str:
+#: The serving's speculative-decoding counters (``ServingStats.backend``, vLLM's names) the timing
+#: line reads: drafts, draft tokens, accepted draft tokens.
+_SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def _spec_counts(serving: Serving) -> tuple[int, ...] | None:
+    """The serving's speculative-decoding counters (:data:`_SPEC_KEYS`), None without speculation."""
+    backend = serving.stats().backend
+    return tuple(int(backend[k]) for k in _SPEC_KEYS) if all(k in backend for k in _SPEC_KEYS) else None
+
+
+def _spec_delta(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """What the counters grew by over one reply (the CLI's serving runs one request at a time; its
+    engine reports no counters before its first request: ``before`` None counts from 0)."""
+    if after is None:
+        return None
+    return tuple(a - b for a, b in zip(after, before or (0,) * len(after)))
+
+
+def _timing_line(final: dict[str, Any], spec: tuple[int, ...] | None = None) -> str:
     """``[prompt N tokens, X tok/s | M new tokens, decode Y tok/s | peak memory Z GB | finish_reason R]``:
     prompt tok/s = prompt tokens / prefill time (admission -> first token), decode tok/s =
-    tokens after the first / decode time (first -> last token), as mlx-lm reports them."""
+    tokens after the first / decode time (first -> last token), as mlx-lm reports them. With
+    speculation on (``spec``: the reply's drafts, draft tokens, accepted tokens), ``| speculation
+    A/D draft tokens accepted (P%) in K drafts`` before the finish reason: P is the acceptance rate."""
     timing = final.get("timing") or {}
     summary = final.get("token_summary") or {}
     prompt, generated = summary.get("input"), final.get("num_tokens")
     prompt_rate = _rate(prompt or 0, timing.get("prefill_ms"))
     decode_rate = _rate((generated or 0) - 1, timing.get("decode_ms"))
     peak = mx.get_peak_memory() / 1e9
+    spec_part = ""
+    if spec is not None:
+        drafts, drafted, accepted = spec
+        rate = f"{accepted / drafted:.0%}" if drafted else "-"
+        spec_part = f"speculation {accepted}/{drafted} draft tokens accepted ({rate}) in {_tokens(drafts, 'draft')} | "
     return (f"[prompt {_tokens(prompt)}, {prompt_rate} tok/s | {_tokens(generated, 'new token')}, "
             f"decode {decode_rate} tok/s | peak memory {f'{peak:.3f}' if peak > 0 else '-'} GB | "
-            f"finish_reason {final.get('finish_reason', '-')}]")
+            f"{spec_part}finish_reason {final.get('finish_reason', '-')}]")
 
 
 def _tokens(n: Any, noun: str = "token") -> str:

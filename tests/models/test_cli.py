@@ -88,6 +88,9 @@ class _Recorder:
         self.items.append([])
         return _RecordingStream(self.serving.stream(input, **kw), self.items[-1])
 
+    def stats(self) -> Any:
+        return self.serving.stats()
+
     def close(self) -> None:
         self.closed = True
         self.serving.close()
@@ -292,6 +295,30 @@ def test_timing_line_after_a_stop_string(tiny_ckpt: Path, capsys: pytest.Capture
     m = _TIMING.search(err)
     assert m and m.group(6) == "stop" and float(m.group(2)) > 0, err
     assert "nan" not in err.lower()
+
+
+_SPEC = re.compile(r"\| speculation (\d+)/(\d+) draft tokens accepted \((\d+%|-)\) in (\d+) drafts? \| "
+                   r"finish_reason (\w+)\]")
+
+
+def test_timing_line_shows_the_acceptance_rate_with_speculation(
+        tiny_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --speculative-config the timing line says the reply's accepted / drafted tokens (the
+    acceptance rate) and its drafts; the reply's text is the one without speculation (greedy)."""
+    prompt = "one two three four one two three four one two three four one two three"
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+            '"prompt_lookup_min": 1}']
+    flags = ["--raw", "--model", str(tiny_ckpt), "--max-new-tokens", "24", "--max-len", "96"]
+    assert cli.main(["generate", prompt, *flags, *spec]) == 0
+    out, err = capsys.readouterr()
+    m = _SPEC.search(err)
+    assert m, err
+    accepted, drafted, drafts = int(m.group(1)), int(m.group(2)), int(m.group(4))
+    assert accepted <= drafted and drafts <= drafted and (drafts > 0) == (drafted > 0)
+    assert m.group(3) == (f"{accepted / drafted:.0%}" if drafted else "-")
+    assert cli.main(["generate", prompt, *flags]) == 0
+    plain_out, plain_err = capsys.readouterr()
+    assert plain_out == out and "speculation" not in plain_err
 
 
 @pytest.mark.parametrize("final", [

@@ -140,7 +140,7 @@ _ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         choices=("auto", "float32", "float16", "bfloat16", "int8", "int4"),  # kv_cache.KV_CACHE_DTYPES (not imported: mlx)
         help="what the KV blocks hold: auto (the activation dtype; float16 under the native CPU decode step), "
              "float32, float16 or bfloat16 (half a float32 cache), int8 or int4 (quantized K/V: more blocks in the budget, "
-             "approximate)")),
+             "approximate; on the CPU no slower, on a GPU much slower today: keep auto there)")),
     (("--enable-prefix-caching",), dict(
         dest="prefix_caching", action=argparse.BooleanOptionalAction,
         help="reuse the KV blocks of cached prompt prefixes")),
