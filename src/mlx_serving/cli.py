@@ -31,6 +31,7 @@ from ._version import __version__
 from .serving import BackendError, Serving
 
 from .models import text_generation
+from .models.generation.spec_decode import SPEC_COUNTERS
 from .models.sources import DEFAULT_MODEL, resolve
 from .tokenization import Tokenizer
 from .server._cli import add_engine_arguments, engine_options
@@ -274,15 +275,11 @@ def _rate(count: float, ms: float | None) -> str:
     return f"{count / ms * 1e3:.2f}"
 
 
-#: The serving's speculative-decoding counters (``ServingStats.backend``, vLLM's names) the timing
-#: line reads: drafts, draft tokens, accepted draft tokens.
-_SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-
-
 def _spec_counts(serving: Serving) -> tuple[int, ...] | None:
-    """The serving's speculative-decoding counters (:data:`_SPEC_KEYS`), None without speculation."""
+    """The serving's speculative-decoding counters (``ServingStats.backend``'s
+    :data:`SPEC_COUNTERS`: drafts, draft tokens, accepted tokens), None without speculation."""
     backend = serving.stats().backend
-    return tuple(int(backend[k]) for k in _SPEC_KEYS) if all(k in backend for k in _SPEC_KEYS) else None
+    return tuple(int(backend[k]) for k in SPEC_COUNTERS) if all(k in backend for k in SPEC_COUNTERS) else None
 
 
 def _spec_delta(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -> tuple[int, ...] | None:

@@ -321,6 +321,20 @@ def test_timing_line_shows_the_acceptance_rate_with_speculation(
     assert plain_out == out and "speculation" not in plain_err
 
 
+def test_timing_line_counts_the_reply_s_own_drafts() -> None:
+    """The reply's share of the serving's counters (drafts, draft tokens, accepted), its
+    acceptance rate in the line; a serving that reported nothing before its first request counts
+    from 0; no speculation part without counters."""
+    assert cli._spec_delta((1, 2, 1), (3, 8, 5)) == (2, 6, 4)
+    assert cli._spec_delta(None, (3, 8, 5)) == (3, 8, 5)
+    assert cli._spec_delta((1, 2, 1), None) is None
+    final = {"finish_reason": "stop", "num_tokens": 5, "token_summary": {"input": 3, "output": 5},
+             "timing": {"prefill_ms": 5.0, "decode_ms": 8.0, "total_ms": 13.0}}
+    m = _SPEC.search(cli._timing_line(final, (2, 6, 4)))
+    assert m and m.groups() == ("4", "6", "67%", "2", "stop")
+    assert "speculation" not in cli._timing_line(final)
+
+
 @pytest.mark.parametrize("final", [
     {},
     {"finish_reason": "stop", "num_tokens": 1, "token_summary": {"input": 3, "output": 1},

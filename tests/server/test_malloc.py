@@ -4,6 +4,7 @@ Each case runs in a fresh interpreter (the settings are process-wide)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -11,8 +12,17 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/status"),
-                                reason="glibc's malloc (Linux)")
+def _glibc_with_mallinfo2() -> bool:
+    """Linux with glibc >= 2.33 (the probe reads ``mallinfo2``); musl or an older glibc: False."""
+    if not sys.platform.startswith("linux") or not os.path.exists("/proc/self/status"):
+        return False
+    try:
+        return hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="glibc's malloc (Linux, glibc >= 2.33)")
 
 #: After a 1 MiB block is freed glibc raises its dynamic mmap threshold to 1 MiB; is a 512 KiB
 #: block then mapped on its own (the threshold fixed lower) or taken from the heap?

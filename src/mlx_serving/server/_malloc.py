@@ -40,6 +40,5 @@ def tune_malloc(mmap_threshold: int | None = None) -> None:
         return
     for env, param, value in (("MALLOC_ARENA_MAX", _M_ARENA_MAX, 2),
                               ("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD, mmap_threshold)):
-        if value is not None and not os.environ.get(env):
-            mallopt(param, value)
+        if value is not None and not os.environ.get(env) and mallopt(param, value):  # 0: refused
             os.environ[env] = str(value)  # read by glibc in the processes started from here

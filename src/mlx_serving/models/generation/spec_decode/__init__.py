@@ -20,8 +20,8 @@ from .cost import StepCosts
 from .draft import DraftModel, DraftModelError
 from .ngram import NgramProposer
 from .speculator import Speculator, load_draft
-from .stats import SpecStats
+from .stats import SPEC_COUNTERS, SpecStats
 from .verify import accepted
 
-__all__ = ["DraftModel", "DraftModelError", "NgramProposer", "Odds", "SpecState", "SpecStats", "Speculator", "StepCosts",
-           "accepted", "draft_lengths", "load_draft"]
+__all__ = ["SPEC_COUNTERS", "DraftModel", "DraftModelError", "NgramProposer", "Odds", "SpecState", "SpecStats",
+           "Speculator", "StepCosts", "accepted", "draft_lengths", "load_draft"]

@@ -47,8 +47,8 @@ def draft_lengths(rows: Sequence[Odds | None], costs: StepCosts) -> list[int]:
     plain = costs.estimate(len(rows), False) if any(o is not None for o in rows) else None
     if not plain:
         return ks
-    gains = sorted(((g, i) for i, o in enumerate(rows) if o is not None and o.alpha > 0 and o.reach > 0
-                    for j in range(1, o.k_max + 1) if (g := o.reach * o.alpha ** j) > 0), key=lambda g: -g[0])
+    gains = sorted(((o.reach * o.alpha ** j, i) for i, o in enumerate(rows) if o is not None and o.alpha > 0
+                    and o.reach > 0 for j in range(1, o.k_max + 1)), key=lambda g: -g[0])
     verify = costs.curve(True)
     best, best_rate, tokens = 0, len(rows) / plain * (1 + MARGIN), float(len(rows))
     for m, (gain, _) in enumerate(gains, 1):

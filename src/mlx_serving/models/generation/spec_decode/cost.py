@@ -58,8 +58,8 @@ class StepCosts:
     def curve(self, verifying: bool) -> Callable[[int], float | None]:
         """:meth:`estimate` of steps of one kind as a function of their rows, over the table as it
         is now (sorted once: a step's choice asks for many row counts)."""
-        points = self._points(verifying) or self._points(False)
-        exact = {n: t for (v, n), t in self.table.items() if v == verifying}
+        own = self._points(verifying)
+        points, exact = own or self._points(False), dict(own)
         return lambda rows: exact[rows] if rows in exact else _between(points, rows)
 
     def _points(self, verifying: bool) -> list[tuple[int, float]]:

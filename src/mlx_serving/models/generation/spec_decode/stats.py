@@ -3,7 +3,11 @@ and accepted tokens per draft position."""
 
 from __future__ import annotations
 
-__all__ = ["SpecStats"]
+__all__ = ["SPEC_COUNTERS", "SpecStats"]
+
+#: The whole-draft counters of :meth:`SpecStats.stats`, vLLM's names: drafts, draft tokens proposed,
+#: draft tokens accepted (the acceptance rate is the last over the second).
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
 
 class SpecStats:
@@ -37,9 +41,8 @@ class SpecStats:
         """``spec_decode_num_drafts``, ``spec_decode_num_draft_tokens``,
         ``spec_decode_num_accepted_tokens`` and ``spec_decode_num_accepted_tokens_per_pos_<i>``
         (i from 0): plain counters, so sums over workers stay meaningful."""
-        out: dict[str, float] = {"spec_decode_num_drafts": self.num_drafts,
-                                 "spec_decode_num_draft_tokens": self.num_draft_tokens,
-                                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        out: dict[str, float] = dict(zip(SPEC_COUNTERS, (self.num_drafts, self.num_draft_tokens,
+                                                         self.num_accepted_tokens)))
         for i, n in enumerate(self.accepted_per_pos):
             out[f"spec_decode_num_accepted_tokens_per_pos_{i}"] = n
         return out
